@@ -44,7 +44,7 @@ class ModelShapes:
 
     @property
     def layer_types(self) -> list[str]:
-        """`full_attention` at every `full_attention_interval`-th layer (3, 7, ... in the 27B), else `linear_attention`."""
+        """`full_attention` at every `full_attention_interval`-th layer (3, 7, ... in the 27B), else linear."""
         return [
             "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
             for i in range(self.num_layers)

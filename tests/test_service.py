@@ -1,0 +1,295 @@
+"""DecisionModel end to end over a fake backbone (a seeded function of each candidate's own token ids), plus one run of
+the real tiny twin when `reference.model` is available.
+
+The fake backbone makes every hidden state, and so every probability, computable by hand here; its probabilities mean
+nothing. The tiny twin's weights are synthetic: its probabilities mean nothing for accuracy either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from reference.data import open_jev_workloads
+from reference.readout import softmax
+from reference.request import MODEL_NOT_LOADED, RequestError
+from reference.service import DecisionModel
+from reference.shapes import TINY
+from reference.tokenizer import default_prompt_tokenizer
+
+MODEL_ID = "Qwen/Qwen3.8-27B"
+REVISION = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
+TEMPERATURE = 2.5343690298472983
+TABLE_ROWS = 4099  # prime, so `id % TABLE_ROWS` spreads the real vocabulary
+
+
+class FakeBackbone:
+    """hidden[c] = bf16(mean over c's tokens of table[id % 4099] * 8), table seeded N(0, 1) fp32 [4099, 128]."""
+
+    name = "fake"
+
+    def __init__(self, seed: int = 0):
+        self.shapes = TINY
+        self.device = torch.device("cpu")
+        self.table = torch.randn(TABLE_ROWS, TINY.hidden_size, generator=torch.Generator().manual_seed(seed))
+        self.prepared: list[tuple[list[list[int]], list[int]]] = []
+
+    def hidden_of(self, ids: list[int]) -> torch.Tensor:
+        return (self.table[torch.tensor(ids) % TABLE_ROWS].mean(0) * 8).to(torch.bfloat16)  # [128]
+
+    def prepare(self, candidates, groups):
+        self.prepared.append(([list(c) for c in candidates], list(groups)))
+        return [list(c) for c in candidates]
+
+    def forward(self, prepared) -> torch.Tensor:
+        return torch.stack([self.hidden_of(ids) for ids in prepared])  # [C, 128] bf16
+
+
+@dataclass
+class FakeWeights:
+    """The fields of `reference.weights.DecisionWeights` that the service reads."""
+
+    head_weight: torch.Tensor
+    head_bias: torch.Tensor
+    shapes: Any = TINY
+    backbone: dict = field(default_factory=lambda: {"norm.weight": torch.zeros(TINY.hidden_size, dtype=torch.bfloat16)})
+    temperature: float = TEMPERATURE
+    model_id: str = MODEL_ID
+    revision: str | None = REVISION
+    max_length: int = 16384
+    checkpoint_sha256: str | None = None
+    method: str = "synthetic_weights"
+    synthetic: bool = True
+
+
+def fake_weights(seed: int = 1) -> FakeWeights:
+    g = torch.Generator().manual_seed(seed)
+    return FakeWeights(head_weight=torch.randn(TINY.hidden_size, generator=g) / 4, head_bias=torch.tensor(0.125))
+
+
+def fake_model(**options) -> DecisionModel:
+    return DecisionModel(FakeBackbone(), fake_weights(), code_commit="c0ffee", **options)
+
+
+def drone() -> dict:
+    return open_jev_workloads()["drone"]["request"]
+
+
+def expected_scores(model: DecisionModel, ids_per_candidate: list[list[int]]) -> list[float]:
+    """Float64 head over the fake hidden states: an independent reference for the fp32 head."""
+    w, b = model.weights.head_weight.double(), float(model.weights.head_bias)
+    return [float(model.backbone.hidden_of(ids).double() @ w) + b for ids in ids_per_candidate]
+
+
+# ---------------------------------------------------------------- plan
+
+
+def test_plan_candidates_groups_and_lengths():
+    model = fake_model()
+    plan = model.plan(drone())
+    assert plan.groups == [0, 0, 0, 1, 1, 1, 2]
+    assert [len(ids) for ids in plan.candidates] == [149, 146, 147, 132, 134, 132, 131]
+    assert plan.input_tokens == 971
+    assert plan.candidates == default_prompt_tokenizer().encode_prompts(plan.prompts)
+    assert [r.id for r in plan.records] == ["maneuver", "risk", "target_truly_lost"]
+
+
+def test_over_length_is_422_with_the_exact_message():
+    assert fake_model(max_length=149).plan(drone()).input_tokens == 971  # the longest candidate fits exactly
+    with pytest.raises(RequestError) as caught:
+        fake_model(max_length=148).decide(drone())
+    assert caught.value.status == 422
+    assert caught.value.message == "Input length 149 exceeds max_length=148; no silent truncation"
+
+
+def test_over_length_never_reaches_the_backbone():
+    model = fake_model(max_length=100)
+    with pytest.raises(RequestError, match="^Input length 149 exceeds max_length=100; no silent truncation$"):
+        model.decide(drone())
+    assert model.backbone.prepared == []
+
+
+def test_max_length_defaults_to_the_weights():
+    assert fake_model().max_length == 16384
+    with pytest.raises(ValueError):
+        fake_model(max_length=0)
+
+
+def test_validation_errors_pass_through():
+    model = fake_model()
+    with pytest.raises(RequestError, match=f"^{MODEL_NOT_LOADED}$"):
+        model.decide(drone() | {"model": "jevlab/tiny-twin"})
+    assert model.decide(drone() | {"model": MODEL_ID})["model"] == MODEL_ID
+    with pytest.raises(RequestError, match="questions must not be empty"):
+        model.decide({"state": "s", "questions": {}})
+
+
+# ---------------------------------------------------------------- decide
+
+
+def test_drone_response_structure():
+    model = fake_model()
+    response = model.decide(drone())
+    assert list(response) == ["answers", "model", "usage", "metadata"]
+    assert list(response["answers"]) == ["maneuver", "risk", "target_truly_lost"]
+    assert response["model"] == MODEL_ID
+    assert response["usage"] == {"input_tokens": 971, "output_tokens": 0}
+    metadata = response["metadata"]
+    assert list(metadata) == [
+        "method",
+        "temperature",
+        "candidate_sequences",
+        "inference_seconds",
+        "prefix_cache",
+        "checkpoint_sha256",
+        "base_revision",
+        "max_length",
+        "backbone_parameter_dtypes",
+        "code_commit",
+        "backend",
+        "synthetic_weights",
+    ]
+    assert metadata["method"] == "synthetic_weights" and metadata["temperature"] == TEMPERATURE
+    assert metadata["candidate_sequences"] == 7
+    assert isinstance(metadata["inference_seconds"], float) and metadata["inference_seconds"] > 0
+    assert metadata["prefix_cache"] == {"enabled": False, "mode": "independent_candidates"}
+    assert metadata["checkpoint_sha256"] is None and metadata["base_revision"] == REVISION
+    assert metadata["max_length"] == 16384 and metadata["backbone_parameter_dtypes"] == ["torch.bfloat16"]
+    assert (
+        metadata["code_commit"] == "c0ffee" and metadata["backend"] == "fake" and metadata["synthetic_weights"] is True
+    )
+    assert model.backbone.prepared[0][1] == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_drone_probabilities_match_a_hand_computation():
+    model = fake_model()
+    response = model.decide(drone())
+    plan = model.plan(drone())
+    s = expected_scores(model, plan.candidates)
+    # fp32 head vs float64: |ds| < 1e-5, so probabilities agree to about 1e-6.
+    maneuver = response["answers"]["maneuver"]
+    p = softmax(s[0:3], TEMPERATURE)
+    assert list(maneuver["probabilities"]) == ["gap_right", "brake", "hold_course"]
+    assert list(maneuver["probabilities"].values()) == pytest.approx(p, abs=1e-6)
+    assert maneuver["choice"] == ["gap_right", "brake", "hold_course"][p.index(max(p))]
+    assert maneuver["confidence"] == pytest.approx((max(p) - 1 / 3) / (2 / 3), abs=1e-6)
+    risk = response["answers"]["risk"]
+    q = softmax(s[3:6], TEMPERATURE)
+    assert risk["score"] == pytest.approx(q[1] + 2 * q[2], abs=1e-6)
+    assert risk["legend"] == {
+        "0": "Clear open course",
+        "1": "Tight clearance or approaching obstacle",
+        "2": "Imminent collision",
+    }
+    assert response["answers"]["target_truly_lost"] == {
+        "type": "noul",
+        "noul": pytest.approx(1 / (1 + math.exp(-s[6] / TEMPERATURE)), abs=1e-6),
+    }
+    assert len(set(s)) == 7  # the fake backbone gives every candidate its own score
+
+
+def test_same_request_twice_gives_identical_bytes():
+    model = fake_model()
+
+    def body() -> bytes:
+        response = model.decide(drone())
+        response["metadata"].pop("inference_seconds")
+        return json.dumps(response, ensure_ascii=False).encode()
+
+    first, second = body(), body()
+    assert first == second
+    fresh = fake_model().decide(drone())
+    fresh["metadata"].pop("inference_seconds")
+    assert json.dumps(fresh, ensure_ascii=False).encode() == first
+
+
+def test_option_order_only_permutes_probabilities():
+    request = drone()
+    swapped = json.loads(json.dumps(request))
+    criteria = swapped["questions"]["maneuver"]["criteria"]
+    swapped["questions"]["maneuver"]["criteria"] = {key: criteria[key] for key in reversed(list(criteria))}
+    model = fake_model()
+    a = model.decide(request)["answers"]["maneuver"]
+    b = model.decide(swapped)["answers"]["maneuver"]
+    assert list(b["probabilities"]) == ["hold_course", "brake", "gap_right"]
+    # Bitwise: each candidate is scored alone, the CPU fp32 head rounds each row alone, and fsum is order-free.
+    assert {key: b["probabilities"][key] for key in criteria} == a["probabilities"]
+    assert a["choice"] == b["choice"]
+
+
+def test_decide_json_parses_strictly():
+    model = fake_model()
+    response = model.decide_json(json.dumps(drone()).encode())
+    assert response["usage"]["input_tokens"] == 971
+    with pytest.raises(RequestError, match="duplicate key 'state'"):
+        model.decide_json(b'{"state": "a", "state": "b", "questions": {"q": {"type": "noul", "instructions": "?"}}}')
+
+
+def test_backbone_prefix_cache_metadata_override():
+    stats = {"enabled": True, "mode": "tree", "shared_prefix_tokens": 35}
+    model = fake_model()
+    model.backbone.prefix_cache_metadata = stats
+    assert model.decide(drone())["metadata"]["prefix_cache"] == stats
+    model.backbone.prefix_cache_metadata = lambda prepared: {"enabled": True, "rows": sum(map(len, prepared))}
+    assert model.decide(drone())["metadata"]["prefix_cache"] == {"enabled": True, "rows": 971}
+
+
+def test_a_backbone_returning_the_wrong_shape_is_a_server_error():
+    model = fake_model()
+    model.backbone.forward = lambda prepared: torch.zeros(len(prepared) - 1, TINY.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="returned hidden states of shape"):
+        model.decide(drone())
+
+
+def test_non_finite_hidden_states_are_a_server_error():
+    model = fake_model()
+    model.backbone.forward = lambda prepared: torch.full((len(prepared), TINY.hidden_size), float("nan")).bfloat16()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        model.decide(drone())
+
+
+# ---------------------------------------------------------------- the real tiny twin
+
+
+SMALL_REQUEST = {
+    "state": "The garage door is half open.",
+    "questions": {
+        "open": {"type": "noul", "instructions": "Is the door open?"},
+        "action": {"type": "choice", "instructions": "What next?", "criteria": {"close": None, "leave": "Leave it"}},
+        "level": {"type": "score", "instructions": "How open?", "criteria": ["shut", "ajar", "wide"]},
+    },
+}
+
+
+@pytest.mark.slow
+def test_tiny_twin_end_to_end():
+    """The module-level `decide` (tiny twin, synthetic weights, HF torch on the CPU) answers a request of each type;
+    its probabilities are meaningless for accuracy: only structure, token accounting and repeatability are checked.
+    Slow only because building the model takes several seconds; the request is kept small."""
+    try:
+        from reference.model import HFBackbone  # noqa: F401
+        from reference.weights import synthetic_weights  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"reference.model / reference.weights not importable yet: {error}")
+    from reference.service import decide, default_model
+
+    model = default_model()
+    response = decide(SMALL_REQUEST)
+    assert response["model"] == model.weights.model_id
+    assert response["usage"] == {"input_tokens": model.plan(SMALL_REQUEST).input_tokens, "output_tokens": 0}
+    assert response["metadata"]["backend"] == "hf_torch" and response["metadata"]["synthetic_weights"] is True
+    assert response["metadata"]["candidate_sequences"] == 6
+    answers = response["answers"]
+    assert list(answers) == ["open", "action", "level"]
+    assert 0.0 < answers["open"]["noul"] < 1.0
+    assert math.fsum(answers["action"]["probabilities"].values()) == pytest.approx(1.0, abs=1e-12)
+    assert 0.0 <= answers["level"]["score"] <= 2.0
+    again = decide(SMALL_REQUEST)
+    response["metadata"].pop("inference_seconds")
+    again["metadata"].pop("inference_seconds")
+    assert again == response
