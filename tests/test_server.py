@@ -1,0 +1,640 @@
+"""The decision server over real HTTP on free local ports, with the tiny twin (synthetic weights: the probabilities
+are meaningless for accuracy; these tests check the contract, not the decisions).
+
+Covers every endpoint and status code with its body, the check order (404 -> 403 -> 415 -> 413 -> 422), body framing
+(Content-Length and chunked), HTTP answers identical to `decide()`, a fuzz of generated bodies (never a crash, never a
+500 for a bad request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue
+(503), a forced inference failure (500, then the server answers again) and a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import io
+import json
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ablations.jevbench import request_body
+from engine.overhead import TARGET_P50_MS, measure_overhead
+from engine.server import MAX_BODY_BYTES, AccessLog, DecisionServer, build_decision_model, parse_arguments
+from reference.data import jevbench_tasks, open_jev_workloads
+from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict
+from reference.service import DecisionModel, default_model
+from reference.shapes import QWEN38_27B
+
+TIMEOUT_S = 60.0
+INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> DecisionModel:
+    return default_model()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with DecisionServer(tiny_model, port=0, access_log=io.StringIO()) as running:
+        running.start()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def drone() -> dict:
+    return open_jev_workloads()["drone"]["request"]
+
+
+def address(server: DecisionServer) -> tuple[str, int]:
+    host, port = server.httpd.server_address[:2]
+    return host, port
+
+
+def call(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """One request on its own connection: (status, lower-cased headers, parsed JSON body)."""
+    connection = http.client.HTTPConnection(*address(server), timeout=TIMEOUT_S)
+    try:
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(data)
+    finally:
+        connection.close()
+
+
+def post(server, body: bytes | dict, path: str = "/v1/systemone", **headers):
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    return call(server, "POST", path, body, {"Content-Type": "application/json", **headers})
+
+
+def exchange(server, raw: bytes):
+    """Send raw bytes, read one response: (status, lower-cased headers, parsed JSON body)."""
+    with socket.create_connection(address(server), timeout=TIMEOUT_S) as sock:
+        sock.sendall(raw)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        data = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(data)
+
+
+def without_timing(response: dict) -> dict:
+    out = copy.deepcopy(response)
+    del out["metadata"]["inference_seconds"]
+    return out
+
+
+# A request cheap for the tiny twin: one noul question, 1 candidate of about 40 tokens.
+def short_request(i: int) -> dict:
+    return {
+        "state": f"Order {i} arrived {i + 2} days late.",
+        "questions": {"late": {"type": "noul", "instructions": "Late?"}},
+    }
+
+
+INVALID_SCHEMA = {"state": "s"}  # valid JSON, fails validation before any forward
+
+
+# ---------------------------------------------------------------- GET endpoints
+
+
+def test_health_and_models(server):
+    status, headers, body = call(server, "GET", "/health")
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert body == {"status": "ready", "model": "jevlab/tiny-twin", "method": "synthetic_weights"}
+    assert list(body) == ["status", "model", "method"]
+    status, _, body = call(server, "GET", "/v1/models")
+    assert status == 200
+    assert body == {
+        "models": [
+            {
+                "id": "jevlab/tiny-twin",
+                "name": "jevlab/tiny-twin",
+                "description": "Open-Jev local synthetic_weights",
+                "release_date": "2026-09-19",
+                "method": "synthetic_weights",
+            }
+        ],
+        "aliases": ["open-jev", "jev-latest"],
+    }
+
+
+def test_unknown_paths_and_methods(server):
+    assert call(server, "GET", "/v1/systemone")[::2] == (404, {"error": "not found"})
+    assert call(server, "GET", "/nope?x=1")[::2] == (404, {"error": "not found"})
+    assert post(server, INVALID_SCHEMA, path="/v1/decide")[::2] == (404, {"error": "not found"})
+    status, headers, body = call(server, "PUT", "/v1/systemone", b"{}", {"Content-Type": "application/json"})
+    assert status == 501 and headers["connection"] == "close" and isinstance(body["error"], str)
+
+
+# ---------------------------------------------------------------- POST: answers
+
+
+def test_drone_over_http_equals_decide(server, tiny_model, drone):
+    status, headers, body = post(server, drone)
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert without_timing(body) == without_timing(tiny_model.decide(drone))
+    assert list(body) == ["answers", "model", "usage", "metadata"]
+    assert list(body["answers"]) == list(drone["questions"])
+    assert list(body["answers"]["maneuver"]["probabilities"]) == list(drone["questions"]["maneuver"]["criteria"])
+
+
+def test_every_alias_answers_the_same(server, tiny_model):
+    expected = without_timing(tiny_model.decide(short_request(2)))
+    for path in ("/v1/systemone", "/v1/inference", "/api/jev"):
+        status, _, body = post(server, short_request(2), path=path)
+        assert status == 200 and without_timing(body) == expected
+
+
+def test_keep_alive_and_model_aliases(server):
+    connection = http.client.HTTPConnection(*address(server), timeout=TIMEOUT_S)
+    try:
+        answers = []
+        for model in ("open-jev", "jev-latest", "jevlab/tiny-twin", None):
+            request = {**short_request(1), **({"model": model} if model else {})}
+            connection.request("POST", "/api/jev", json.dumps(request), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            assert response.status == 200 and response.getheader("connection") is None
+            answers.append(json.loads(response.read())["answers"])
+        assert all(answer == answers[0] for answer in answers)
+    finally:
+        connection.close()
+
+
+# ---------------------------------------------------------------- POST: rejections and their order
+
+
+def test_cross_origin(server, tiny_model):
+    host, port = address(server)
+    foreign = post(server, INVALID_SCHEMA, Origin="http://evil.example")
+    assert foreign[0] == 403 and foreign[2] == {"error": "cross-origin requests are disabled"}
+    assert foreign[1]["connection"] == "close"
+    assert post(server, INVALID_SCHEMA, Origin="null")[0] == 403
+    assert post(server, INVALID_SCHEMA, Origin=f"http://{host}:{port + 1}")[0] == 403
+    assert post(server, INVALID_SCHEMA, Origin=f"http://{host}:{port}")[0] == 422  # same origin: past the check
+    with DecisionServer(tiny_model, port=0, allow_cross_origin=True) as allowing:
+        allowing.start()
+        assert post(allowing, INVALID_SCHEMA, Origin="http://evil.example")[0] == 422
+
+
+def test_cross_origin_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("JEV_ALLOW_CROSS_ORIGIN", raising=False)
+    assert parse_arguments([]).allow_cross_origin is False
+    assert parse_arguments(["--allow-cross-origin"]).allow_cross_origin is True
+    monkeypatch.setenv("JEV_ALLOW_CROSS_ORIGIN", "1")
+    assert parse_arguments([]).allow_cross_origin is True
+    defaults = parse_arguments([])
+    assert (defaults.host, defaults.port) == ("127.0.0.1", 8791)
+
+
+def test_content_type(server):
+    json_body = json.dumps(INVALID_SCHEMA).encode()
+    unsupported = {"error": "Content-Type must be application/json"}
+    assert call(server, "POST", "/v1/systemone", json_body, {})[::2] == (415, unsupported)
+    assert call(server, "POST", "/v1/systemone", json_body, {"Content-Type": "text/plain"})[::2] == (415, unsupported)
+    assert call(server, "POST", "/v1/systemone", json_body, {"Content-Type": "application/jsonx"})[0] == 415
+    for accepted in ("application/json; charset=utf-8", "Application/JSON"):
+        assert call(server, "POST", "/v1/systemone", json_body, {"Content-Type": accepted})[0] == 422
+
+
+def test_body_size_limits(server):
+    too_large = {"error": "request body size is outside server limits"}
+    assert post(server, b"")[::2] == (413, too_large)
+    # Exactly 4 MiB is accepted (a schema error proves it was parsed); one byte more is refused.
+    prefix = b'{"state": "'
+    at_limit = prefix + b"x" * (MAX_BODY_BYTES - len(prefix) - 2) + b'"}'
+    assert len(at_limit) == MAX_BODY_BYTES
+    assert post(server, at_limit)[::2] == (422, {"error": "the request is missing questions"})
+    over = at_limit[:-2] + b'x"}'
+    status, headers, body = post(server, over)
+    assert (status, body, headers["connection"]) == (413, too_large, "close")
+    # A declared length over the limit is refused before the body is read.
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    assert exchange(server, head + f"Content-Length: {10 * MAX_BODY_BYTES}\r\n\r\n".encode())[::2] == (413, too_large)
+
+
+def chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, start = b"", 0
+    for size in sizes:
+        out += f"{size:x};ext=1\r\n".encode() + body[start : start + size] + b"\r\n"
+        start += size
+    assert start == len(body)
+    return out + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+def test_chunked_bodies(server, tiny_model):
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    body = json.dumps(short_request(4)).encode()
+    status, _, answer = exchange(server, head + b"\r\n" + chunked(body, [7, 30, len(body) - 37]))
+    assert status == 200 and without_timing(answer) == without_timing(tiny_model.decide(short_request(4)))
+    # With both framings, chunked wins and the connection is not reused.
+    schema_error = json.dumps(INVALID_SCHEMA).encode()
+    both = head + b"Content-Length: 3\r\n\r\n" + chunked(schema_error, [len(schema_error)])
+    status, headers, answer = exchange(server, both)
+    assert (status, answer, headers["connection"]) == (422, {"error": "the request is missing questions"}, "close")
+    assert exchange(server, head + b"\r\n" + b"0\r\n\r\n")[::2] == (
+        413,
+        {"error": "request body size is outside server limits"},
+    )
+    big_chunk = b"x" * (1 << 20)
+    over = b"".join(f"{len(big_chunk):x}\r\n".encode() + big_chunk + b"\r\n" for _ in range(5)) + b"0\r\n\r\n"
+    assert exchange(server, head + b"\r\n" + over)[0] == 413
+    for size in (b"zz", b"-1", b"+2", b"0x2"):
+        assert exchange(server, head + b"\r\n" + size + b"\r\n{}\r\n0\r\n\r\n")[0] == 400
+    plain = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for length in (b"-1", b"1e3", b"\xb2", b"3, 4"):
+        assert exchange(server, plain + b"Content-Length: " + length + b"\r\n\r\n{}")[::2] == (
+            400,
+            {"error": "invalid Content-Length"},
+        )
+    expect = plain + f"Expect: 100-continue\r\nContent-Length: {len(schema_error)}\r\n\r\n".encode()
+    assert exchange(server, expect + schema_error)[::2] == (422, {"error": "the request is missing questions"})
+    gzip = head.replace(b"chunked", b"gzip")
+    assert exchange(server, gzip + b"\r\n" + schema_error)[0] == 400
+
+
+def test_check_order(server):
+    """404 before 403 before 415 before 413 before 422."""
+    empty = b""
+    assert call(server, "POST", "/x", empty, {"Origin": "http://evil.example"})[0] == 404
+    assert call(server, "POST", "/v1/systemone", empty, {"Origin": "http://evil.example"})[0] == 403
+    assert call(server, "POST", "/v1/systemone", empty, {"Content-Type": "text/plain"})[0] == 415
+    assert call(server, "POST", "/v1/systemone", empty, {"Content-Type": "application/json"})[0] == 413
+    assert post(server, b"{")[0] == 422
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"state": "s", "state": "t", "questions": {}}',
+        b'{"state": NaN, "questions": {}}',
+        b'{"state": "s", "questions": {"q": {"type": "noul", "instructions": -Infinity}}}',
+        b'{"state": "s", "questions": ',
+        b"\xff\xfe{}",
+    ],
+)
+def test_strict_json_is_422_with_the_pipeline_message(server, body):
+    with pytest.raises(RequestError) as caught:
+        parse_json_strict(body)
+    assert post(server, body)[::2] == (422, {"error": caught.value.message})
+
+
+def test_schema_model_and_length_errors(server, tiny_model, drone):
+    assert post(server, {"state": "s", "questions": {}})[::2] == (422, {"error": "questions must not be empty"})
+    not_object = {"error": "the request must be a JSON object with state and questions"}
+    assert post(server, b"[]")[::2] == (422, not_object)
+    assert post(server, {**drone, "model": "gpt-x"})[::2] == (422, {"error": MODEL_NOT_LOADED})
+    bad_type = {"state": "s", "questions": {"q": {"type": "rank", "instructions": "?"}}}
+    status, _, answer = post(server, bad_type)
+    assert status == 422 and "type must be one of choice, score, noul" in answer["error"]
+    # Over-length: the drone's longest candidate has 149 tokens (recorded with the Qwen tokenizer).
+    short = DecisionModel(tiny_model.backbone, tiny_model.weights, max_length=148)
+    with DecisionServer(short, port=0) as limited:
+        limited.start()
+        assert post(limited, drone)[::2] == (
+            422,
+            {"error": "Input length 149 exceeds max_length=148; no silent truncation"},
+        )
+        assert post(limited, short_request(0))[0] == 200  # per candidate, not per request
+
+
+def test_errors_never_stop_the_server(server, drone):
+    bad = [b"", b"{", json.dumps({**drone, "model": "gpt-x"}).encode(), b'{"a": 1, "a": 2}']
+    connection = http.client.HTTPConnection(*address(server), timeout=TIMEOUT_S)
+    try:
+        for body in bad * 3:
+            connection.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            assert response.status in (413, 422)
+            response.read()
+            if response.getheader("connection") == "close":
+                connection.close()
+    finally:
+        connection.close()
+    assert call(server, "GET", "/health")[0] == 200
+    assert post(server, short_request(3))[0] == 200
+
+
+# ---------------------------------------------------------------- failures, queue, shutdown
+
+
+def test_inference_failure_is_500_then_the_next_request_succeeds(server, tiny_model, monkeypatch):
+    request = short_request(5)
+    expected = without_timing(post(server, request)[2])
+    original = tiny_model.backbone.forward
+    calls = []
+
+    def fail_once(prepared):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("forced failure")
+        return original(prepared)
+
+    monkeypatch.setattr(tiny_model.backbone, "forward", fail_once)
+    assert post(server, request)[::2] == (500, INFERENCE_FAILED)
+    status, _, body = post(server, request)
+    assert status == 200 and without_timing(body) == expected and len(calls) == 2
+
+
+def test_nan_in_an_answer_is_500_not_invalid_json(server, tiny_model, monkeypatch):
+    original = tiny_model.backbone.forward
+    monkeypatch.setattr(tiny_model.backbone, "forward", lambda prepared: original(prepared) * float("nan"))
+    status, _, body = post(server, short_request(6))
+    assert status == 500 and body["error"] == "model inference failed" and isinstance(body["error_type"], str)
+
+
+class BlockingModel:
+    """A model whose `decide` waits for `release`: holds the worker so the queue can fill."""
+
+    weights = types.SimpleNamespace(model_id="blocking", method="test")
+
+    def __init__(self):
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def decide(self, request):
+        self.started.set()
+        if not self.release.wait(TIMEOUT_S):
+            raise TimeoutError("never released")
+        return {"echo": request}
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def test_full_queue_answers_503_and_loses_nothing():
+    model = BlockingModel()
+    with DecisionServer(model, port=0, queue_size=1) as blocking, ThreadPoolExecutor(2) as pool:
+        blocking.start()
+        running = pool.submit(post, blocking, {"n": 1})
+        try:
+            assert model.started.wait(TIMEOUT_S)
+            queued = pool.submit(post, blocking, {"n": 2})
+            wait_until(lambda: blocking.worker._queue.qsize() == 1)
+            busy = post(blocking, {"n": 3})
+        finally:
+            model.release.set()
+        assert busy[0] == 503 and busy[2] == {"error": "server busy: the request queue is full"}
+        assert busy[1]["retry-after"] == "1"
+        assert running.result(TIMEOUT_S)[::2] == (200, {"echo": {"n": 1}})
+        assert queued.result(TIMEOUT_S)[::2] == (200, {"echo": {"n": 2}})
+
+
+def test_close_answers_queued_requests_and_ends_every_thread():
+    model = BlockingModel()
+    blocking = DecisionServer(model, port=0, queue_size=4).start()
+    idle = socket.create_connection(address(blocking), timeout=TIMEOUT_S)  # a keep-alive client that never sends
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, blocking, {"n": 1})
+        closer = threading.Thread(target=blocking.close)
+        try:
+            assert model.started.wait(TIMEOUT_S)
+            queued = pool.submit(post, blocking, {"n": 2})
+            wait_until(lambda: blocking.worker._queue.qsize() == 1)
+            closer.start()
+            wait_until(lambda: blocking.worker._closed.is_set())
+        finally:
+            model.release.set()
+        closer.join(TIMEOUT_S)
+        assert not closer.is_alive()
+        assert running.result(TIMEOUT_S)[0] == 200
+        assert queued.result(TIMEOUT_S)[::2] == (503, {"error": "server is shutting down"})
+    idle.close()
+    assert not blocking.worker._thread.is_alive()
+    assert not blocking._serve_thread.is_alive()
+    assert not [thread for thread in blocking.httpd._threads if thread.is_alive()]  # handler threads joined
+    with pytest.raises(OSError):
+        socket.create_connection(address(blocking), timeout=1.0)
+
+
+def test_tcp_nodelay_on_accepted_connections(server):
+    before = set(server.httpd._connections)
+    with socket.create_connection(address(server), timeout=TIMEOUT_S):
+        wait_until(lambda: len(server.httpd._connections - before) == 1)
+        (accepted,) = server.httpd._connections - before
+        wait_until(lambda: accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0)
+
+
+def test_access_log_is_buffered_and_never_holds_a_body(tiny_model):
+    log = io.StringIO()
+    secret = "SENTINEL-BODY-TEXT"
+    with DecisionServer(tiny_model, port=0, access_log=log) as logged:
+        logged.start()
+        logged.access_log._flush_s = 3600.0  # only the line count or close flushes from here on
+        logged.access_log.flush()
+        written = log.getvalue()
+        post(logged, {"state": secret, "questions": {}})
+        post(logged, b"{" + secret.encode())
+        assert log.getvalue() == written  # buffered: nothing written yet
+    text = log.getvalue()
+    assert text.count('"POST /v1/systemone HTTP/1.1" 422') == 2
+    assert secret not in text
+
+
+def test_access_log_flushes_by_count():
+    stream = io.StringIO()
+    log = AccessLog(stream, flush_lines=3, flush_s=3600.0)
+    log.write("a")
+    log.write("b")
+    assert stream.getvalue() == ""
+    log.write("c")
+    assert stream.getvalue() == "a\nb\nc\n"
+
+
+# ---------------------------------------------------------------- fuzz
+
+# Bodies: shaped requests whose fields are mostly well typed (so the fuzz reaches every rule of the schema and some
+# requests are valid and answered), loose requests of arbitrary JSON, and spoiled or raw bytes.
+json_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+texty = (
+    st.text(max_size=16) | st.lists(json_leaf, max_size=2) | st.dictionaries(st.text(max_size=6), json_leaf, max_size=2)
+)
+CRITERIA = {
+    "choice": st.dictionaries(st.text(max_size=8), st.none() | texty | json_leaf, max_size=4),  # 0 options: invalid
+    "score": st.lists(texty | json_leaf, min_size=1, max_size=5),  # 1 level: invalid
+    "noul": st.none() | st.fixed_dictionaries({"true": texty, "false": texty}) | json_value,
+}
+shaped_question = st.sampled_from(sorted(CRITERIA)).flatmap(
+    lambda kind: st.fixed_dictionaries(
+        {"type": st.just(kind), "instructions": st.one_of(texty, texty, texty, st.sampled_from([None, 0]))},
+        optional={"criteria": CRITERIA[kind], "extra": json_value},
+    )
+)
+shaped_request = st.fixed_dictionaries(
+    {
+        "state": st.one_of(texty, texty, texty, st.sampled_from([None, 1.5])),
+        "questions": st.dictionaries(st.text(max_size=6), shaped_question, min_size=1, max_size=3),
+    },
+    optional={"model": st.sampled_from(["open-jev", "jev-latest", "jevlab/tiny-twin", None, "gpt-x"])},
+)
+loose_question = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["choice", "score", "noul", "Choice", "", "rank"]) | json_leaf,
+        "instructions": texty | json_leaf,
+        "criteria": json_value,
+    },
+)
+loose_request = st.fixed_dictionaries(
+    {},
+    optional={
+        "state": json_value,
+        "questions": st.dictionaries(st.text(max_size=6), loose_question | json_value, max_size=3) | json_value,
+        "model": json_leaf,
+    },
+)
+
+
+def _spoil(text: str, how: str) -> str:
+    if how == "duplicate" and text.startswith("{") and len(text) > 2:
+        return '{"k": 1, "k": 2, ' + text[1:]
+    if how == "nan":
+        return text.replace("null", "NaN", 1) if "null" in text else "[NaN]"
+    if how == "surrogate":
+        return '{"state": "\\ud800", ' + text[1:] if text.startswith("{") and len(text) > 2 else '"\\udc00"'
+    return text[: max(len(text) - 1, 0)]  # truncated
+
+
+bodies = st.one_of(
+    shaped_request.map(json.dumps),
+    shaped_request.map(json.dumps),
+    loose_request.map(json.dumps),
+    json_value.map(json.dumps),
+    st.tuples(shaped_request.map(json.dumps), st.sampled_from(["duplicate", "nan", "surrogate", "truncate"])).map(
+        lambda pair: _spoil(*pair)
+    ),
+).map(str.encode) | st.binary(max_size=48)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=500,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(body=bodies)
+def test_fuzz_never_crashes_never_500(server, body):
+    status, headers, answer = post(server, body)
+    assert headers["content-type"] == "application/json"
+    if status == 200:
+        sent = json.loads(body)
+        assert list(answer["answers"]) == list(sent["questions"])
+        return
+    assert status == (413 if body == b"" else 422), (status, answer)
+    assert list(answer) == ["error"] and isinstance(answer["error"], str) and answer["error"]
+
+
+def test_server_alive_after_fuzz(server):
+    assert call(server, "GET", "/health")[0] == 200
+    assert post(server, short_request(7))[0] == 200
+
+
+# ---------------------------------------------------------------- soak
+
+
+@pytest.mark.slow
+def test_soak_8_clients_50_requests_each_identical_to_alone(server):
+    variants = [short_request(i) for i in range(8)]
+    alone = []
+    for request in variants:
+        status, _, body = post(server, request)
+        assert status == 200
+        alone.append(without_timing(body))
+    assert len({json.dumps(a["answers"]) for a in alone}) == len(variants)  # distinct answers, so a mix-up shows
+
+    def client(index: int) -> list[tuple[int, int, dict]]:
+        out = []
+        for n in range(50):
+            variant = (index + n) % len(variants)
+            status, _, body = post(server, variants[variant])
+            out.append((variant, status, body))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for future in [pool.submit(client, i) for i in range(8)] for r in future.result(600)]
+    assert len(results) == 400
+    assert [status for _, status, _ in results] == [200] * 400
+    for variant, _, body in results:
+        assert without_timing(body) == alone[variant]
+
+
+# ---------------------------------------------------------------- overhead and the command line
+
+
+def test_overhead_without_forward_meets_target():
+    bodies = [request_body(task, "open-jev") for task in jevbench_tasks()[::5]]
+    result = measure_overhead(bodies, shapes=QWEN38_27B, rounds=3)
+    assert result["requests"] == len(bodies) and result["http"]["n"] == 3 * len(bodies)
+    assert 0 < result["decide"]["p50_ms"] < result["http"]["p50_ms"]
+    assert result["http"]["p50_ms"] <= TARGET_P50_MS, result["http"]
+
+
+@pytest.mark.slow
+def test_command_line_server_prints_ready_line_and_stops_on_sigterm():
+    command = [sys.executable, "-m", "engine.server", "--shapes", "tiny", "--backend", "hf_torch", "--port", "0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as process:
+        try:
+            readable, _, _ = select.select([process.stdout], [], [], 300.0)  # the model loads before the port binds
+            assert readable, "no ready line within 300 s"
+            ready = json.loads(process.stdout.readline())
+            assert ready["model"] == "jevlab/tiny-twin" and ready["method"] == "synthetic_weights"
+            connection = http.client.HTTPConnection(ready["url"].removeprefix("http://"), timeout=TIMEOUT_S)
+            connection.request("GET", "/health")
+            assert connection.getresponse().status == 200
+            connection.close()
+            process.terminate()
+            assert process.wait(TIMEOUT_S) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(TIMEOUT_S)
+
+
+# ---------------------------------------------------------------- the 27B reference backend (H200)
+
+
+@pytest.mark.gpu
+def test_gpu_27b_reference_server_answers_as_decide(drone):
+    """hf_fla on the 27B shapes (synthetic weights): HTTP gives exactly what `decide` gives, in the same process."""
+    import torch
+
+    model = build_decision_model("hf_fla", "qwen3.8-27b")
+    try:
+        with DecisionServer(model, port=0) as gpu_server:
+            gpu_server.start()
+            status, _, body = post(gpu_server, drone)
+            assert status == 200 and body["model"] == "Qwen/Qwen3.8-27B"
+            assert body["metadata"]["backend"] == "hf_fla" and body["metadata"]["synthetic_weights"] is True
+            assert without_timing(body) == without_timing(model.decide(drone))
+            assert post(gpu_server, short_request(0))[0] == 200
+    finally:
+        del model
+        torch.cuda.empty_cache()
