@@ -1,0 +1,33 @@
+"""Fast ops of the engine: fused Triton kernels, one module per op family, each with its reference in
+`reference/ops.py` and its exactness stated in the module docstring.
+
+* `norms.residual_rmsnorm`, `norms.rmsnorm_1p`: residual add + `Qwen3_5RMSNorm`. The residual is bitwise; the normed
+  output bitwise except the fp32 sum-of-squares order (at most one bf16 ulp, rare).
+* `norms.gated_rmsnorm`: `Qwen3_5RMSNormGated` (HF torch path). Bitwise except the sum-of-squares order.
+* `activations.silu_mul`: `F.silu(gate) * up` on the merged gate|up output. Bitwise.
+* `activations.attention_gate`: `attn * torch.sigmoid(gate)`. Bitwise.
+* `gdn_prep.gdn_prep`: conv1d + SiLU, split, FLA's q/k l2norm, beta, g, FLA varlen layout. v, beta, g bitwise (g on
+  the GPU; a few fp32 ulp under the CPU interpreter); q/k bitwise except the sum-of-squares order.
+* `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the
+  sum-of-squares order. `attn_prep.attention_gate_view` is the gate half of the q projection as a view.
+
+CPU: the kernels run in the Triton interpreter when TRITON_INTERPRET=1 is set before this package is imported
+(`nox -s tests` does); CUDA tensors need compiled kernels (TRITON_INTERPRET unset). The names `gdn_prep` and
+`attn_prep` below are the functions; their modules are `sys.modules["kernels.gdn_prep"]` etc.
+"""
+
+from kernels.activations import attention_gate, silu_mul
+from kernels.attn_prep import attention_gate_view, attn_prep
+from kernels.gdn_prep import gdn_prep
+from kernels.norms import gated_rmsnorm, residual_rmsnorm, rmsnorm_1p
+
+__all__ = [
+    "attention_gate",
+    "attention_gate_view",
+    "attn_prep",
+    "gated_rmsnorm",
+    "gdn_prep",
+    "residual_rmsnorm",
+    "rmsnorm_1p",
+    "silu_mul",
+]

@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run through the interpreter where no GPU is present; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))
 

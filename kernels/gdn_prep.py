@@ -1,0 +1,286 @@
+"""GDN input preparation: everything between the merged GDN input projection and FLA's `chunk_gated_delta_rule`.
+
+One launch replaces, per Gated DeltaNet layer (`Qwen3_5GatedDeltaNet.forward`, HF torch path, and the l2norm that
+FLA runs inside `chunk_gated_delta_rule(use_qk_l2norm_in_kernel=True)`):
+  causal depthwise conv (width W = 4) + SiLU over q|k|v  ->  split  ->  q/k L2 norm (FLA numerics)  ->  FLA layout,
+  beta = sigmoid(b),  g = -exp(A_log) · softplus(a + dt_bias).
+Input: the merged projection proj [T, P], P = conv_dim + Hv·V + 2·Hv, columns [q Hk·K | k Hk·K | v Hv·V | z | b | a]
+(q/k/v in checkpoint channel order), packed varlen rows: sequence i is rows cu_seqlens[i] .. cu_seqlens[i+1] - 1,
+and the conv sees zeros before each sequence's first row. z is left in place for `norms.gated_rmsnorm`.
+Outputs, laid out for FLA's varlen call (B = 1): q, k [1, T, Hk, K] bf16, v [1, T, Hv, V] bf16, g [1, T, Hv] fp32,
+beta [1, T, Hv] bf16.
+
+Math and rounding points (references: `reference.ops.causal_conv1d_silu`, `l2norm_fla`, `gdn_gates`):
+  c[t, ch] = bf16↓( Σ_{w=0..W-1} x[t-W+1+w, ch] · weight[ch, w] )   F.conv1d in bf16 (the weight's dtype): fp32 sum,
+                                                                   oldest tap first, as torch's depthwise kernel
+  u = bf16↓( silu(c) )                                             F.silu on bf16
+  q, k = bf16↓( u · rstd ), rstd = 1 / sqrt(Σ u² + 1e-6) per head   FLA l2norm_fwd (with qk_l2norm; else q, k = u)
+  v = u
+  beta = bf16↓( sigmoid(b) )
+  g = (-exp(A_log_f)) · softplus(a_f + dt_bias_f)                  fp32, softplus(x) = x above 20 else log1p(exp(x))
+Products bf16 × bf16 are exact in fp32, so the conv sum depends only on its order: sequential from the oldest tap,
+as torch's native `conv_depthwise2d` CUDA kernel. Caveat for the GPU: HF (and `reference.ops`) hand F.conv1d a
+transposed, i.e. channels-last, view, for which torch may pick cuDNN's depthwise conv, whose tap order is not
+documented; a different order would flip a bf16↓ of c very rarely (the GPU test asserts v bitwise and will show it).
+On the CPU the conv matched torch's bit for bit in every test.
+The L2 norm uses Triton's `/` and `tl.sqrt` exactly as FLA's `l2norm_fwd_kernel` writes them (approximate PTX on the
+GPU), because FLA computes the engine's q/k. Compiled for sm_90 here, FLA's kernel reduces over K = 128 with the
+layout sizePerThread [1, 1], 32 lanes × 4 warps along K whenever its autotuner picks ≥ 4 warps, and so does this
+kernel (16 × 128 tile, 4 warps): the same reduction tree, so bitwise equality with FLA is expected then (GPU test).
+Against `reference.ops.l2norm_fla` (torch: IEEE sqrt and division, torch's own sum order) a q/k element can be one
+ulp off, rarely. With `qk_l2norm=False` q and k are the conv outputs, for FLA to normalise
+(`use_qk_l2norm_in_kernel=True`): equal to the HF+FLA path by construction. beta and g follow torch's CUDA kernels
+(libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.activations`): bitwise on GPU. Under the CPU
+interpreter g (fp32, never rounded) is 93-100 % bit-identical to torch's CPU result, at most 2 ulp off.
+
+Unsupported on purpose (clear errors): conv weights other than bf16 (HF then convolves in fp32 with one rounding),
+K or V above 256. Not provided: conv history from a cache or a shared prefix (every sequence starts from zeros).
+
+Batch invariance: BLOCK_T is fixed (16 rows on GPU, 256 interpreted), never derived from the row count; a packed call
+equals per-sequence calls bit for bit (tested).
+
+Version history:
+* v1 (this file): grid (row block of BLOCK_T rows, head slot); head slots are the Hk q heads, the Hk k heads, the
+  Hv v heads and one slot for all of beta/g. Each row finds its sequence start by a binary search in cu_seqlens
+  (log2(N) loads, no host sync), and loads its W taps directly from proj (masked before the sequence start).
+* v0 reused names (`x`, `out_offset`) with other shapes in the conv and the gate branch of the runtime `if`: the
+  interpreter ran it, the sm_90 compile failed ("Mismatched type for out_offset between then block and else
+  block"); Triton merges same-named variables across runtime branches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activations import (
+    LAUNCH_OPTIONS,
+    check_tensor,
+    exp_f32,
+    ieee_quiet,
+    kernel_mode,
+    log1p_f32,
+    output_tensor,
+    round_to_bf16,
+    sigmoid_f32,
+    silu_f32,
+    tile_elements,
+    to_bf16,
+    to_f32,
+)
+
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus default: x itself above it (constexpr: a jit global)
+
+
+@triton.jit
+def _sequence_start(cu_seqlens_ptr, token, num_seqs, SEARCH_STEPS: tl.constexpr):
+    """First row of the sequence that holds each row in `token` [BLOCK_T]: the largest cu_seqlens[i] <= token,
+    i < num_seqs (so empty sequences are skipped), by binary search."""
+    low = tl.zeros(token.shape, tl.int32)
+    high = tl.zeros(token.shape, tl.int32) + (num_seqs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        middle = (low + high + 1) // 2
+        go_right = tl.load(cu_seqlens_ptr + middle).to(tl.int64) <= token
+        low = tl.where(go_right, middle, low)
+        high = tl.where(go_right, high, middle - 1)
+    return tl.load(cu_seqlens_ptr + low).to(tl.int64)
+
+
+@triton.jit
+def _gdn_prep_kernel(
+    proj_ptr,  # [T, P] bf16, row stride proj_sr
+    conv_weight_ptr,  # [conv_dim, W] bf16 contiguous
+    a_log_ptr,  # [Hv] bf16 or fp32
+    dt_bias_ptr,  # [Hv] bf16 or fp32
+    cu_seqlens_ptr,  # [N + 1] int32 or int64
+    q_ptr,  # [T, Hk, K] bf16 contiguous
+    k_ptr,  # [T, Hk, K] bf16 contiguous
+    v_ptr,  # [T, Hv, V] bf16 contiguous
+    g_ptr,  # [T, Hv] fp32 contiguous
+    beta_ptr,  # [T, Hv] bf16 contiguous
+    tokens,
+    num_seqs,
+    proj_sr,
+    eps,
+    KEY_HEADS: tl.constexpr,  # Hk
+    VALUE_HEADS: tl.constexpr,  # Hv
+    KEY_DIM: tl.constexpr,  # K
+    VALUE_DIM: tl.constexpr,  # V
+    WIDTH: tl.constexpr,  # conv kernel width W
+    SEARCH_STEPS: tl.constexpr,
+    QK_L2NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    slot = tl.program_id(1)
+    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
+    token_ok = token < tokens
+    if slot < 2 * KEY_HEADS + VALUE_HEADS:
+        # conv + silu (+ l2norm) of one q, k or v head
+        is_qk = slot < 2 * KEY_HEADS
+        first_channel = tl.where(is_qk, slot * KEY_DIM, 2 * KEY_HEADS * KEY_DIM + (slot - 2 * KEY_HEADS) * VALUE_DIM)
+        dim = tl.arange(0, BLOCK_D)
+        dim_ok = dim < tl.where(is_qk, KEY_DIM, VALUE_DIM)
+        channel = first_channel + dim
+        start = _sequence_start(cu_seqlens_ptr, tl.minimum(token, tokens - 1), num_seqs, SEARCH_STEPS)
+        conv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        for tap in tl.static_range(WIDTH):
+            source = token - (WIDTH - 1) + tap  # oldest tap first
+            source_ok = token_ok & (source >= start)
+            x = to_f32(
+                tl.load(
+                    proj_ptr + source[:, None] * proj_sr + channel[None, :],
+                    mask=source_ok[:, None] & dim_ok[None, :],
+                    other=0.0,
+                )
+            )
+            weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
+            conv = conv + x * weight[None, :]
+        conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
+        activated = round_to_bf16(silu_f32(conv, TORCH_CPU))  # F.silu: bf16↓
+        out_mask = token_ok[:, None] & dim_ok[None, :]
+        if slot < 2 * KEY_HEADS:
+            if QK_L2NORM:  # FLA l2norm_fwd: rstd = 1 / sqrt(Σx² + eps); y = x · rstd (Triton's own / and sqrt)
+                rstd = 1 / tl.sqrt(tl.sum(activated * activated, axis=1) + eps)
+                activated = activated * rstd[:, None]
+            if slot < KEY_HEADS:
+                out_offset = token[:, None] * (KEY_HEADS * KEY_DIM) + slot * KEY_DIM + dim[None, :]
+                tl.store(q_ptr + out_offset, to_bf16(activated), mask=out_mask)
+            else:
+                out_offset = token[:, None] * (KEY_HEADS * KEY_DIM) + (slot - KEY_HEADS) * KEY_DIM + dim[None, :]
+                tl.store(k_ptr + out_offset, to_bf16(activated), mask=out_mask)
+        else:
+            out_offset = token[:, None] * (VALUE_HEADS * VALUE_DIM) + (slot - 2 * KEY_HEADS) * VALUE_DIM + dim[None, :]
+            tl.store(v_ptr + out_offset, to_bf16(activated), mask=out_mask)
+    else:
+        # beta and g of every value head
+        head = tl.arange(0, BLOCK_HV)
+        head_ok = head < VALUE_HEADS
+        gate_mask = token_ok[:, None] & head_ok[None, :]
+        b_column = 2 * KEY_HEADS * KEY_DIM + 2 * VALUE_HEADS * VALUE_DIM  # b follows q | k | v | z
+        row_offset = token[:, None] * proj_sr + head[None, :]
+        b = to_f32(tl.load(proj_ptr + row_offset + b_column, mask=gate_mask, other=0.0))
+        a = to_f32(tl.load(proj_ptr + row_offset + b_column + VALUE_HEADS, mask=gate_mask, other=0.0))
+        beta = sigmoid_f32(b, TORCH_CPU)  # b.sigmoid(): bf16↓ at the store
+        decay_rate = -exp_f32(to_f32(tl.load(a_log_ptr + head, mask=head_ok, other=0.0)), TORCH_CPU)
+        softplus_in = a + to_f32(tl.load(dt_bias_ptr + head, mask=head_ok, other=0.0))[None, :]
+        softplus = tl.where(
+            softplus_in > SOFTPLUS_THRESHOLD, softplus_in, log1p_f32(exp_f32(softplus_in, TORCH_CPU), TORCH_CPU)
+        )
+        g = decay_rate[None, :] * softplus
+        gate_offset = token[:, None] * VALUE_HEADS + head[None, :]
+        tl.store(beta_ptr + gate_offset, to_bf16(beta), mask=gate_mask)
+        tl.store(g_ptr + gate_offset, g, mask=gate_mask)
+
+
+def gdn_prep(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    qk_l2norm: bool = True,
+    eps: float = 1e-6,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
+
+    proj [T, P] bf16, P = 2·Hk·K + 2·Hv·V + 2·Hv (any row stride, unit column stride): the merged in-projection
+    output [q | k | v | z | b | a]. conv_weight [2·Hk·K + Hv·V, W] bf16 (`conv1d.weight.squeeze(1)`). A_log,
+    dt_bias [Hv] bf16 or fp32. cu_seqlens [N + 1] int32/int64 on proj's device, cu_seqlens[0] = 0,
+    cu_seqlens[N] = T, non-decreasing (not checked: that would need a device sync). qk_l2norm: apply FLA's l2norm
+    to q and k here (then call FLA with `use_qk_l2norm_in_kernel=False`); eps is that l2norm's eps.
+    out: optional (q, k, v, g, beta) tensors of the output shapes below, written in place.
+    Returns q, k [1, T, Hk, K] bf16; v [1, T, Hv, V] bf16; g [1, T, Hv] fp32; beta [1, T, Hv] bf16.
+    """
+    if proj.ndim != 2 or conv_weight.ndim != 2:
+        raise ValueError(
+            f"gdn_prep: proj must be [T, P] and conv_weight [C, W], got {tuple(proj.shape)}, {tuple(conv_weight.shape)}"
+        )
+    tokens, device = proj.shape[0], proj.device
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    width = conv_weight.shape[1]
+    check_tensor(
+        "gdn_prep: proj",
+        proj,
+        dtype=torch.bfloat16,
+        shape=(tokens, conv_dim + num_v_heads * head_v_dim + 2 * num_v_heads),
+        device=device,
+    )
+    check_tensor(
+        "gdn_prep: conv_weight (bf16 only: an fp32 weight makes HF convolve in fp32)",
+        conv_weight,
+        dtype=torch.bfloat16,
+        shape=(conv_dim, width),
+        device=device,
+        contiguous=True,
+    )
+    for name, param in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_tensor(
+            f"gdn_prep: {name}", param, dtype=(torch.bfloat16, torch.float32), shape=(num_v_heads,), device=device
+        )
+    check_tensor("gdn_prep: cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"gdn_prep: cu_seqlens must hold N + 1 >= 2 offsets, got {tuple(cu_seqlens.shape)}")
+    if max(head_k_dim, head_v_dim) > 256 or num_v_heads % num_k_heads:
+        raise ValueError(f"gdn_prep: need K, V <= 256 and Hk | Hv, got K={head_k_dim} V={head_v_dim} Hk={num_k_heads}")
+    shapes = (
+        (1, tokens, num_k_heads, head_k_dim),
+        (1, tokens, num_k_heads, head_k_dim),
+        (1, tokens, num_v_heads, head_v_dim),
+        (1, tokens, num_v_heads),
+        (1, tokens, num_v_heads),
+    )
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16)
+    names = ("q", "k", "v", "g", "beta")
+    if out is not None and len(out) != 5:
+        raise ValueError(f"gdn_prep: out must be (q, k, v, g, beta), got {len(out)} tensors")
+    q, k, v, g, beta = (
+        output_tensor(f"gdn_prep: out {name}", None if out is None else out[i], shape, dtype, device)
+        for i, (name, shape, dtype) in enumerate(zip(names, shapes, dtypes))
+    )
+    if tokens == 0:
+        return q, k, v, g, beta
+    torch_cpu = kernel_mode(_gdn_prep_kernel, device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    block_t = tile_elements(torch_cpu) // 256  # from the widths only (K, V <= 256): batch-invariant bits
+    grid = (triton.cdiv(tokens, block_t), 2 * num_k_heads + num_v_heads + 1)
+    with ieee_quiet(torch_cpu):
+        _gdn_prep_kernel[grid](
+            proj,
+            conv_weight,
+            A_log,
+            dt_bias,
+            cu_seqlens,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            tokens,
+            num_seqs,
+            proj.stride(0),
+            eps,
+            KEY_HEADS=num_k_heads,
+            VALUE_HEADS=num_v_heads,
+            KEY_DIM=head_k_dim,
+            VALUE_DIM=head_v_dim,
+            WIDTH=width,
+            SEARCH_STEPS=(num_seqs - 1).bit_length(),
+            QK_L2NORM=qk_l2norm,
+            BLOCK_T=block_t,
+            BLOCK_D=triton.next_power_of_2(max(head_k_dim, head_v_dim)),
+            BLOCK_HV=triton.next_power_of_2(num_v_heads),
+            TORCH_CPU=torch_cpu,
+            num_warps=4,
+            **LAUNCH_OPTIONS,
+        )
+    return q, k, v, g, beta

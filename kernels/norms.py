@@ -1,0 +1,275 @@
+"""Norms: residual add + zero-centred RMSNorm (decoder and final norms) and the gated RMSNorm of the GDN output.
+
+Kernels (one launch each):
+
+* `residual_rmsnorm(residual, delta, weight, eps)` replaces `h = residual + delta; Qwen3_5RMSNorm(h)` at every
+  sublayer boundary (`reference.ops.residual_rmsnorm`; `delta=None` is the first layer's input norm):
+    h = bf16↓( residual_f + delta_f )                                             (bf16 add)
+    y = bf16↓( (h_f · rsqrt(mean(h_f²) + eps)) · (1 + w_f) )                      (Qwen3_5RMSNorm, one rounding)
+* `gated_rmsnorm(o, z, weight, eps)` replaces `Qwen3_5RMSNormGated(o, z)` (HF torch path, per value head of V dims,
+  `reference.ops.gated_rmsnorm`), reading z straight out of the merged GDN projection:
+    n = bf16↓( o_f · rsqrt(mean(o_f²) + eps) )                                    round 1
+    t = bf16↓( w · n ) when w is bf16 (round 2), w_f · n in fp32 when w is fp32 (as checkpoints store it)
+    y = bf16↓( t · silu(z_f) ),  silu(z) = z / (1 + exp(-z)) in fp32              round 3
+
+Each fp32 op above is one IEEE fp32 operation in torch's order (torch runs each as its own kernel; launched with
+`enable_fp_fusion=False` nothing is contracted into an fma). The pieces that mirror torch exactly:
+* mean = sum · fp32(1/N) on CUDA (`MeanOps` multiplies by `float(outputs)/numel`), sum / N on CPU (`mean_out`
+  on CPU is `sum(...).div_(N)`); identical when N is a power of two (head norms), not for hidden = 5120.
+* rsqrt: `rsqrtf` (libdevice) on CUDA, as torch's `rsqrt_kernel_cuda`. eps is added in fp32 after the mean.
+* h_f² is exact in fp32 for bf16 h, so only the order of the sum can differ, never the products.
+
+The one rounding point that is not reproduced: the fp32 sum of squares. torch sums in its own order (CUDA: per-thread
+strided accumulators, then a shuffle-down tree whose shape depends on the row count; CPU: a cascade sum with vector
+accumulators), Triton's `tl.sum` in another (per-thread sequential, then a butterfly tree; numpy's pairwise sum
+under the interpreter). The two sums can differ in the last fp32 bits, that moves rsqrt by about one fp32 ulp,
+and an output then differs by one bf16 ulp only when its fp32 value lies within ~2^-23 (relative) of a bf16 rounding
+boundary: about 2^-15 of the elements of an affected row. Reproducing torch's CUDA reduction tree is possible in
+principle but ties the kernel to one torch version's launch heuristics (block shape chosen from the row count), so
+it is not done. Under the interpreter the rsqrt can differ too (`kernels.activations`). Measured on CPU: hidden 5120,
+200 random rows: 99.9992 % of the normed outputs bit-identical (8 of 1,024,000 one ulp off); the gated norm at the 27B
+widths 99.9997 % to 100 %; tiny-twin widths 100 % in every test. tests/test_kernels.py (CPU) and
+tests/test_gpu_kernels.py (H200) print the share and assert at most one ulp in at most 1e-4 of the elements; the
+residual output h is always bitwise.
+
+Batch invariance: tile shapes come from the widths only (`activations.tile_elements`), never from the row count, so
+a row's bits do not depend on the other rows of a call (tested); the prefix tree relies on that.
+
+Version history:
+* v1 (this file): a program normalises BLOCK_R rows of the full width at once (BLOCK_R = 1 for hidden 5120 on GPU);
+  gated_rmsnorm flattens (row, value head) pairs so that one program covers many heads.
+* v0 sized BLOCK_R from the row count as well; replaced before it was measured, because a different tile shape can
+  change Triton's per-row reduction tree and so make a row's bits depend on its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activations import (
+    LAUNCH_OPTIONS,
+    check_tensor,
+    ieee_quiet,
+    kernel_mode,
+    output_tensor,
+    round_to_bf16,
+    rsqrt_f32,
+    silu_f32,
+    tile_elements,
+    to_bf16,
+    to_f32,
+)
+
+
+@triton.jit
+def rms_inverse(x, eps, inv_n, N: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """rsqrt(mean(x²) + eps) of each row of x [BLOCK_R, BLOCK_N] (fp32, masked entries 0), torch's op order."""
+    sum_sq = tl.sum(x * x, axis=1)
+    if TORCH_CPU:
+        mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, N, tl.float32))  # CPU: sum(...).div_(N)
+    else:
+        mean_sq = sum_sq * inv_n  # CUDA: MeanOps, sum · fp32(1/N)
+    return rsqrt_f32(mean_sq + eps, TORCH_CPU)
+
+
+def inverse_count(n: int) -> float:
+    """fp32(1/n) correctly rounded, the factor torch's CUDA mean multiplies by."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / n)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# residual add + RMSNorm(1 + w)
+
+
+@triton.jit
+def _residual_rmsnorm_kernel(
+    residual_ptr,  # [R, H] bf16, row stride residual_sr
+    delta_ptr,  # [R, H] bf16, row stride delta_sr (unused without HAS_DELTA)
+    weight_ptr,  # [H] bf16 or fp32 (offset from 1)
+    new_residual_ptr,  # [R, H] bf16 contiguous (unused without HAS_DELTA)
+    normed_ptr,  # [R, H] bf16 contiguous
+    rows,
+    residual_sr,
+    delta_sr,
+    eps,
+    inv_n,
+    HIDDEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
+    col = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    col_ok = col < HIDDEN
+    mask = (row < rows)[:, None] & col_ok[None, :]
+    h = to_f32(tl.load(residual_ptr + row[:, None] * residual_sr + col[None, :], mask=mask, other=0.0))
+    if HAS_DELTA:
+        delta = to_f32(tl.load(delta_ptr + row[:, None] * delta_sr + col[None, :], mask=mask, other=0.0))
+        h = round_to_bf16(h + delta)  # residual + delta: bf16↓
+        tl.store(new_residual_ptr + row[:, None] * HIDDEN + col[None, :], to_bf16(h), mask=mask)
+    scale = 1.0 + to_f32(tl.load(weight_ptr + col, mask=col_ok, other=0.0))  # 1 + w_f
+    inverse = rms_inverse(h, eps, inv_n, HIDDEN, TORCH_CPU)  # [BLOCK_R]
+    normed = (h * inverse[:, None]) * scale[None, :]
+    tl.store(normed_ptr + row[:, None] * HIDDEN + col[None, :], to_bf16(normed), mask=mask)  # .type_as(x): bf16↓
+
+
+def residual_rmsnorm(
+    residual: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out_residual: torch.Tensor | None = None,
+    out_normed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then zero-centred RMSNorm: returns (new_residual, normed), both [R, H] bf16.
+
+    residual, delta [R, H] bf16 (any row stride, unit column stride); delta None means no add, and new_residual is
+    `residual` itself. weight [H] bf16 or fp32, the offset w of (1 + w). out_residual / out_normed: contiguous
+    [R, H] bf16 written in place when given; out_residual may be `residual` (an in-place residual update: each
+    program reads its rows completely before writing them). Exactness: new_residual bitwise; normed bitwise except
+    the fp32 sum-of-squares order (module docstring), against `reference.ops.residual_rmsnorm`.
+    """
+    if residual.ndim != 2:
+        raise ValueError(f"residual_rmsnorm: residual must be [R, H], got {tuple(residual.shape)}")
+    rows, hidden = residual.shape
+    device = residual.device
+    check_tensor("residual_rmsnorm: residual", residual, dtype=torch.bfloat16, shape=(rows, hidden), device=device)
+    check_tensor(
+        "residual_rmsnorm: weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(hidden,), device=device
+    )
+    if delta is not None:
+        check_tensor("residual_rmsnorm: delta", delta, dtype=torch.bfloat16, shape=(rows, hidden), device=device)
+        new_residual = output_tensor(
+            "residual_rmsnorm: out_residual", out_residual, (rows, hidden), torch.bfloat16, device
+        )
+    elif out_residual is not None:
+        raise ValueError("residual_rmsnorm: out_residual given but delta is None (the residual does not change)")
+    else:
+        new_residual = residual
+    normed = output_tensor("residual_rmsnorm: out_normed", out_normed, (rows, hidden), torch.bfloat16, device)
+    if rows == 0:
+        return new_residual, normed
+    torch_cpu = kernel_mode(_residual_rmsnorm_kernel, device)
+    block_h = triton.next_power_of_2(hidden)
+    block_r = max(1, tile_elements(torch_cpu) // block_h)  # from the width only: batch-invariant bits
+    with ieee_quiet(torch_cpu):
+        _residual_rmsnorm_kernel[(triton.cdiv(rows, block_r),)](
+            residual,
+            residual if delta is None else delta,
+            weight,
+            new_residual,
+            normed,
+            rows,
+            residual.stride(0),
+            residual.stride(0) if delta is None else delta.stride(0),
+            eps,
+            inverse_count(hidden),
+            HIDDEN=hidden,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            HAS_DELTA=delta is not None,
+            TORCH_CPU=torch_cpu,
+            num_warps=max(4, min(16, block_h // 512)),
+            **LAUNCH_OPTIONS,
+        )
+    return new_residual, normed
+
+
+def rmsnorm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero-centred RMSNorm alone (the final norm, or the first layer's input norm): [R, H] bf16 -> [R, H] bf16."""
+    return residual_rmsnorm(x, None, weight, eps, out_normed=out)[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gated RMSNorm of the GDN output
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    o_ptr,  # [R·Hv, V] bf16 contiguous (the GDN output [R, Hv, V])
+    z_ptr,  # [R, Hv·V] bf16, row stride z_sr
+    weight_ptr,  # [V] bf16 or fp32 (plain scale)
+    out_ptr,  # [R·Hv, V] bf16 contiguous (= [R, Hv·V])
+    head_rows,  # R·Hv
+    z_sr,
+    eps,
+    inv_n,
+    HEADS: tl.constexpr,  # Hv
+    HEAD_DIM: tl.constexpr,  # V
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    W_BF16: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    head_row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (row, head) pairs
+    dim = tl.arange(0, BLOCK_D)
+    dim_ok = dim < HEAD_DIM
+    mask = (head_row < head_rows)[:, None] & dim_ok[None, :]
+    row, head = head_row // HEADS, head_row % HEADS
+    o = to_f32(tl.load(o_ptr + head_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0))
+    z_offset = row[:, None] * z_sr + (head * HEAD_DIM)[:, None] + dim[None, :]
+    z = to_f32(tl.load(z_ptr + z_offset, mask=mask, other=0.0))
+    weight = to_f32(tl.load(weight_ptr + dim, mask=dim_ok, other=0.0))
+    normed = round_to_bf16(o * rms_inverse(o, eps, inv_n, HEAD_DIM, TORCH_CPU)[:, None])  # .to(input_dtype): round 1
+    scaled = weight[None, :] * normed
+    if W_BF16:
+        scaled = round_to_bf16(scaled)  # bf16 weight · bf16: round 2
+    out = to_bf16(scaled * silu_f32(z, TORCH_CPU))  # · silu(z_f), then .to(input_dtype): round 3
+    tl.store(out_ptr + head_row[:, None] * HEAD_DIM + dim[None, :], out, mask=mask)
+
+
+def gated_rmsnorm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GDN output norm gated by silu(z), per value head: returns [R, Hv·V] bf16, ready for out_proj.
+
+    o: the GDN core output, contiguous bf16 [R, Hv, V] (or FLA's [1, R, Hv, V]); z: [R, Hv·V] bf16 with any row
+    stride and unit column stride, e.g. `gdn_proj[:, conv_dim : conv_dim + Hv·V]` of the merged projection;
+    weight [V] bf16 or fp32 (plain scale). `out` (contiguous [R, Hv·V] bf16) is written in place when given.
+    Exactness: bitwise except the fp32 sum-of-squares order (module docstring), against
+    `reference.ops.gated_rmsnorm(o, z.view(R, Hv, V), weight, eps)`.
+    """
+    if weight.ndim != 1 or z.ndim != 2 or z.shape[1] % max(1, weight.shape[0]):
+        raise ValueError(
+            f"gated_rmsnorm: weight must be [V] and z [R, Hv·V], got {tuple(weight.shape)} and {tuple(z.shape)}"
+        )
+    rows, head_dim = z.shape[0], weight.shape[0]
+    heads = z.shape[1] // head_dim
+    device = z.device
+    check_tensor("gated_rmsnorm: z", z, dtype=torch.bfloat16, shape=(rows, heads * head_dim), device=device)
+    check_tensor(
+        "gated_rmsnorm: weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(head_dim,), device=device
+    )
+    if o.shape[-3:] != (rows, heads, head_dim) or o.numel() != rows * heads * head_dim:
+        raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)} must be [R, Hv, V] = [{rows}, {heads}, {head_dim}]")
+    check_tensor("gated_rmsnorm: o", o, dtype=torch.bfloat16, shape=tuple(o.shape), device=device, contiguous=True)
+    out = output_tensor("gated_rmsnorm: out", out, (rows, heads * head_dim), torch.bfloat16, device)
+    if rows == 0:
+        return out
+    torch_cpu = kernel_mode(_gated_rmsnorm_kernel, device)
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = max(1, tile_elements(torch_cpu) // block_d)  # from the width only: batch-invariant bits
+    with ieee_quiet(torch_cpu):
+        _gated_rmsnorm_kernel[(triton.cdiv(rows * heads, block_r),)](
+            o,
+            z,
+            weight,
+            out,
+            rows * heads,
+            z.stride(0),
+            eps,
+            inverse_count(head_dim),
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            W_BF16=weight.dtype == torch.bfloat16,
+            TORCH_CPU=torch_cpu,
+            num_warps=4,
+            **LAUNCH_OPTIONS,
+        )
+    return out

@@ -1,0 +1,296 @@
+"""CPU tests of the fused kernels (Triton interpreter) against reference.ops: tiny-twin shapes, odd row counts,
+packed sequences, a few 27B-width rows, NaN-poisoned outputs, and input validation.
+
+Interpreter mode. Triton decides at `@triton.jit` time (when `kernels` is imported) whether a kernel is compiled or
+interpreted, so TRITON_INTERPRET=1 must be in the environment before the first import of `kernels` in the process.
+`nox -s tests` sets it for the whole run. For a bare `pytest` on a machine without CUDA this module sets it itself,
+before its own import of `kernels`; that is the robust choice because it makes the file runnable alone and changes
+nothing where the variable is already set. If another module imported `kernels` first without the variable, the
+kernels are compiled objects and cannot take CPU tensors: the module then skips and says so (the fix is to set the
+variable, e.g. in tests/conftest.py). On a CUDA machine the GPU path is covered by tests/test_gpu_kernels.py.
+
+Exactness asserted per output (tests/test_gpu_kernels.py, `check_rows`): bitwise where the kernel's math is torch's
+op for op; at most one bf16 ulp in at most 1e-4 of the elements after a sum of squares (Triton sums in another
+order than torch: kernels/norms.py explains it). One CPU-only departure: the GDN decay g is fp32 and never rounded,
+and torch's CPU kernels use SLEEF expf/log1pf where the interpreter uses numpy's, so g is bounded by
+CPU_G_MAX_ULP ulps here (measured: at most 2 ulp, 93-100 % of the elements bit-identical) and bitwise on the GPU.
+Every test prints its bit-identity table (`pytest -s` shows it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (module docstring)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from test_gpu_kernels import (  # noqa: E402
+    bit_identity_table,
+    check_rows,
+    compare,
+    format_table,
+    random_activations,
+    reference_gdn_prep,
+)
+
+import kernels  # noqa: E402
+from kernels import activations  # noqa: E402
+from reference import ops  # noqa: E402
+from reference.shapes import QWEN38_27B, TINY  # noqa: E402
+
+if isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
+    pytest.skip(
+        "kernels were compiled, not interpreted: TRITON_INTERPRET=1 was not set before `kernels` was first imported "
+        "(run `nox -s tests`, or set it in the environment); GPU coverage is tests/test_gpu_kernels.py",
+        allow_module_level=True,
+    )
+
+CPU_G_MAX_ULP = 2  # measured max over these tests; see module docstring
+CPU_RELAXED = {("gdn_prep", "g"): CPU_G_MAX_ULP}
+ROWS = (1, 7, 63, 65)
+
+
+def _report(title: str, table: list[dict]) -> None:
+    print(f"\n{title}\n{format_table(table)}")
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernels_tiny(rows: int) -> None:
+    """All six kernels on one sequence of the tiny twin, outputs NaN-poisoned, against reference.ops."""
+    table = bit_identity_table(random_activations(TINY, [rows], "cpu", seed=rows), TINY)
+    _report(f"tiny, {rows} rows", table)
+    assert len(table) == 13
+    check_rows(table, relaxed=CPU_RELAXED)
+
+
+def test_gdn_prep_packed_sequences_tiny() -> None:
+    """Packed varlen rows (an empty sequence included): the conv restarts from zero history at every sequence start,
+    so each sequence equals its own reference, and the packed call equals separate calls bit for bit."""
+    lens = [1, 7, 0, 63, 65]
+    act = random_activations(TINY, lens, "cpu", seed=1)
+    table = bit_identity_table(act, TINY, kernels=["gdn_prep"])
+    _report(f"tiny gdn_prep, packed {lens}", table)
+    check_rows(table, relaxed=CPU_RELAXED)
+
+    dims = _gdn_dims(TINY)
+    args = (act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"])
+    packed = kernels.gdn_prep(*args, act["gdn_cu_seqlens"], **dims)
+    offsets = act["gdn_cu_seqlens"].tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        alone = kernels.gdn_prep(
+            act["gdn_proj"][start:end], *args[1:], torch.tensor([0, end - start], dtype=torch.int32), **dims
+        )
+        for got, want in zip(packed, alone):
+            assert torch.equal(got[:, start:end], want), (start, end)
+
+
+def test_gdn_prep_without_l2norm_tiny() -> None:
+    """qk_l2norm=False leaves q and k as the conv + SiLU outputs (for FLA's in-kernel l2norm), bitwise."""
+    act = random_activations(TINY, [63], "cpu", seed=2)
+    q, k, *_ = kernels.gdn_prep(
+        act["gdn_proj"],
+        act["conv_weight"],
+        act["A_log"],
+        act["dt_bias"],
+        act["gdn_cu_seqlens"],
+        qk_l2norm=False,
+        **_gdn_dims(TINY),
+    )
+    want = reference_gdn_prep(
+        act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"], act["gdn_cu_seqlens"], TINY, qk_l2norm=False
+    )
+    table = [compare("gdn_prep raw", "q", q[0], want["q"]), compare("gdn_prep raw", "k", k[0], want["k"])]
+    _report("tiny gdn_prep, qk_l2norm=False", table)
+    assert all(r["bit_identical"] == r["elements"] for r in table)
+
+
+def test_norm_variants_tiny() -> None:
+    """rmsnorm_1p without a residual add, an in-place residual update, and the gated norm with a bf16 weight."""
+    act = random_activations(TINY, [65], "cpu", seed=3)
+    residual, delta, weight, eps = act["residual"], act["delta"], act["norm_weight"], TINY.rms_norm_eps
+    normed = kernels.rmsnorm_1p(residual, weight, eps, out=torch.full_like(residual, float("nan")))
+    table = [compare("rmsnorm_1p", "normed", normed, ops.rmsnorm_1p(residual, weight, eps))]
+
+    want_residual, want_normed = ops.residual_rmsnorm(residual, delta, weight, eps)
+    in_place = residual.clone()
+    new_residual, normed = kernels.residual_rmsnorm(in_place, delta, weight, eps, out_residual=in_place)
+    assert new_residual.data_ptr() == in_place.data_ptr()
+    table += [
+        compare("residual in place", "new_residual", new_residual, want_residual),
+        compare("residual in place", "normed", normed, want_normed),
+    ]
+
+    o, proj = act["gdn_core_out"], act["gdn_proj"]
+    rows, heads, dim = o.shape
+    z = proj[:, TINY.conv_dim : TINY.conv_dim + heads * dim]
+    bf16_weight = act["gdn_norm_weight"].to(torch.bfloat16)
+    out = kernels.gated_rmsnorm(o, z, bf16_weight, eps)
+    want = ops.gated_rmsnorm(o, z.reshape(rows, heads, dim), bf16_weight, eps).reshape(rows, heads * dim)
+    table.append(compare("gated (bf16 w)", "out", out, want))
+    _report("tiny norm variants", table)
+    assert table[1]["bit_identical"] == table[1]["elements"]
+    check_rows([table[0], table[2], table[3]])
+
+
+def test_attn_prep_head_major_layout_tiny() -> None:
+    """layout="htd" writes the same values as "thd", transposed to [H, T, D] for SDPA."""
+    act = random_activations(TINY, [63], "cpu", seed=4)
+    args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"], TINY.rms_norm_eps)
+    dims = {"num_heads": TINY.num_attention_heads, "num_kv_heads": TINY.num_key_value_heads, "head_dim": TINY.head_dim}
+    token_major = kernels.attn_prep(*args, **dims)
+    head_major = kernels.attn_prep(*args, layout="htd", **dims)
+    for a, b in zip(token_major, head_major):
+        assert torch.equal(a, b.transpose(0, 1))
+
+
+def test_batch_invariance_tiny() -> None:
+    """A row's bits do not depend on the other rows of the call: the first rows alone equal the same rows in a
+    65-row call, for every kernel with a reduction."""
+    act = random_activations(TINY, [65], "cpu", seed=6)
+    eps = TINY.rms_norm_eps
+    full = kernels.residual_rmsnorm(act["residual"], act["delta"], act["norm_weight"], eps)[1]
+    part = kernels.residual_rmsnorm(act["residual"][:7], act["delta"][:7], act["norm_weight"], eps)[1]
+    assert torch.equal(part, full[:7])
+    args = (act["q_norm_weight"], act["k_norm_weight"])
+    dims = {"num_heads": TINY.num_attention_heads, "num_kv_heads": TINY.num_key_value_heads, "head_dim": TINY.head_dim}
+    full_q = kernels.attn_prep(act["attn_proj"], *args, act["cos"], act["sin"], eps, **dims)[0]
+    part_q = kernels.attn_prep(act["attn_proj"][:7], *args, act["cos"][:7], act["sin"][:7], eps, **dims)[0]
+    assert torch.equal(part_q, full_q[:7])
+
+
+@pytest.mark.slow
+def test_kernels_27b_rows() -> None:
+    """All six kernels on a few 27B-width rows (two packed sequences of 3 and 2 tokens); interpreter-bound, ~15 s."""
+    table = bit_identity_table(random_activations(QWEN38_27B, [3, 2], "cpu", seed=27), QWEN38_27B)
+    _report("27B widths, packed [3, 2]", table)
+    assert len(table) == 13
+    check_rows(table, relaxed=CPU_RELAXED)
+
+
+def test_round_to_bf16_matches_torch() -> None:
+    """The integer bf16 rounding used at every rounding point equals torch's fp32 -> bf16 conversion (nearest even)
+    on random values, exact ties, values that carry into the exponent, ±inf, ±0, subnormals, NaN and the largest
+    finite values (which overflow to inf)."""
+
+    @triton.jit
+    def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n)
+        tl.store(y_ptr + offsets, activations.to_bf16(x), mask=offsets < n)
+
+    generator = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=generator, dtype=torch.int64).to(torch.int32)
+    ties = (torch.randint(-(2**15), 2**15, (4096,), generator=generator) * 65536 + 0x8000).to(torch.int32)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0 + 2**-8, 255.99],
+        dtype=torch.float32,
+    )
+    x = torch.cat([random_bits.view(torch.float32), ties.view(torch.float32), special])
+    y = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
+    _round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: kernels.silu_mul(torch.randn(3, 8)), "dtype torch.float32"),
+        (lambda: kernels.silu_mul(torch.randn(3, 7).bfloat16()), r"\[R, 2I\]"),
+        (lambda: kernels.silu_mul(torch.randn(8, 3).bfloat16().t()), "stride 1"),
+        (
+            lambda: kernels.silu_mul(torch.randn(3, 8).bfloat16(), out=torch.empty(3, 5, dtype=torch.bfloat16)),
+            r"out: shape \(3, 5\)",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm(torch.randn(2, 8).bfloat16(), None, torch.zeros(9), 1e-6),
+            r"weight: shape \(9,\)",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm(
+                torch.randn(2, 8).bfloat16(), None, torch.zeros(8), 1e-6, out_residual=torch.empty(2, 8)
+            ),
+            "delta is None",
+        ),
+        (
+            lambda: kernels.gated_rmsnorm(
+                torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 12).bfloat16(), torch.ones(4, dtype=torch.float16), 1e-6
+            ),
+            "dtype torch.float16",
+        ),
+        (
+            lambda: kernels.attention_gate(torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 3, 5).bfloat16()),
+            r"gate: shape \(2, 3, 5\)",
+        ),
+        (
+            lambda: kernels.gdn_prep(
+                torch.randn(5, TINY.gdn_in_width).bfloat16(),
+                torch.randn(TINY.conv_dim, 4),
+                torch.zeros(6),
+                torch.zeros(6),
+                torch.tensor([0, 5]),
+                **_gdn_dims(TINY),
+            ),
+            "bf16 only",
+        ),
+        (
+            lambda: kernels.gdn_prep(
+                torch.randn(5, TINY.gdn_in_width).bfloat16(),
+                torch.randn(TINY.conv_dim, 4).bfloat16(),
+                torch.zeros(6),
+                torch.zeros(6),
+                torch.tensor([0.0, 5.0]),
+                **_gdn_dims(TINY),
+            ),
+            "cu_seqlens: dtype",
+        ),
+        (
+            lambda: kernels.attn_prep(
+                torch.randn(4, TINY.attn_in_width).bfloat16(),
+                torch.zeros(64),
+                torch.zeros(64),
+                torch.randn(4, 16).bfloat16(),
+                torch.randn(4, 16).bfloat16(),
+                1e-6,
+                num_heads=6,
+                num_kv_heads=1,
+                head_dim=64,
+                layout="bhtd",
+            ),
+            "layout",
+        ),
+        (
+            lambda: kernels.attn_prep(
+                torch.randn(4, TINY.attn_in_width).bfloat16(),
+                torch.zeros(64),
+                torch.zeros(64),
+                torch.randn(4, 15).bfloat16(),
+                torch.randn(4, 15).bfloat16(),
+                1e-6,
+                num_heads=6,
+                num_kv_heads=1,
+                head_dim=64,
+            ),
+            "rotary_dim 15",
+        ),
+    ],
+)
+def test_launchers_reject_bad_inputs(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _gdn_dims(shapes) -> dict[str, int]:
+    return {
+        "num_k_heads": shapes.linear_num_key_heads,
+        "num_v_heads": shapes.linear_num_value_heads,
+        "head_k_dim": shapes.linear_key_head_dim,
+        "head_v_dim": shapes.linear_value_head_dim,
+    }
