@@ -1,0 +1,228 @@
+"""The engine backbone on the H200 with the 27B shapes: the `drone` request through `merged` and `fused` against the
+HF reference with the FLA core (`hf_fla`) and with the torch core (`hf_torch`).
+
+    nox --no-venv -s gpu_tests -- tests/test_gpu_engine.py        (prints the table; JSON to $OUT if set)
+
+One module fixture does all the device work once, in two phases so that the 27B weights are never held twice:
+1. synthetic weights (seed 0) -> HF model: hidden states, last-token states, forward times and kernel counts of
+   hf_fla and hf_torch (states kept on the host), then everything of phase 1 is freed;
+2. the same synthetic weights again -> `MergedWeights` (consumes them) -> `merged` and `fused` engines on that one
+   copy: the same measurements, and the peak GPU memory of the whole phase (weights, merge, forwards).
+Compared per residual state (embedding, 64 layers, final norm; all real tokens): relative RMSE and the first state
+that is not bit-identical; on the last-token states: relative RMSE, and max |dp| over all candidate probabilities of
+the request (fp32 head + per-question softmax at the synthetic temperature). Synthetic weights: the probabilities
+mean nothing for accuracy; |dp| only measures fidelity between paths.
+
+Bounds. PEAK_GIB and FUSED_KERNEL_TARGET come from the brief. The closeness bounds were set before any GPU
+measurement, from the tiny twin on the CPU (per-state relative RMSE up to 1.4e-2 there) scaled for 64 layers; they
+are provisional: replace them with the measured values (plus a stated margin) after the first H200 run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.backbone import EngineBackbone
+from engine.weights import MergedWeights
+from reference.data import open_jev_workloads
+from reference.model import HFBackbone
+from reference.readout import head_scores, record_probabilities
+from reference.service import DecisionModel
+from reference.shapes import QWEN38_27B
+from reference.weights import synthetic_weights
+
+pytestmark = pytest.mark.gpu
+
+SEED = 0
+WORKLOAD = "drone"
+PEAK_GIB = 56.0  # engine phase: weights + merge + forwards
+FUSED_KERNEL_TARGET = 700  # kernels (GPU activities) per fused forward
+STATE_REL_RMSE_BOUND = 5e-2  # provisional (module docstring)
+LAST_REL_RMSE_BOUND = 5e-2  # provisional
+MAX_DP_BOUND = 2e-2  # provisional
+TIMED_RUNS, WARMUP_RUNS = 30, 5
+GIB = 2**30
+
+
+def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    d = x.float() - ref.float()
+    return (d.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
+
+
+def time_forward(backbone, prepared) -> dict:
+    """CUDA-event times of `forward` on prepared inputs: median and p10/p90 of TIMED_RUNS after WARMUP_RUNS."""
+    for _ in range(WARMUP_RUNS):
+        backbone.forward(prepared)
+    samples = []
+    for _ in range(TIMED_RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        backbone.forward(prepared)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    deciles = statistics.quantiles(samples, n=10)
+    return {"median_ms": statistics.median(samples), "p10_ms": deciles[0], "p90_ms": deciles[-1]}
+
+
+def count_kernels(backbone, prepared) -> dict:
+    """GPU activities of one `forward` (after warm-up) by torch.profiler: kernels, and memcpy/memset separately."""
+    from torch.profiler import ProfilerActivity, profile
+
+    backbone.forward(prepared)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backbone.forward(prepared)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(name.startswith(("Memcpy", "Memset")) for name in names)
+    return {"kernels": len(names) - copies, "memcpy_memset": copies}
+
+
+def measure(backbone, plan) -> dict:
+    """Hidden states (host), last-token states (host), times and kernel counts of one backbone on the plan."""
+    prepared = backbone.prepare(plan.candidates, plan.groups)
+    states = [s.cpu() for s in backbone.hidden_states(prepared)]
+    last = backbone.forward(prepared).cpu()
+    return {
+        "states": states,
+        "last": last,
+        "time": time_forward(backbone, prepared),
+        **count_kernels(backbone, prepared),
+    }
+
+
+def probabilities(last: torch.Tensor, plan, head_weight, head_bias, temperature) -> list[float]:
+    """Every candidate probability of the request, question by question (synthetic: fidelity only)."""
+    scores = head_scores(last, head_weight, head_bias).tolist()
+    out, start = [], 0
+    for record in plan.records:
+        out += record_probabilities(record, scores[start : start + record.candidate_count], temperature)
+        start += record.candidate_count
+    return out
+
+
+def compare(got: dict, ref: dict, plan, head) -> dict:
+    per_state = [rel_rmse(g, r) for g, r in zip(got["states"], ref["states"])]
+    identical = [torch.equal(g, r) for g, r in zip(got["states"], ref["states"])]
+    p_got, p_ref = probabilities(got["last"], plan, *head), probabilities(ref["last"], plan, *head)
+    return {
+        "first_departing_state": identical.index(False) if False in identical else None,
+        "per_state_rel_rmse": per_state,
+        "last_rel_rmse": rel_rmse(got["last"], ref["last"]),
+        "max_dp": max(abs(a - b) for a, b in zip(p_got, p_ref)),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    torch.manual_seed(SEED)
+    request = open_jev_workloads()[WORKLOAD]["request"]
+    device = torch.device("cuda")
+
+    # Phase 1: the HF reference, both GDN cores, on one copy of the weights.
+    torch.cuda.reset_peak_memory_stats()
+    weights = synthetic_weights(QWEN38_27B, seed=SEED, device=device)
+    hf = {"hf_fla": HFBackbone(weights, "fla")}
+    hf["hf_torch"] = HFBackbone(weights, "torch", model=hf["hf_fla"].model)
+    plan = DecisionModel(hf["hf_fla"], weights).plan(request)
+    head = (weights.head_weight.cpu(), weights.head_bias.cpu(), weights.temperature)
+    paths = {name: measure(backbone, plan) for name, backbone in hf.items()}
+    hf_peak = torch.cuda.max_memory_allocated() / GIB
+    del hf, weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() / GIB
+    assert left < 1.0, f"{left:.2f} GiB still allocated after freeing the HF phase: the peak below would be wrong"
+
+    # Phase 2: the engine, one merged copy of the weights shared by both stages.
+    torch.cuda.reset_peak_memory_stats()
+    merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
+    engines = {
+        "merged": EngineBackbone(merged_weights, fused=False),
+        "fused": EngineBackbone(merged_weights, fused=True),
+    }
+    for name, backbone in engines.items():
+        paths[name] = measure(backbone, plan)
+    nvtx = EngineBackbone(merged_weights, fused=True, nvtx_ranges=True)
+    nvtx_equal = torch.equal(nvtx.forward(nvtx.prepare(plan.candidates, plan.groups)).cpu(), paths["fused"]["last"])
+    engine_peak = torch.cuda.max_memory_allocated() / GIB
+
+    pairs = [("merged", "hf_fla"), ("merged", "hf_torch"), ("fused", "hf_fla"), ("fused", "hf_torch")]
+    pairs.append(("fused", "merged"))
+    comparisons = {f"{a} vs {b}": compare(paths[a], paths[b], plan, head) for a, b in pairs}
+    out = {
+        "workload": WORKLOAD,
+        "rows": sum(len(c) for c in plan.candidates),
+        "candidates": [len(c) for c in plan.candidates],
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peak_gib": {"hf": hf_peak, "engine": engine_peak},
+        "paths": {name: {k: v for k, v in p.items() if k not in ("states", "last")} for name, p in paths.items()},
+        "comparisons": comparisons,
+        "nvtx_ranges_bitwise": nvtx_equal,
+        "synthetic_weights": True,
+    }
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_engine.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def test_print_table(results, capsys):
+    r = results
+    lines = [
+        f"\nengine on {r['device']} ({r['torch']}), {r['workload']}: {len(r['candidates'])} candidates, "
+        f"{r['rows']} rows; synthetic weights (probabilities meaningless for accuracy)",
+        f"peak GPU memory: HF phase {r['peak_gib']['hf']:.2f} GiB, engine phase {r['peak_gib']['engine']:.2f} GiB "
+        f"(bound {PEAK_GIB})",
+        f"{'path':<9} {'forward ms p50 [p10, p90]':<28} {'kernels':>8} {'memcpy/set':>11}",
+    ]
+    for name, p in r["paths"].items():
+        t = p["time"]
+        timing = f"{t['median_ms']:8.2f} [{t['p10_ms']:.2f}, {t['p90_ms']:.2f}]"
+        lines.append(f"{name:<9} {timing:<28} {p['kernels']:>8} {p['memcpy_memset']:>11}")
+    lines.append(f"{'comparison':<20} {'first departing state':>22} {'last rel RMSE':>14} {'max |dp|':>10}")
+    for name, c in r["comparisons"].items():
+        first = "none" if c["first_departing_state"] is None else str(c["first_departing_state"])
+        lines.append(f"{name:<20} {first:>22} {c['last_rel_rmse']:>14.2e} {c['max_dp']:>10.2e}")
+    lines.append("per-state relative RMSE (state 0 = embedding, i = layer i-1 output, last = final norm):")
+    for name, c in r["comparisons"].items():
+        lines.append(f"  {name}: " + " ".join(f"{x:.1e}" for x in c["per_state_rel_rmse"]))
+    with capsys.disabled():
+        print("\n".join(lines))
+
+
+def test_peak_memory_holds_the_weights_once(results):
+    assert results["peak_gib"]["engine"] <= PEAK_GIB
+
+
+@pytest.mark.parametrize("name", ["merged vs hf_fla", "merged vs hf_torch", "fused vs hf_fla", "fused vs hf_torch"])
+def test_engine_close_to_the_reference(results, name):
+    c = results["comparisons"][name]
+    assert c["per_state_rel_rmse"][0] == 0.0, "the embedding gather must be bitwise"
+    worst = max(c["per_state_rel_rmse"])
+    assert worst <= STATE_REL_RMSE_BOUND, f"{name}: worst per-state relative RMSE {worst:.2e}"
+    assert c["last_rel_rmse"] <= LAST_REL_RMSE_BOUND
+    assert c["max_dp"] <= MAX_DP_BOUND
+
+
+def test_fused_close_to_merged(results):
+    c = results["comparisons"]["fused vs merged"]
+    assert c["first_departing_state"] != 0
+    assert max(c["per_state_rel_rmse"]) <= STATE_REL_RMSE_BOUND
+    assert c["max_dp"] <= MAX_DP_BOUND
+
+
+def test_nvtx_ranges_do_not_change_the_result(results):
+    assert results["nvtx_ranges_bitwise"]
+
+
+def test_fused_kernel_count_meets_the_target(results):
+    assert results["paths"]["fused"]["kernels"] <= FUSED_KERNEL_TARGET
