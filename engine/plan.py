@@ -1,0 +1,477 @@
+"""Row layouts for the engine: the two-level prefix tree (stage `tree`) and the flat layout it replaces.
+
+A request's candidates (token ids) share long prefixes: the chat template and the context are common to every
+candidate, the question text to every candidate of one question. The tree packs each shared token once:
+
+    packed rows = [ root | question node 0 | question node 1 | ... | leaf 0 | leaf 1 | ... ]
+
+* root: the longest common token prefix of all candidates, capped so that every candidate keeps at least one token;
+* question node r: the longest common prefix of question r's candidates beyond the root, capped the same way (a
+  one-candidate question's node holds all but its last token; nodes may be empty);
+* leaf c: the rest of candidate c (at least one token; its last row is the row the head reads).
+
+Splits are on token ids, never on strings. Rows keep their original positions (RoPE and the GDN chunk grid count
+from each candidate's first token), and each candidate's path (root rows, its question's rows, its leaf rows) lists
+exactly its own tokens in order. The flat plan is the same structure with an empty root and empty question nodes:
+candidates back to back, which is the unshared packed layout (cu_seqlens over candidates) that the tree is compared
+against; every tree function in `engine/tree.py` runs on both plans.
+
+Node ids: 0 = root, 1 + r = question r (questions numbered in order of first appearance in `groups`),
+1 + R + c = leaf of candidate c.
+
+Besides the layout, a plan holds the index tensors the layer functions need, all built on the host once and copied to
+the device in one transfer: conv windows from ancestors, the gather of each candidate's path, the representative slot
+of each packed row, the row-to-node relation for the attention mask, and two GDN schedules (`replicated` and
+`handoff`, see `GdnSchedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+CHUNK_SIZE = 64  # GDN chunk length of FLA's chunk_gated_delta_rule and HF's torch chunk fallback
+CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
+
+
+@dataclass(frozen=True, eq=False)
+class GdnCall:
+    """One call of the varlen GDN core: sequences of packed rows gathered back to back.
+
+    Sequence i occupies slots cu_seqlens[i]:cu_seqlens[i+1]; slot s holds packed row `rows[s]`. A sequence either
+    starts at original position 0 with a zero state, or continues from a state in the state bank (index
+    `init_state[i]`; bank entry 0 is the zero state, then the final states of earlier calls with `keep_final`, in call
+    and sequence order). `init_state` is None when every sequence starts at position 0. The call produces the packed
+    rows `out_rows` from its slots `out_slots`; across a schedule every packed row is produced exactly once.
+    `rows_start` / `out_start` are set where `rows` / (`out_slots`, `out_rows`) are contiguous ranges, so the inputs
+    can be sliced instead of gathered and the outputs copied as one block (the flat plan, the root's call).
+    """
+
+    rows: torch.Tensor  # [T] int64, on the plan's device
+    cu_seqlens: torch.Tensor  # [S + 1] int64, on the plan's device
+    cu_seqlens_cpu: torch.Tensor  # [S + 1] int64, host copy (lets FLA and the torch core avoid a device sync)
+    chunk_indices: torch.Tensor  # [sum ceil(len / chunk_size), 2] int64: (sequence, chunk) pairs, FLA's varlen layout
+    init_state: torch.Tensor | None  # [S] int64 index into the state bank, or None (all start at position 0)
+    keep_final: bool  # its final states join the bank
+    out_slots: torch.Tensor  # [n] int64
+    out_rows: torch.Tensor  # [n] int64
+    start_positions: tuple[int, ...]  # original position of each sequence's first token
+    chunks: int  # sum over sequences of ceil(len / chunk_size): the work measure of the cost rule
+    rows_start: int | None  # rows == arange(rows_start, rows_start + T), else None
+    out_start: tuple[int, int] | None  # (first slot, first row) when out_slots and out_rows are both contiguous
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens_cpu[-1])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.cu_seqlens_cpu) - 1
+
+
+@dataclass(frozen=True, eq=False)
+class GdnSchedule:
+    """The GDN core calls of one mode.
+
+    * `replicated`: one call over every candidate's full path (the shared rows copied into each path). Each path
+      starts at position 0, so the chunk grid, conv window and recurrent state match an unshared run exactly.
+    * `handoff`: the root runs once up to its last chunk boundary A0 = 64*floor(root_len/64) and keeps its fp32 final
+      state; each question whose node crosses a further boundary A_r runs [A0, A_r) once from that state; each leaf
+      then runs [A_r, end) from its question's state. Every split is at a multiple of 64 from the sequence start, so
+      the straddling chunk is recomputed per branch and the chunk grid is the unshared one.
+    """
+
+    mode: str
+    calls: tuple[GdnCall, ...]
+
+    @property
+    def chunks(self) -> int:
+        return sum(call.chunks for call in self.calls)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows the GDN core processes (shared rows counted once per sequence that holds them)."""
+        return sum(call.num_tokens for call in self.calls)
+
+
+@dataclass(frozen=True, eq=False)
+class TreePlan:
+    """A packed row layout (kind "tree" or "flat") with its index tensors on `device`.
+
+    Per packed row n (N rows): `token_ids`, `positions` (original position in its candidates), `row_node`,
+    `row_parent` / `row_grandparent` (node ids of its node's ancestors, -1 where none), `row_slot` (one slot of
+    `path_rows` holding it), `conv_rows` [N, CONV_WIDTH] (packed rows at positions p-3..p of its path; N, a zero row
+    appended by the conv, before position 0).
+    Per candidate c: its path `path_rows[path_cu_seqlens[c]:path_cu_seqlens[c+1]]` (root to leaf, one entry per token
+    of the candidate) and `read_rows[c]`, the row of its last token.
+    """
+
+    kind: str
+    device: torch.device
+    candidate_lens: tuple[int, ...]
+    question_of: tuple[int, ...]  # question index (order of first appearance) of each candidate
+    root_len: int
+    question_lens: tuple[int, ...]
+    leaf_lens: tuple[int, ...]
+    chunk_size: int
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    row_node: torch.Tensor  # [N] int64
+    row_parent: torch.Tensor  # [N] int64
+    row_grandparent: torch.Tensor  # [N] int64
+    row_slot: torch.Tensor  # [N] int64
+    conv_rows: torch.Tensor  # [N, CONV_WIDTH] int64
+    path_rows: torch.Tensor  # [sum(candidate_lens)] int64
+    path_cu_seqlens: torch.Tensor  # [C + 1] int64
+    path_cu_seqlens_cpu: torch.Tensor  # [C + 1] int64, host
+    path_cu_seqlens_i32: torch.Tensor  # [C + 1] int32, on the device (for kernels taking int32 offsets)
+    read_rows: torch.Tensor  # [C] int64
+    gdn: dict[str, GdnSchedule]  # "replicated" and "handoff"
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def rows_computed(self) -> int:
+        """Rows every row-wise op (GEMMs, norms, MLP) runs over."""
+        return self.num_rows
+
+    @property
+    def logical_tokens(self) -> int:
+        """Tokens of all candidates together: the rows of the flat layout."""
+        return sum(self.candidate_lens)
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self.candidate_lens)
+
+    @property
+    def num_questions(self) -> int:
+        return len(self.question_lens)
+
+    def visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Whether row i attends to row j: j lies in an ancestor node of i's node, or in i's own node at or before i.
+
+        Broadcasts over index tensors; also usable as a FlexAttention `mask_mod` body. The diagonal is always visible.
+        """
+        node_j = self.row_node[j]
+        own = (node_j == self.row_node[i]) & (j <= i)
+        return own | (node_j == self.row_parent[i]) | (node_j == self.row_grandparent[i])
+
+    @cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[N, N] bool on the plan's device, True where row i attends to row j; built there once per plan."""
+        idx = torch.arange(self.num_rows, device=self.device)
+        return self.visible(idx[:, None], idx[None, :])
+
+    @cached_property
+    def flex_block_mask(self):
+        """FlexAttention BlockMask of `visible`, built on the plan's device once per plan."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(
+            lambda b, h, i, j: self.visible(i, j), None, None, self.num_rows, self.num_rows, device=self.device
+        )
+
+
+def plan_tree(
+    candidates: Sequence[Sequence[int]],
+    groups: Sequence[int],
+    *,
+    device: torch.device | str = "cpu",
+    chunk_size: int = CHUNK_SIZE,
+) -> TreePlan:
+    """The two-level prefix tree of a request: `groups[c]` is the question of candidate c."""
+    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    root_len = min(_common_prefix_len(seqs), int(lens.min()) - 1)
+    question_lens = []
+    for r in range(num_questions):
+        members = [seqs[c] for c in range(len(seqs)) if question_of[c] == r]
+        shortest = min(len(s) for s in members)
+        question_lens.append(min(_common_prefix_len(members), shortest - 1) - root_len)
+    return _build("tree", seqs, question_of, root_len, question_lens, torch.device(device), chunk_size)
+
+
+def plan_flat(
+    candidates: Sequence[Sequence[int]],
+    groups: Sequence[int],
+    *,
+    device: torch.device | str = "cpu",
+    chunk_size: int = CHUNK_SIZE,
+) -> TreePlan:
+    """The unshared layout (candidates back to back) in the same structure: empty root and question nodes."""
+    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    return _build("flat", seqs, question_of, 0, [0] * num_questions, torch.device(device), chunk_size)
+
+
+def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
+    if len(candidates) == 0:
+        raise ValueError("a plan needs at least one candidate")
+    if len(groups) != len(candidates):
+        raise ValueError(f"groups has {len(groups)} entries for {len(candidates)} candidates")
+    seqs = []
+    for c, tokens in enumerate(candidates):
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"candidate {c} must be a non-empty list of token ids")
+        if arr.min() < 0:
+            raise ValueError(f"candidate {c} has a negative token id")
+        seqs.append(arr)
+    index: dict[int, int] = {}
+    question_of = [index.setdefault(int(g), len(index)) for g in groups]
+    return seqs, question_of, len(index)
+
+
+def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
+    first = seqs[0]
+    common = len(first)
+    for s in seqs[1:]:
+        m = min(common, len(s))
+        differ = np.flatnonzero(first[:m] != s[:m])
+        common = int(differ[0]) if differ.size else m
+    return common
+
+
+def _range_start(indices: np.ndarray) -> int | None:
+    """indices[0] if indices == arange(indices[0], indices[0] + len), else None."""
+    if len(indices) == 0 or not np.array_equal(indices, indices[0] + np.arange(len(indices))):
+        return None
+    return int(indices[0])
+
+
+def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> np.ndarray:
+    """[sum ceil(len / chunk_size), 2]: (sequence index, chunk index within it), as FLA's prepare_chunk_indices."""
+    counts = (lengths + chunk_size - 1) // chunk_size
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    within = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+    return np.stack([np.repeat(np.arange(len(lengths)), counts), within], axis=1).astype(np.int64)
+
+
+def _chunks(lengths: np.ndarray, chunk_size: int) -> int:
+    return int(((lengths + chunk_size - 1) // chunk_size).sum())
+
+
+def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size) -> TreePlan:
+    num_cands, num_questions = len(seqs), len(question_lens)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    q_of = np.array(question_of, dtype=np.int64)
+    q_lens = np.array(question_lens, dtype=np.int64)
+    leaf_lens = lens - root_len - q_lens[q_of]
+    assert (leaf_lens >= 1).all() and (q_lens >= 0).all() and root_len >= 0
+
+    # Packed row ranges: [root | question nodes | leaves].
+    q_start = root_len + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    leaf_base = root_len + int(q_lens.sum())
+    leaf_start = leaf_base + np.concatenate([[0], np.cumsum(leaf_lens)[:-1]])
+    num_rows = leaf_base + int(leaf_lens.sum())
+
+    token_ids = np.empty(num_rows, dtype=np.int64)
+    positions = np.empty(num_rows, dtype=np.int64)
+    row_node = np.empty(num_rows, dtype=np.int64)
+    row_parent = np.empty(num_rows, dtype=np.int64)
+    row_grandparent = np.full(num_rows, -1, dtype=np.int64)
+    token_ids[:root_len] = seqs[0][:root_len]
+    positions[:root_len] = np.arange(root_len)
+    row_node[:root_len] = 0
+    row_parent[:root_len] = -1
+    first_member = [question_of.index(r) for r in range(num_questions)]
+    for r in range(num_questions):
+        span = slice(q_start[r], q_start[r] + q_lens[r])
+        token_ids[span] = seqs[first_member[r]][root_len : root_len + q_lens[r]]
+        positions[span] = root_len + np.arange(q_lens[r])
+        row_node[span] = 1 + r
+        row_parent[span] = 0
+    paths = []
+    for c in range(num_cands):
+        r = question_of[c]
+        span = slice(leaf_start[c], leaf_start[c] + leaf_lens[c])
+        own = root_len + q_lens[r]
+        token_ids[span] = seqs[c][own:]
+        positions[span] = own + np.arange(leaf_lens[c])
+        row_node[span] = 1 + num_questions + c
+        row_parent[span] = 1 + r
+        row_grandparent[span] = 0
+        paths.append(
+            np.concatenate(
+                [
+                    np.arange(root_len),
+                    q_start[r] + np.arange(q_lens[r]),
+                    leaf_start[c] + np.arange(leaf_lens[c]),
+                ]
+            )
+        )
+    path_rows = np.concatenate(paths).astype(np.int64)
+    path_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    read_rows = leaf_start + leaf_lens - 1
+
+    # Representative slot of each packed row: its first occurrence in the concatenated paths.
+    _, first_slot = np.unique(path_rows, return_index=True)
+    row_slot = first_slot.astype(np.int64)
+    assert len(row_slot) == num_rows
+
+    # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
+    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], lens)
+    conv_rows = np.empty((num_rows, CONV_WIDTH), dtype=np.int64)
+    for k in range(CONV_WIDTH):
+        back = CONV_WIDTH - 1 - k
+        src = row_slot - back
+        conv_rows[:, k] = np.where(slot_pos[row_slot] >= back, path_rows[np.maximum(src, 0)], num_rows)
+
+    schedules = {
+        "replicated": [_replicated_call(path_rows, lens, chunk_size)],
+        "handoff": _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size),
+    }
+    for mode, calls in schedules.items():
+        produced = np.concatenate([call["out_rows"] for call in calls])
+        if not np.array_equal(np.sort(produced), np.arange(num_rows)):
+            raise AssertionError(f"{mode} GDN schedule does not produce every packed row exactly once")
+
+    arrays = {
+        "token_ids": token_ids,
+        "positions": positions,
+        "row_node": row_node,
+        "row_parent": row_parent,
+        "row_grandparent": row_grandparent,
+        "row_slot": row_slot,
+        "conv_rows": conv_rows,
+        "path_rows": path_rows,
+        "path_cu_seqlens": path_cu,
+        "read_rows": read_rows.astype(np.int64),
+    }
+    for mode, calls in schedules.items():
+        for i, call in enumerate(calls):
+            call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
+            for name in ("rows", "cu_seqlens", "chunk_indices", "init_state", "out_slots", "out_rows"):
+                if call[name] is not None:
+                    arrays[f"{mode}.{i}.{name}"] = call[name]
+    dev = _upload(arrays, device)
+
+    gdn = {}
+    for mode, calls in schedules.items():
+        built = []
+        for i, call in enumerate(calls):
+            key = f"{mode}.{i}."
+            built.append(
+                GdnCall(
+                    rows=dev[key + "rows"],
+                    cu_seqlens=dev[key + "cu_seqlens"],
+                    cu_seqlens_cpu=torch.from_numpy(call["cu_seqlens"]),
+                    chunk_indices=dev[key + "chunk_indices"],
+                    init_state=dev.get(key + "init_state"),
+                    keep_final=call["keep_final"],
+                    out_slots=dev[key + "out_slots"],
+                    out_rows=dev[key + "out_rows"],
+                    start_positions=tuple(int(p) for p in call["start_positions"]),
+                    chunks=_chunks(np.diff(call["cu_seqlens"]), chunk_size),
+                    rows_start=_range_start(call["rows"]),
+                    out_start=(
+                        None
+                        if _range_start(call["out_slots"]) is None or _range_start(call["out_rows"]) is None
+                        else (_range_start(call["out_slots"]), _range_start(call["out_rows"]))
+                    ),
+                )
+            )
+        gdn[mode] = GdnSchedule(mode=mode, calls=tuple(built))
+
+    return TreePlan(
+        kind=kind,
+        device=device,
+        candidate_lens=tuple(int(n) for n in lens),
+        question_of=tuple(question_of),
+        root_len=int(root_len),
+        question_lens=tuple(int(n) for n in q_lens),
+        leaf_lens=tuple(int(n) for n in leaf_lens),
+        chunk_size=chunk_size,
+        token_ids=dev["token_ids"],
+        positions=dev["positions"],
+        row_node=dev["row_node"],
+        row_parent=dev["row_parent"],
+        row_grandparent=dev["row_grandparent"],
+        row_slot=dev["row_slot"],
+        conv_rows=dev["conv_rows"],
+        path_rows=dev["path_rows"],
+        path_cu_seqlens=dev["path_cu_seqlens"],
+        path_cu_seqlens_cpu=torch.from_numpy(path_cu),
+        path_cu_seqlens_i32=dev["path_cu_seqlens"].to(torch.int32),
+        read_rows=dev["read_rows"],
+        gdn=gdn,
+    )
+
+
+def _replicated_call(path_rows: np.ndarray, lens: np.ndarray, chunk_size: int) -> dict:
+    _, first_slot = np.unique(path_rows, return_index=True)
+    return {
+        "rows": path_rows,
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        "init_state": None,
+        "keep_final": False,
+        "out_slots": first_slot.astype(np.int64),
+        "out_rows": path_rows[first_slot],
+        "start_positions": np.zeros(len(lens), dtype=np.int64),
+    }
+
+
+def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size) -> list[dict]:
+    """Root to A0, questions from A0 to A_r, leaves from A_r (all multiples of chunk_size); see GdnSchedule."""
+    a0 = root_len // chunk_size * chunk_size
+    q_end = (root_len + q_lens) // chunk_size * chunk_size  # A_r per question
+    calls = []
+    bank_size = 1  # entry 0: the zero state
+    root_state = 0
+    if a0 > 0:
+        calls.append(_call([(paths[0], 0, a0, 0)], keep_final=True))
+        root_state, bank_size = bank_size, bank_size + 1
+    q_state = np.full(len(q_lens), root_state, dtype=np.int64)
+    q_from = np.full(len(q_lens), a0, dtype=np.int64)
+    crossing = [r for r in range(len(q_lens)) if q_end[r] > a0]
+    if crossing:
+        first_member = {r: int(np.flatnonzero(q_of == r)[0]) for r in crossing}
+        calls.append(_call([(paths[first_member[r]], a0, q_end[r], root_state) for r in crossing], keep_final=True))
+        for i, r in enumerate(crossing):
+            q_state[r], q_from[r] = bank_size + i, q_end[r]
+        bank_size += len(crossing)
+    leaves = [(paths[c], q_from[q_of[c]], lens[c], q_state[q_of[c]]) for c in range(len(paths))]
+    calls.append(_call(leaves, keep_final=False))
+
+    # Each packed row is produced by the first slot (in call order) that holds it.
+    all_rows = np.concatenate([call["rows"] for call in calls])
+    _, first = np.unique(all_rows, return_index=True)
+    is_first = np.zeros(len(all_rows), dtype=bool)
+    is_first[first] = True
+    offset = 0
+    for call in calls:
+        n = len(call["rows"])
+        call["out_slots"] = np.flatnonzero(is_first[offset : offset + n]).astype(np.int64)
+        call["out_rows"] = call["rows"][call["out_slots"]]
+        offset += n
+    return calls
+
+
+def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -> dict:
+    """pieces: (path, start position, end position, state bank index) per sequence."""
+    rows = np.concatenate([path[start:end] for path, start, end, _ in pieces]).astype(np.int64)
+    seq_lens = np.array([end - start for _, start, end, _ in pieces], dtype=np.int64)
+    assert (seq_lens > 0).all()
+    starts = np.array([start for _, start, _, _ in pieces], dtype=np.int64)
+    states = np.array([state for _, _, _, state in pieces], dtype=np.int64)
+    return {
+        "rows": rows,
+        "cu_seqlens": np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
+        "init_state": None if (starts == 0).all() else states,
+        "keep_final": keep_final,
+        "start_positions": starts,
+    }
+
+
+def _upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """One host-to-device copy of every int64 index array; returns views into the device buffer."""
+    flat = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()]
+    offsets = np.concatenate([[0], np.cumsum([a.size for a in flat])])
+    buffer = torch.from_numpy(np.concatenate(flat)).to(device)
+    return {name: buffer[offsets[i] : offsets[i + 1]].view(arr.shape) for i, (name, arr) in enumerate(arrays.items())}
