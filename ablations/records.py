@@ -1,0 +1,218 @@
+"""Run records: the schema, the validator, the writer and the readers of results/runs/*.json.
+
+One JSON file per run of `python -m ablations.run`, named `<utc>-<gpu or cpu>-<commit7>.json`. The names the figures
+and the report read (nesting as shown; a record may hold more):
+
+    schema        "jevlab-run/1"
+    complete      false while the run is in progress (the runner rewrites the file after every workload)
+    plan          {name, device, shapes, reference, baseline, headline, timer, warmup, runs, ...}
+    env           {gpu, driver, torch, triton, cuda, git_commit, git_dirty, utc, device, ...}
+    weights       {synthetic, method, model_id, seed, linear_params, ...}
+    ceilings      {copy_tbps, bf16_tflops, ...}
+    workloads     [{id, group, description, questions, candidates, tokens, max_candidate_tokens}]
+    stages        [{name, status, reason, gate, registry, build_s, workloads: [
+                      {id, rows, median_ms, p10_ms, p90_ms, samples_ms, kernels_per_forward, gpu_busy_ms,
+                       floor_ms, weight_floor_ms, compute_floor_ms, max_abs_dp, hidden_rel_rmse, argmax_flips,
+                       probabilities, ...}]}]
+    attempts      the record of failed attempts (ablations/attempts.toml) as it stood at the run
+
+Stage `status`: `ok` (gate green, built, timed), `gate-red` (its gate failed: not timed), `unavailable` (its code is
+missing or it cannot run on this device, with the reason), `error` (building or running it raised, with the reason),
+`pending` (not finished yet, in an incomplete record). Only `ok` and `pending` stages have workloads.
+Nullable by design: `kernels_per_forward` and `gpu_busy_ms` on the CPU (no CUDA kernels); `max_abs_dp` /
+`hidden_rel_rmse` until the reference outputs exist (a complete record has them for every timed workload); env `gpu`,
+`driver`, `cuda` on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tomllib
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "jevlab-run/1"
+ATTEMPTS_SCHEMA = "jevlab-attempts/1"
+RUN_STATUSES = ("ok", "gate-red", "unavailable", "error", "pending")
+GATE_OUTCOMES = ("green", "red")
+ATTEMPT_OUTCOMES = ("failed", "rejected", "superseded")
+ATTEMPTS_FILE = Path(__file__).resolve().parent / "attempts.toml"
+
+STR, BOOL, NUM, INT, LIST, DICT = "str", "bool", "number", "int", "list", "dict"
+
+TOP = {"schema": STR, "complete": BOOL, "plan": DICT, "env": DICT, "weights": DICT, "ceilings": DICT,
+       "workloads": LIST, "stages": LIST, "attempts": LIST}  # fmt: skip
+PLAN = {"name": STR, "device": STR, "shapes": STR, "reference": STR, "baseline": STR, "headline": STR, "timer": STR,
+        "warmup": INT, "runs": INT}  # fmt: skip
+ENV = {"gpu": (STR, None), "driver": (STR, None), "torch": STR, "triton": (STR, None), "cuda": (STR, None),
+       "git_commit": STR, "git_dirty": BOOL, "utc": STR, "device": STR}  # fmt: skip
+WEIGHTS = {"synthetic": BOOL, "method": STR, "linear_params": INT}
+CEILINGS = {"copy_tbps": NUM, "bf16_tflops": NUM}
+WORKLOAD_DEF = {"id": STR, "questions": INT, "candidates": INT, "tokens": INT}
+STAGE = {"name": STR, "status": STR, "reason": (STR, None), "gate": (DICT, None), "workloads": LIST}
+GATE = {"node": STR, "outcome": STR, "exit_code": INT}
+MEASURED = {"id": STR, "rows": INT, "median_ms": NUM, "p10_ms": NUM, "p90_ms": NUM, "samples_ms": LIST,
+            "kernels_per_forward": (NUM, None), "gpu_busy_ms": (NUM, None), "floor_ms": NUM,
+            "max_abs_dp": (NUM, None), "hidden_rel_rmse": (NUM, None)}  # fmt: skip
+ATTEMPT = {"id": STR, "stage": STR, "title": STR, "outcome": STR, "reason": STR, "numbers": DICT, "evidence": STR,
+           "date": STR}  # fmt: skip
+
+
+class RecordError(ValueError):
+    """A run record (or attempts record) that does not meet the schema; the message lists every problem."""
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == NUM:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == LIST:
+        return isinstance(value, list)
+    if kind == DICT:
+        return isinstance(value, dict)
+    raise AssertionError(kind)
+
+
+def _check_fields(obj: Any, spec: dict[str, Any], where: str, problems: list[str]) -> bool:
+    """Append a problem for each missing or mistyped name; a spec value (KIND, None) allows null."""
+    if not isinstance(obj, dict):
+        problems.append(f"{where}: expected an object, got {type(obj).__name__}")
+        return False
+    for name, kind in spec.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if name not in obj:
+            problems.append(f"{where}.{name}: missing")
+        elif not any(obj[name] is None if k is None else _is(obj[name], k) for k in kinds):
+            allowed = " or ".join("null" if k is None else k for k in kinds)
+            problems.append(f"{where}.{name}: expected {allowed}, got {obj[name]!r:.80}")
+    return True
+
+
+def _check_measured(workload: dict, where: str, complete: bool, problems: list[str]) -> None:
+    if not _check_fields(workload, MEASURED, where, problems):
+        return
+    samples = workload.get("samples_ms")
+    if not isinstance(samples, list) or not samples or not all(_is(s, NUM) and s > 0 for s in samples):
+        problems.append(f"{where}.samples_ms: expected a non-empty list of positive numbers")
+        return
+    if not all(_is(workload.get(k), NUM) for k in ("median_ms", "p10_ms", "p90_ms")):
+        return
+    if not math.isclose(workload["median_ms"], statistics.median(samples), rel_tol=1e-9):
+        problems.append(f"{where}.median_ms: {workload['median_ms']} is not the median of samples_ms")
+    if not workload["p10_ms"] <= workload["median_ms"] <= workload["p90_ms"]:
+        problems.append(f"{where}: expected p10_ms <= median_ms <= p90_ms")
+    if complete and (workload.get("max_abs_dp") is None or workload.get("hidden_rel_rmse") is None):
+        problems.append(f"{where}: a complete record compares every timed workload with the reference")
+
+
+def validate_record(record: Any) -> None:
+    """Raise RecordError listing every problem, or return None for a record that meets the schema."""
+    problems: list[str] = []
+    if not _check_fields(record, TOP, "record", problems):
+        raise RecordError("; ".join(problems))
+    if record.get("schema") != SCHEMA:
+        problems.append(f"record.schema: expected {SCHEMA!r}, got {record.get('schema')!r}")
+    for name, spec in (("plan", PLAN), ("env", ENV), ("weights", WEIGHTS), ("ceilings", CEILINGS)):
+        if isinstance(record.get(name), dict):
+            _check_fields(record[name], spec, name, problems)
+    for i, workload in enumerate(record.get("workloads") or []):
+        _check_fields(workload, WORKLOAD_DEF, f"workloads[{i}]", problems)
+    complete = record.get("complete") is True
+    for i, stage in enumerate(record.get("stages") or []):
+        where = f"stages[{i}]"
+        if not _check_fields(stage, STAGE, where, problems):
+            continue
+        status = stage.get("status")
+        if status not in RUN_STATUSES:
+            problems.append(f"{where}.status: {status!r} is not one of {RUN_STATUSES}")
+        if complete and status == "pending":
+            problems.append(f"{where}.status: a complete record has no pending stage")
+        if status in ("gate-red", "unavailable", "error") and not stage.get("reason"):
+            problems.append(f"{where}.reason: a {status} stage says why")
+        gate = stage.get("gate")
+        if isinstance(gate, dict) and _check_fields(gate, GATE, f"{where}.gate", problems):
+            if gate.get("outcome") not in GATE_OUTCOMES:
+                problems.append(f"{where}.gate.outcome: {gate.get('outcome')!r} is not one of {GATE_OUTCOMES}")
+            elif status == "ok" and gate["outcome"] != "green":
+                problems.append(f"{where}: timed although its gate is {gate['outcome']}")
+        if status == "ok" and gate is None:
+            problems.append(f"{where}: timed without a gate")
+        workloads = stage.get("workloads") or []
+        if status not in ("ok", "pending") and workloads:
+            problems.append(f"{where}.workloads: only an ok (or, while running, pending) stage has timings")
+        for j, workload in enumerate(workloads):
+            _check_measured(workload, f"{where}.workloads[{j}]", complete, problems)
+    for i, attempt in enumerate(record.get("attempts") or []):
+        _check_attempt(attempt, f"attempts[{i}]", problems)
+    if problems:
+        raise RecordError("; ".join(problems))
+
+
+def _check_attempt(attempt: Any, where: str, problems: list[str]) -> None:
+    if _check_fields(attempt, ATTEMPT, where, problems) and attempt.get("outcome") not in ATTEMPT_OUTCOMES:
+        problems.append(f"{where}.outcome: {attempt.get('outcome')!r} is not one of {ATTEMPT_OUTCOMES}")
+
+
+def load_attempts(path: Path = ATTEMPTS_FILE) -> list[dict]:
+    """The record of failed attempts, validated."""
+    data = tomllib.loads(path.read_text())
+    problems: list[str] = []
+    if data.get("schema") != ATTEMPTS_SCHEMA:
+        problems.append(f"{path.name}: schema must be {ATTEMPTS_SCHEMA!r}")
+    attempts = data.get("attempts")
+    if not isinstance(attempts, list):
+        problems.append(f"{path.name}: attempts must be a list")
+        attempts = []
+    for i, attempt in enumerate(attempts):
+        _check_attempt(attempt, f"{path.name} attempts[{i}]", problems)
+    ids = [a.get("id") for a in attempts if isinstance(a, dict)]
+    if len(ids) != len(set(ids)):
+        problems.append(f"{path.name}: attempt ids must be unique")
+    if problems:
+        raise RecordError("; ".join(problems))
+    return attempts
+
+
+def write_record(record: dict, path: Path) -> Path:
+    """Validate, then write atomically (a reader never sees half a file)."""
+    validate_record(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def read_record(path: Path) -> dict:
+    record = json.loads(Path(path).read_text())
+    try:
+        validate_record(record)
+    except RecordError as error:
+        raise RecordError(f"{path}: {error}") from None
+    return record
+
+
+def complete_records(runs_dir: Path) -> list[tuple[Path, dict]]:
+    """Every complete, valid record under `runs_dir`, oldest first (by env.utc, then file name)."""
+    found = []
+    for path in sorted(Path(runs_dir).glob("*.json")):
+        record = read_record(path)
+        if record["complete"]:
+            found.append((path, record))
+    return sorted(found, key=lambda item: (item[1]["env"]["utc"], item[0].name))
+
+
+def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:
+    """The newest complete record of each plan."""
+    newest: dict[str, tuple[Path, dict]] = {}
+    for path, record in complete_records(runs_dir):
+        newest[record["plan"]["name"]] = (path, record)
+    return newest

@@ -1,0 +1,524 @@
+"""The ablation runner: gate, build and time every stage of a plan on every workload, in one run, into one record.
+
+    python -m ablations.run [--plan gpu-27b | cpu-tiny] [--stages hf_torch,hf_fla] [--workloads drone,jevbench]
+                            [--runs N] [--warmup N] [--results DIR] [--nvtx] [--list]
+
+Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
+
+1. Stages are taken in registry order (HF stages before engine stages). A stage whose code is missing, or which
+   cannot run on this device, is recorded `unavailable` with the reason.
+2. Gates: the remaining stages' gate nodes run first, all in one fresh `python -m pytest -q <nodes>` process (`-m gpu`
+   on a GPU plan, `TRITON_INTERPRET=1` on the CPU; each node alone if that process stops on a usage error), and each
+   node is judged from the junit report: green = at least one of its tests passed and none failed (all skipped,
+   deselected or not found is red). A red stage is recorded `gate-red` with the failures and is not built or timed.
+3. Ceilings of this device (copy rate, bf16 matmul rate; ablations/timing.py), then the synthetic weights of the
+   plan's shapes, then every workload planned once through `reference.service.DecisionModel.plan` (validation,
+   prompts, chat template, token ids), so every stage sees the same tokens.
+4. Per stage: build once; per workload `prepare` (host work and copies, untimed), one call whose outputs are kept
+   (hidden states at the read positions and the head's scores; it is also the first warm-up), the other warm-up
+   calls, then `runs` timed calls of forward + fp32 head (reference/readout.py's `head_scores`), then
+   `profile_runs` calls under torch.profiler for kernels per forward and GPU-busy time (GPU only).
+5. Correctness against the plan's reference stage, per workload: max |dp| over every candidate probability (the
+   service's readout: per-question softmax of score / T), the relative RMSE ||h - h_ref|| / ||h_ref|| of the
+   final-norm hidden states at the read positions (fp64 over all candidates), and the number of questions whose
+   argmax differs. The reference outputs come from the reference stage's own timed run when it runs, otherwise from
+   one untimed pass; either way they exist before the first engine stage consumes the weights.
+6. Floors per workload from the measured ceilings (weight streaming; compute for the rows the stage computes:
+   `backbone.rows_computed(prepared)` where the backbone has it, else the candidates' real tokens).
+
+The record (ablations/records.py) is rewritten after every workload with `complete: false`, and a last time with
+`complete: true`; a run that dies leaves what it measured. Everything in it comes from this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ablations import envinfo, records, timing
+from ablations.plans import Plan, load_plan, plan_names
+from ablations.registry import STAGE_LIST, BuildContext, Stage, get_stage, in_ladder_order
+from ablations.workloads import Workload, resolve
+from reference.readout import head_scores, record_probabilities
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO / "results"
+OUTPUT_TAIL_CHARS = 3000
+SYNTHETIC_STATEMENT = (
+    "Synthetic weights: seeded random tensors of the exact shapes. Timings and engine-vs-reference fidelity are real; "
+    "the probabilities carry no meaning for accuracy."
+)
+
+
+# ---------------------------------------------------------------------------------------------------------- gates
+def junit_cases(path: Path) -> list[ET.Element]:
+    """Every <testcase> of a pytest junit XML file."""
+    return list(ET.parse(path).getroot().iter("testcase"))
+
+
+def node_key(node: str) -> tuple[str, str, str | None]:
+    """(junit classname, test function, exact test name or None) of a node id `path.py::[Class::]test[params]`."""
+    path, _, rest = node.partition("::")
+    classname = path.removesuffix(".py").replace("/", ".")
+    *classes, test = rest.split("::")
+    classname = ".".join([classname, *classes])
+    function, bracket, _ = test.partition("[")
+    return classname, function, test if bracket else None
+
+
+def case_outcome(case: ET.Element) -> str:
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    return "skipped" if case.find("skipped") is not None else "passed"
+
+
+def _pytest(nodes: list[str], device: str, timeout_s: float, cwd: Path) -> dict[str, Any]:
+    """One fresh pytest process over `nodes` (`-m gpu` on a GPU plan, TRITON_INTERPRET=1 on the CPU)."""
+    selection = ["-m", "gpu", *nodes] if device == "cuda" else list(nodes)
+    env = dict(os.environ)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    with tempfile.TemporaryDirectory() as folder:
+        junit = Path(folder) / "gates.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            exit_code, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as error:
+            exit_code = -1
+            output = f"{error.stdout or ''}{error.stderr or ''}\ngates timed out after {timeout_s:g} s"
+        seconds = time.perf_counter() - start
+        cases = junit_cases(junit) if junit.is_file() else []
+    return {"exit_code": exit_code, "output": output, "cases": cases, "seconds": round(seconds, 2),
+            "command": " ".join(["python -m pytest -q", *selection])}  # fmt: skip
+
+
+def gate_result(node: str, run: dict[str, Any]) -> dict[str, Any]:
+    """A node's gate from a pytest run that may have covered other nodes too: green iff the run completed, at least
+    one of the node's tests passed and none failed (all skipped, deselected or not collected is red)."""
+    classname, function, exact = node_key(node)
+    mine = [
+        case
+        for case in run["cases"]
+        if case.get("classname") == classname
+        and (case.get("name") == exact if exact else case.get("name", "").partition("[")[0] == function)
+    ]
+    outcomes = [case_outcome(case) for case in mine]
+    passed, failed = outcomes.count("passed"), outcomes.count("failed")
+    failures = [
+        f"{case.get('name')}: {(problem.get('message') or '')[:300]}\n{(problem.text or '')[-800:]}"
+        for case in mine
+        for problem in (*case.findall("failure"), *case.findall("error"))
+    ]
+    return {
+        "node": node,
+        "outcome": "green" if run["exit_code"] in (0, 1) and passed >= 1 and failed == 0 else "red",
+        "exit_code": run["exit_code"],
+        "passed": passed,
+        "failed": failed,
+        "skipped": outcomes.count("skipped"),
+        "seconds": run["seconds"],
+        "command": run["command"],
+        "output_tail": ("\n".join(failures) or run["output"])[-OUTPUT_TAIL_CHARS:],
+    }
+
+
+def run_gates(nodes: list[str], device: str, timeout_s: float, cwd: Path = REPO) -> dict[str, dict[str, Any]]:
+    """Gate results by node. All nodes run in one pytest process (module fixtures, such as a 27B model, are built
+    once); when that process stops before running tests (an unknown node is a usage error for the whole
+    invocation), each node runs alone."""
+    nodes = list(dict.fromkeys(nodes))
+    if not nodes:
+        return {}
+    run = _pytest(nodes, device, timeout_s * len(nodes), cwd)
+    if run["exit_code"] in (0, 1, 5) or len(nodes) == 1:
+        return {node: gate_result(node, run) for node in nodes}
+    return {node: gate_result(node, _pytest([node], device, timeout_s, cwd)) for node in nodes}
+
+
+def gate_reason(gate: dict[str, Any]) -> str:
+    if gate["passed"] == 0 and gate["failed"] == 0:
+        return f"gate {gate['node']} ran no test (exit code {gate['exit_code']}: skipped, deselected or not found)"
+    counts = f"exit code {gate['exit_code']}, {gate['failed']} failed, {gate['passed']} passed"
+    return f"gate {gate['node']} is red: {counts}"
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+@dataclass
+class Outputs:
+    """What a stage answered for one workload: compared with the reference's."""
+
+    hidden: torch.Tensor  # [C, hidden] fp32 on the CPU (exact copy of the bf16 forward output)
+    probabilities: list[list[float]]  # per question, over its answer keys
+
+
+def probabilities_of(decision_plan: Any, scores: list[float], temperature: float) -> list[list[float]]:
+    """Per-question probabilities through the service's readout (reference/readout.py)."""
+    result, offset = [], 0
+    for record in decision_plan.records:
+        own = scores[offset : offset + record.candidate_count]
+        offset += record.candidate_count
+        result.append(record_probabilities(record, own, temperature))
+    return result
+
+
+def compare(outputs: Outputs, reference: Outputs) -> dict[str, float | int]:
+    """max |dp| over all probabilities, relative RMSE of the hidden states, questions whose argmax differs."""
+    if outputs.hidden.shape != reference.hidden.shape:
+        raise ValueError(f"hidden shapes differ: {tuple(outputs.hidden.shape)} vs {tuple(reference.hidden.shape)}")
+    diff = (outputs.hidden.double() - reference.hidden.double()).square().sum()
+    rel_rmse = math.sqrt(float(diff) / float(reference.hidden.double().square().sum()))
+    max_dp, flips = 0.0, 0
+    for mine, theirs in zip(outputs.probabilities, reference.probabilities, strict=True):
+        max_dp = max(max_dp, *(abs(a - b) for a, b in zip(mine, theirs, strict=True)))
+        flips += max(range(len(mine)), key=mine.__getitem__) != max(range(len(theirs)), key=theirs.__getitem__)
+    return {"max_abs_dp": max_dp, "hidden_rel_rmse": rel_rmse, "argmax_flips": flips}
+
+
+def rows_computed(backbone: Any, prepared: Any, candidates: list[list[int]]) -> int:
+    counter = getattr(backbone, "rows_computed", None)
+    return int(counter(prepared)) if counter is not None else sum(len(ids) for ids in candidates)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class Run:
+    def __init__(self, plan: Plan, stages: list[Stage], workloads: list[Workload], args: argparse.Namespace) -> None:
+        self.plan = plan
+        self.stages = stages
+        self.workloads = workloads
+        self.device = plan.device
+        self.runs = args.runs if args.runs is not None else plan.timing.runs
+        self.warmup = args.warmup if args.warmup is not None else plan.timing.warmup
+        if self.runs < plan.timing.min_runs:
+            raise SystemExit(f"--runs {self.runs}: plan {plan.name} times at least {plan.timing.min_runs} runs")
+        if self.warmup < 1:
+            raise SystemExit("--warmup must be >= 1 (the first call gives the compared outputs)")
+        self.nvtx_timing = args.nvtx and self.device == "cuda"
+        self.gate_timeout = args.gate_timeout
+        self.progress = not args.no_progress
+        self.env = envinfo.collect(self.device)
+        self.path = Path(args.results) / "runs" / f"{envinfo.record_stem(self.env)}.json"
+        self.reference_outputs: dict[str, Outputs] = {}
+        self.outputs: dict[tuple[str, str], Outputs] = {}
+        self.decision_plans: dict[str, Any] = {}
+        plan_info = plan.describe() | {"runs": self.runs, "warmup": self.warmup}
+        plan_info["requested_stages"] = [s.name for s in stages]
+        plan_info["requested_workloads"] = [w.id for w in workloads]
+        self.record: dict[str, Any] = {
+            "schema": records.SCHEMA,
+            "complete": False,
+            "plan": plan_info,
+            "env": self.env,
+            "weights": {},
+            "ceilings": {},
+            "reference": {"stage": plan.reference, "source": None},
+            "workloads": [],
+            "stages": [self._stage_entry(stage) for stage in stages],
+            "registry": [stage.describe() for stage in STAGE_LIST],
+            "attempts": records.load_attempts(),
+            "nvtx": {"timed_calls": self.nvtx_timing, "profiled_calls": self.device == "cuda"},
+        }
+
+    def _stage_entry(self, stage: Stage) -> dict[str, Any]:
+        return {"name": stage.name, "status": "pending", "reason": None, "gate": None, "registry": stage.describe(),
+                "build_s": None, "peak_memory_gib": None, "workloads": [], "workload_errors": []}  # fmt: skip
+
+    def entry(self, name: str) -> dict[str, Any]:
+        return next(e for e in self.record["stages"] if e["name"] == name)
+
+    def write(self) -> None:
+        records.write_record(self.record, self.path)
+
+    # -- step 1 and 2
+    def check_availability_and_gates(self) -> None:
+        todo = []
+        for stage in self.stages:
+            entry = self.entry(stage.name)
+            if self.device not in stage.devices:
+                entry["status"] = "unavailable"
+                entry["reason"] = f"{stage.name} runs on {', '.join(stage.devices)} only, not on {self.device}"
+                continue
+            missing = stage.missing_code()
+            if missing:
+                entry["status"], entry["reason"] = "unavailable", missing
+                continue
+            todo.append(stage)
+        nodes = [stage.gate_for(self.device) for stage in todo]
+        if nodes and self.progress:
+            print(f"gates: {len(nodes)} node(s) in one pytest process ({', '.join(nodes)})", file=sys.stderr)
+        gates = run_gates(nodes, self.device, self.gate_timeout)
+        for stage in todo:
+            entry = self.entry(stage.name)
+            entry["gate"] = gates[stage.gate_for(self.device)]
+            if entry["gate"]["outcome"] != "green":
+                entry["status"], entry["reason"] = "gate-red", gate_reason(entry["gate"])
+
+    # -- step 3
+    def prepare_inputs(self) -> None:
+        from reference.service import DecisionModel
+        from reference.shapes import get_shapes
+        from reference.weights import synthetic_weights
+
+        ceilings = self.plan.ceilings
+        self.record["ceilings"] = timing.measure_ceilings(
+            self.device, copy_bytes=ceilings.copy_bytes, gemm_n=ceilings.gemm_n, runs=ceilings.runs
+        )
+        shapes = get_shapes(self.plan.shapes)
+        self.weights = synthetic_weights(shapes, seed=self.plan.weights_seed, device=self.device)
+        self.linear_params = shapes.linear_params()
+        self.record["weights"] = {
+            "synthetic": bool(self.weights.synthetic),
+            "method": self.weights.method,
+            "model_id": self.weights.model_id,
+            "shapes": shapes.name,
+            "seed": self.plan.weights_seed,
+            "linear_params": self.linear_params,
+            "linear_weight_bytes": 2 * self.linear_params,
+            "temperature": self.weights.temperature,
+            "statement": SYNTHETIC_STATEMENT if self.weights.synthetic else None,
+        }
+        self.ctx = BuildContext(self.weights, nvtx=self.nvtx_timing)
+        self.head_weight = self.weights.head_weight.to(self.device)
+        self.head_bias = self.weights.head_bias.to(self.device)
+        planner = DecisionModel(get_stage(self.plan.reference).build(self.ctx), self.weights)
+        for workload in self.workloads:
+            decision_plan = planner.plan(workload.request)
+            self.decision_plans[workload.id] = decision_plan
+            lengths = [len(ids) for ids in decision_plan.candidates]
+            self.record["workloads"].append(
+                {
+                    "id": workload.id,
+                    "group": workload.group,
+                    "description": workload.description,
+                    "questions": len(decision_plan.records),
+                    "candidates": len(lengths),
+                    "tokens": sum(lengths),
+                    "max_candidate_tokens": max(lengths),
+                }
+            )
+        self.write()
+
+    # -- step 4
+    def outputs_of(self, backbone: Any, prepared: Any, decision_plan: Any) -> Outputs:
+        """One forward + head, kept for the comparisons: hidden states and per-question probabilities."""
+        hidden = backbone.forward(prepared)  # [C, hidden] bf16
+        scores = head_scores(hidden, self.head_weight, self.head_bias).cpu().tolist()
+        return Outputs(hidden.float().cpu(), probabilities_of(decision_plan, scores, self.weights.temperature))
+
+    def measure(self, stage: Stage, backbone: Any, workload: Workload) -> tuple[dict[str, Any], Outputs]:
+        decision_plan = self.decision_plans[workload.id]
+        label = f"{stage.name}/{workload.id}"
+        cuda = self.device == "cuda"
+        start = time.perf_counter()
+        prepared = backbone.prepare(decision_plan.candidates, decision_plan.groups)
+        if cuda:
+            torch.cuda.synchronize()
+        prepare_ms = (time.perf_counter() - start) * 1e3
+
+        def step() -> torch.Tensor:
+            return head_scores(backbone.forward(prepared), self.head_weight, self.head_bias)
+
+        with torch.inference_mode():
+            with timing.nvtx_range(f"{label} outputs", cuda):
+                outputs = self.outputs_of(backbone, prepared, decision_plan)
+            with timing.nvtx_range(f"{label} timed", cuda), timing.layer_ranges(backbone, self.nvtx_timing):
+                samples = timing.time_calls(step, device=self.device, warmup=self.warmup - 1, runs=self.runs)
+            kernels = None
+            if cuda:
+                with timing.nvtx_range(f"{label} profiled", True), timing.layer_ranges(backbone, True):
+                    kernels = timing.profile_kernels(step, self.plan.timing.profile_runs)
+        rows = rows_computed(backbone, prepared, decision_plan.candidates)
+        result = {"id": workload.id, "rows": rows, "prepare_ms": prepare_ms, **samples.summary()}
+        result["warmup"] = self.warmup
+        result["kernels_per_forward"] = kernels.kernels_per_forward if kernels else None
+        result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
+        result["top_kernels"] = kernels.top_kernels if kernels else []
+        result |= timing.floors(self.linear_params, rows, self.record["ceilings"])
+        result["floor_multiple"] = result["median_ms"] / result["floor_ms"]
+        result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
+        result["probabilities"] = outputs.probabilities
+        return result, outputs
+
+    def ensure_reference(self) -> None:
+        """Reference outputs for every workload, from one untimed pass of the reference stage where still missing."""
+        missing = [w for w in self.workloads if w.id not in self.reference_outputs]
+        if not missing:
+            return
+        stage = get_stage(self.plan.reference)
+        backbone = stage.build(self.ctx)
+        with torch.inference_mode():
+            for workload in missing:
+                decision_plan = self.decision_plans[workload.id]
+                prepared = backbone.prepare(decision_plan.candidates, decision_plan.groups)
+                self.reference_outputs[workload.id] = self.outputs_of(backbone, prepared, decision_plan)
+        del backbone
+        source = self.record["reference"]["source"]
+        self.record["reference"]["source"] = "untimed pass" if source is None else f"{source} + untimed pass"
+        self._release()
+
+    def update_comparisons(self) -> None:
+        for entry in self.record["stages"]:
+            for result in entry["workloads"]:
+                reference = self.reference_outputs.get(result["id"])
+                if reference is not None:
+                    result.update(compare(self.outputs[(entry["name"], result["id"])], reference))
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def time_stages(self) -> None:
+        runnable = [s for s in self.stages if self.entry(s.name)["status"] == "pending"]
+        bar = tqdm(
+            total=len(runnable) * len(self.workloads),
+            desc="stages",
+            unit="workload",
+            disable=not self.progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+        for stage in runnable:
+            entry = self.entry(stage.name)
+            if stage.consumes_weights and not self.ctx.consumed:
+                self.ensure_reference()
+            if self.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            try:
+                with timing.nvtx_range(f"{stage.name} build", self.device == "cuda"):
+                    backbone = stage.build(self.ctx)
+            except Exception as error:  # recorded with the reason; the run goes on with the next stage
+                if isinstance(error, NotImplementedError):  # the stage's code is not written yet
+                    entry["status"], entry["reason"] = "unavailable", f"not implemented: {error}"
+                else:
+                    entry["status"], entry["reason"] = "error", f"build failed: {type(error).__name__}: {error}"
+                bar.update(len(self.workloads))
+                self._release()
+                self.write()
+                continue
+            entry["build_s"] = time.perf_counter() - start
+            for workload in self.workloads:
+                bar.set_postfix_str(f"{stage.name} / {workload.id}")
+                try:
+                    result, outputs = self.measure(stage, backbone, workload)
+                except Exception as error:  # e.g. out of memory on one workload: recorded, the others still run
+                    entry["workload_errors"].append({"id": workload.id, "error": f"{type(error).__name__}: {error}"})
+                    self._release()
+                else:
+                    entry["workloads"].append(result)
+                    self.outputs[(stage.name, workload.id)] = outputs
+                    if stage.name == self.plan.reference:
+                        self.reference_outputs[workload.id] = outputs
+                        self.record["reference"]["source"] = "timed stage"
+                    self.update_comparisons()
+                bar.update(1)
+                self.write()
+            entry["status"] = "ok" if entry["workloads"] else "error"
+            if not entry["workloads"]:
+                entry["reason"] = "every workload failed: " + "; ".join(e["error"] for e in entry["workload_errors"])
+            if self.device == "cuda":
+                entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del backbone
+            self._release()
+        bar.close()
+
+    def run(self) -> Path:
+        if get_stage(self.plan.reference).missing_code():
+            raise SystemExit(f"the reference stage {self.plan.reference} is unavailable: cannot compare anything")
+        self.check_availability_and_gates()
+        self.prepare_inputs()
+        self.time_stages()
+        if not self.ctx.consumed:
+            self.ensure_reference()
+        self.update_comparisons()
+        self.record["complete"] = True
+        self.record["finished_utc"] = envinfo.utc_now()
+        self.write()
+        return self.path
+
+
+def summary_lines(record: dict[str, Any]) -> list[str]:
+    """A short table of the run: one line per stage and workload."""
+    plan, env = record["plan"], record["env"]
+    machine = env["gpu"] or f"CPU ({env.get('cpu') or 'unknown CPU'})"
+    lines = [f"plan {plan['name']} on {machine}; reference {plan['reference']}; synthetic weights", ""]
+    header = f"{'stage':<10} {'status':<12} {'workload':<34} {'rows':>7} {'median ms':>10} {'p10-p90':>17} "
+    lines.append(header + f"{'kernels':>8} {'busy ms':>8} {'x floor':>8} {'max|dp|':>9} {'rel rmse':>9}")
+
+    def number(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for stage in record["stages"]:
+        if stage["status"] != "ok":
+            lines.append(f"{stage['name']:<10} {stage['status']:<12} {stage['reason']}")
+            continue
+        for w in stage["workloads"]:
+            spread = f"{w['p10_ms']:.2f}-{w['p90_ms']:.2f}"
+            lines.append(
+                f"{stage['name']:<10} {'ok':<12} {w['id']:<34} {w['rows']:>7} {w['median_ms']:>10.2f} {spread:>17} "
+                f"{number(w['kernels_per_forward'], '.0f'):>8} {number(w['gpu_busy_ms'], '.2f'):>8} "
+                f"{w['floor_multiple']:>8.2f} {number(w['max_abs_dp'], '.2e'):>9} "
+                f"{number(w['hidden_rel_rmse'], '.2e'):>9}"
+            )
+        for error in stage["workload_errors"]:
+            lines.append(f"{stage['name']:<10} {'error':<12} {error['id']:<34} {error['error']}")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ablations.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", choices=plan_names(), help="default: gpu-27b with CUDA, else cpu-tiny")
+    parser.add_argument("--stages", help="comma-separated stage names (default: the plan's)")
+    parser.add_argument("--workloads", help="comma-separated workload ids or groups (default: the plan's)")
+    parser.add_argument("--runs", type=int, help="timed runs per workload (default: the plan's; not below min_runs)")
+    parser.add_argument("--warmup", type=int, help="warm-up calls per workload (default: the plan's)")
+    parser.add_argument("--results", default=str(DEFAULT_RESULTS), help="results folder (records go to runs/)")
+    parser.add_argument("--nvtx", action="store_true", help="keep per-layer NVTX ranges on during timed calls too")
+    parser.add_argument("--gate-timeout", type=float, default=900.0, help="seconds per gate test (default 900)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--list", action="store_true", help="list the plan's stages and workloads, then exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    has_cuda = torch.cuda.is_available()
+    plan = load_plan(args.plan or ("gpu-27b" if has_cuda else "cpu-tiny"))
+    if plan.device == "cuda" and not has_cuda:
+        print(f"plan {plan.name} needs a CUDA device and none is present; use --plan cpu-tiny", file=sys.stderr)
+        return 2
+    if plan.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports a Triton kernel
+    stages = in_ladder_order(args.stages.split(",") if args.stages else plan.stages)
+    workloads = resolve(args.workloads.split(",") if args.workloads else plan.workloads)
+    if args.list:
+        print(f"plan {plan.name}: {plan.description}")
+        for stage in stages:
+            print(f"  stage {stage.name:<10} {stage.exactness.describe()}; gate {stage.gate_for(plan.device)}")
+        for workload in workloads:
+            print(f"  workload {workload.id:<34} {workload.description}")
+        return 0
+    run = Run(plan, stages, workloads, args)
+    path = run.run()
+    print("\n".join(summary_lines(run.record)))
+    print(f"\nrun record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""How the runner measures: forward timings, kernel counts and GPU-busy time, the device's ceilings, the floors.
+
+Timings (ARCHITECTURE.md, Measuring). On a GPU each sample is one call bracketed by CUDA events with the device
+synchronized before and after, so a sample is the latency of one forward from an idle GPU: kernels plus the launch
+gaps a CPU-bound forward leaves. On the CPU each sample is `time.perf_counter` around one call. Warm-up calls run first
+and are not sampled. Summaries: median with p10 / p90 (numpy's linear interpolation), and the raw samples.
+
+Kernel counts and GPU-busy time come from `torch.profiler` (CPU + CUDA activities) over `profile_runs` calls: the
+chrome trace's events of category `kernel` (memcpy, memset and user annotations excluded) divided by the calls, and
+the union of those kernels' [start, end) intervals (overlapping kernels counted once) divided by the calls.
+
+Ceilings: the copy rate is bytes read + written by a device-to-device copy of `copy_bytes` random bytes per second;
+the bf16 rate is 2 n^3 flop per second of an n x n x n bf16 matmul on random inputs; both the median over `runs`
+after warm-up. Floors per workload: weight streaming = 2 bytes x shapes.linear_params() / copy rate (the bytes every
+forward must read, at the copy rate); compute = 2 x linear_params x rows / bf16 rate (rows the stage computes);
+the floor is the larger of the two.
+
+NVTX: `nvtx_range` marks stage / workload / phase on the GPU timeline; `layer_ranges` adds one range per decoder layer
+and per op family (the layer's direct children: attention or GDN mixer, MLP, norms) through module hooks, so an Nsight
+Systems profile reads by name. Hooks cost CPU time, so the runner keeps them on only for the profiled calls unless
+asked (`--nvtx`). On the CPU both are no-ops.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NOT_KERNELS = re.compile(r"^(Memcpy|Memset)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Samples:
+    samples_ms: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return float(statistics.median(self.samples_ms))
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.samples_ms, dtype=np.float64), q))
+
+    def summary(self) -> dict[str, float | int | list[float]]:
+        return {
+            "median_ms": self.median_ms,
+            "p10_ms": self.percentile_ms(10),
+            "p90_ms": self.percentile_ms(90),
+            "min_ms": min(self.samples_ms),
+            "max_ms": max(self.samples_ms),
+            "runs": len(self.samples_ms),
+            "samples_ms": list(self.samples_ms),
+        }
+
+
+def time_calls(fn: Callable[[], object], *, device: str, warmup: int, runs: int) -> Samples:
+    """`runs` latency samples (ms) of `fn()` after `warmup` unsampled calls: CUDA events on a GPU, else perf_counter."""
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"need runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        return Samples(_cuda_samples(fn, runs))
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Samples(samples)
+
+
+def _cuda_samples(fn: Callable[[], object], runs: int) -> list[float]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(float(start.elapsed_time(end)))
+    return samples
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    kernels_per_forward: float
+    gpu_busy_ms: float  # per forward
+    top_kernels: list[dict]  # the kernels with the most time: name, calls per forward, ms per forward
+
+
+def kernel_stats(trace_events: list[dict], calls: int, top: int = 10) -> KernelStats:
+    """Kernel count and busy time per call from chrome-trace events (`cat` == "kernel", `ts` / `dur` in us)."""
+    kernels = [e for e in trace_events if e.get("cat") == "kernel" and not NOT_KERNELS.match(e.get("name", ""))]
+    busy_us = union_length((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event["name"], []).append(float(event["dur"]))
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    top_kernels = [
+        {"name": name, "calls_per_forward": len(durs) / calls, "ms_per_forward": sum(durs) / calls / 1e3}
+        for name, durs in ranked
+    ]
+    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels)
+
+
+def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:
+    """Run `fn` `calls` times under torch.profiler (CUDA) and count the kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return kernel_stats(events, calls)
+
+
+def measure_ceilings(device: str, *, copy_bytes: int, gemm_n: int, runs: int) -> dict:
+    """Copy rate (TB/s, bytes read + written) and bf16 matmul rate (TFLOP/s) of this device, median of `runs`."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    source = torch.randint(0, 256, (copy_bytes,), dtype=torch.uint8, device=device, generator=generator)
+    target = torch.empty_like(source)
+    copy = time_calls(lambda: target.copy_(source), device=device, warmup=3, runs=runs)
+    a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device, generator=generator)
+    b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device, generator=generator)
+    gemm = time_calls(lambda: torch.mm(a, b), device=device, warmup=3, runs=runs)
+    return {
+        "copy_tbps": 2 * copy_bytes / (copy.median_ms * 1e-3) / 1e12,
+        "bf16_tflops": 2 * gemm_n**3 / (gemm.median_ms * 1e-3) / 1e12,
+        "copy_bytes": copy_bytes,
+        "copy_samples_ms": copy.samples_ms,
+        "gemm_n": gemm_n,
+        "gemm_samples_ms": gemm.samples_ms,
+        "method": "median of runs after 3 warm-up calls; copy rate = 2 x bytes / time; bf16 rate = 2 n^3 / time",
+    }
+
+
+def floors(linear_params: int, rows: int, ceilings: dict) -> dict[str, float]:
+    """Weight-streaming and compute floors (ms) of one forward over `rows` rows; the floor is the larger."""
+    weight_ms = 2 * linear_params / (ceilings["copy_tbps"] * 1e12) * 1e3
+    compute_ms = 2 * linear_params * rows / (ceilings["bf16_tflops"] * 1e12) * 1e3
+    return {"floor_ms": max(weight_ms, compute_ms), "weight_floor_ms": weight_ms, "compute_floor_ms": compute_ms}
+
+
+@contextmanager
+def nvtx_range(name: str, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+LAYER_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)$")
+
+
+def _layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(range name, module) for each decoder layer (`...layers.<i>`) and each of its direct children."""
+    named = []
+    for name, module in root.named_modules():
+        match = LAYER_NAME.match(name)
+        if match is None:
+            continue
+        named.append((f"layer {match.group(1)}", module))
+        for child_name, child in module.named_children():
+            named.append((f"layer {match.group(1)} {child_name}", child))
+    return named
+
+
+@contextmanager
+def layer_ranges(backbone: object, enabled: bool) -> Iterator[int]:
+    """NVTX ranges per decoder layer and op family of the backbone's torch module (`backbone.model` or the backbone
+    itself when it is a module); yields how many modules got ranges (0 when disabled or no module is found)."""
+    root = backbone if isinstance(backbone, torch.nn.Module) else getattr(backbone, "model", None)
+    if not enabled or not isinstance(root, torch.nn.Module):
+        yield 0
+        return
+    handles = []
+    named = _layer_modules(root)
+    for range_name, module in named:
+        handles.append(module.register_forward_pre_hook(lambda *_, n=range_name: torch.cuda.nvtx.range_push(n)))
+        handles.append(module.register_forward_hook(lambda *_: torch.cuda.nvtx.range_pop()))
+    try:
+        yield len(named)
+    finally:
+        for handle in handles:
+            handle.remove()

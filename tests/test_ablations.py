@@ -1,0 +1,616 @@
+"""The ablation spine on the CPU: registry, plans, workloads, run-record schema, timing helpers and runner pieces.
+
+No model runs here (the end-to-end tiny-plan run is `nox -s ablate`); the gate runner runs real pytest subprocesses on
+throw-away test files.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import random
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ablations import envinfo, records, timing
+from ablations.plans import check_plan, load_plan, plan_names
+from ablations.registry import (
+    EXACTNESS_LEVELS,
+    METRICS,
+    REGISTRY_STATUSES,
+    STAGE_LIST,
+    STAGES,
+    BuildContext,
+    get_stage,
+    in_ladder_order,
+)
+from ablations.run import (
+    Outputs,
+    compare,
+    gate_result,
+    junit_cases,
+    main,
+    node_key,
+    probabilities_of,
+    rows_computed,
+    run_gates,
+    summary_lines,
+)
+from ablations.workloads import (
+    HEADLINE,
+    JEVBENCH_TIERS,
+    SYNTHETIC,
+    get_workload,
+    jevbench_panel,
+    resolve,
+    synthetic_state,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------------- registry
+def test_stage_names_are_unique_and_the_ladder_has_one_root():
+    assert len(STAGES) == len(STAGE_LIST)
+    roots = [s for s in STAGE_LIST if s.builds_on is None]
+    assert [s.name for s in roots] == ["hf_torch"]
+    assert roots[0].exactness.level == "reference"
+    assert [s.name for s in STAGE_LIST[:4]] == ["hf_torch", "hf_fla", "merged", "fused"]
+
+
+def test_every_stage_builds_on_an_earlier_known_stage():
+    seen = set()
+    for stage in STAGE_LIST:
+        assert stage.builds_on is None or stage.builds_on in seen, f"{stage.name} builds on {stage.builds_on!r}"
+        seen.add(stage.name)
+
+
+def test_exactness_levels_and_bounds_are_well_formed():
+    for stage in STAGE_LIST:
+        e = stage.exactness
+        assert e.level in EXACTNESS_LEVELS, stage.name
+        if e.level == "reference":
+            assert stage.builds_on is None and e.against is None and e.metric is None and e.bound is None
+            continue
+        assert e.against in STAGES and e.against != stage.name, stage.name
+        if e.level == "bitwise":
+            assert e.metric is None and e.bound is None, stage.name
+        else:
+            assert e.metric in METRICS and e.bound is not None and 0 < e.bound < 1, stage.name
+        if e.level == "decisions":
+            assert e.metric == "max_abs_dp", stage.name
+
+
+def test_statuses_and_failure_records():
+    for stage in STAGE_LIST:
+        assert stage.status in REGISTRY_STATUSES, stage.name
+        failed = stage.status == "failed"
+        assert bool(stage.reason) == failed and bool(stage.numbers) == failed, stage.name
+        assert set(stage.devices) <= {"cuda", "cpu"} and stage.devices, stage.name
+
+
+def test_hf_stages_come_before_the_stages_that_consume_the_weights():
+    consumes = [stage.consumes_weights for stage in STAGE_LIST]
+    assert consumes == sorted(consumes), "an HF stage after an engine stage could not be built in one run"
+
+
+def _test_function(node: str) -> tuple[Path, ast.FunctionDef | ast.AsyncFunctionDef, ast.Module]:
+    """The test function a node id `path::[Class::]name[params]` names, parsed from its file."""
+    path, *parts = node.split("::")
+    file = REPO / path
+    assert file.is_file(), f"{node}: no file {path}"
+    tree = ast.parse(file.read_text())
+    scope: list[ast.stmt] = tree.body
+    for part in parts[:-1]:
+        classes = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == part]
+        assert classes, f"{node}: no class {part}"
+        scope = classes[0].body
+    name = parts[-1].split("[")[0]
+    functions = [n for n in scope if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name]
+    assert functions, f"{node}: no test function {name} in {path}"
+    return file, functions[0], tree
+
+
+def _marked_gpu(function: ast.FunctionDef | ast.AsyncFunctionDef, module: ast.Module) -> bool:
+    decorators = [ast.unparse(d) for d in function.decorator_list]
+    module_marks = [ast.unparse(n.value) for n in module.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]  # fmt: skip
+    return any("mark.gpu" in text for text in decorators + module_marks)
+
+
+@pytest.mark.parametrize("stage", STAGE_LIST, ids=lambda s: s.name)
+def test_gate_nodes_exist(stage):
+    """Each gate names an existing test function; the GPU gate is marked `gpu` (the runner selects it with -m gpu)."""
+    assert stage.gate != stage.gpu_gate
+    _, function, module = _test_function(stage.gate)
+    assert not _marked_gpu(function, module), f"{stage.gate} is a GPU test: the CPU plan would deselect it"
+    _, function, module = _test_function(stage.gpu_gate)
+    assert _marked_gpu(function, module), f"{stage.gpu_gate} is not marked gpu: `-m gpu` would deselect it"
+
+
+def test_requires_name_importable_attributes_or_explain_why_not():
+    for stage in STAGE_LIST:
+        assert all(":" in r for r in stage.requires), stage.name
+    present = dataclasses.replace(STAGES["hf_torch"], requires=("reference.shapes:TINY",))
+    assert present.missing_code() is None
+    no_module = dataclasses.replace(STAGES["hf_torch"], requires=("engine.no_such_module:Thing",))
+    assert "engine.no_such_module cannot be imported" in no_module.missing_code()
+    no_attribute = dataclasses.replace(STAGES["hf_torch"], requires=("reference.shapes:NO_SUCH_SHAPES",))
+    assert "no attribute 'NO_SUCH_SHAPES'" in no_attribute.missing_code()
+
+
+def test_ladder_order_and_unknown_names():
+    assert [s.name for s in in_ladder_order(["fused", "hf_torch", "hf_torch"])] == ["hf_torch", "fused"]
+    with pytest.raises(ValueError, match="unknown stage 'turbo'"):
+        in_ladder_order(["turbo"])
+    with pytest.raises(ValueError, match="known:"):
+        get_stage("nope")
+
+
+@pytest.mark.slow
+def test_build_context_refuses_hf_after_the_engine_consumed_the_weights():
+    from reference.shapes import TINY
+    from reference.weights import synthetic_weights
+
+    ctx = BuildContext(synthetic_weights(TINY, seed=5))
+    model = ctx.hf_model()
+    assert ctx.hf_model() is model  # shared by every HF stage
+    ctx.merged_weights()
+    assert ctx.consumed and ctx.weights.backbone == {}
+    with pytest.raises(RuntimeError, match="build every HF stage before the engine"):
+        ctx.hf_model()
+
+
+# ---------------------------------------------------------------------------------------------------------- plans
+@pytest.mark.parametrize("name", ["gpu-27b", "cpu-tiny"])
+def test_plans_load_and_name_known_stages_and_workloads(name):
+    assert name in plan_names()
+    plan = load_plan(name)
+    in_ladder_order(plan.stages)
+    workload_ids = [w.id for w in resolve(plan.workloads)]
+    assert plan.headline == HEADLINE and plan.headline in workload_ids
+    assert len(workload_ids) == len(set(workload_ids))
+    if plan.device == "cuda":
+        assert plan.timing.min_runs >= 30 and plan.timing.timer == "cuda-events"
+        assert set(workload_ids) >= {"drone", "customer_service", "synthetic-1024-choice-32", "long-10k-choice-5"}
+    else:
+        assert plan.timing.timer == "perf-counter" and "long-10k-choice-5" not in workload_ids
+
+
+def test_check_plan_rejects_inconsistent_plans():
+    plan = load_plan("gpu-27b")
+    with pytest.raises(ValueError, match="at least 30 runs"):
+        check_plan(dataclasses.replace(plan, timing=dataclasses.replace(plan.timing, min_runs=5)))
+    with pytest.raises(ValueError, match="reference must be an HF stage"):
+        check_plan(dataclasses.replace(plan, reference="merged"))
+    with pytest.raises(ValueError, match="times with 'perf-counter'"):
+        check_plan(dataclasses.replace(load_plan("cpu-tiny"), timing=plan.timing))
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        check_plan(dataclasses.replace(load_plan("cpu-tiny"), reference="hf_fla"))
+    with pytest.raises(ValueError, match="unknown plan"):
+        load_plan("gpu-999b")
+
+
+# ---------------------------------------------------------------------------------------------------------- workloads
+def test_synthetic_state_hits_the_exact_count_and_is_deterministic():
+    words = lambda text: len(text.split(" "))  # a stand-in tokenizer: one token per word
+    a, b = synthetic_state(137, seed=3, count_tokens=words), synthetic_state(137, seed=3, count_tokens=words)
+    assert a == b and words(a) == 137
+    assert synthetic_state(137, seed=4, count_tokens=words) != a
+    with pytest.raises(ValueError, match="at least 8 tokens"):
+        synthetic_state(5, seed=0, count_tokens=words)
+
+
+def _candidate_lengths(request: dict) -> list[int]:
+    from reference.prompts import candidate_prompts, compile_records
+    from reference.request import validate_request
+    from reference.tokenizer import default_prompt_tokenizer
+
+    records_ = compile_records(validate_request(request, model_id="Qwen/Qwen3.8-27B"))
+    prompts = [p for record in records_ for p in candidate_prompts(record)]
+    return [len(ids) for ids in default_prompt_tokenizer().encode_prompts(prompts)]
+
+
+def test_our_synthetic_workloads_have_the_stated_shapes():
+    from reference.tokenizer import default_prompt_tokenizer
+
+    count = default_prompt_tokenizer().count_tokens
+    for workload_id, spec in SYNTHETIC.items():
+        workload = get_workload(workload_id)
+        assert workload == get_workload(workload_id)  # same request every time
+        assert count(workload.request["state"]) == spec.state_tokens
+        (question,) = workload.request["questions"].values()
+        assert question["type"] == "choice" and len(question["criteria"]) == spec.options
+    assert len(_candidate_lengths(get_workload("synthetic-1024-choice-32").request)) == 32
+    long_lengths = _candidate_lengths(get_workload("long-10k-choice-5").request)
+    assert len(long_lengths) == 5 and 9_500 <= sum(long_lengths) <= 10_500
+
+
+def test_open_jev_workloads_reproduce_the_recorded_token_counts():
+    from reference.data import open_jev_workloads
+
+    recorded = open_jev_workloads()
+    for workload in resolve(["open-jev"]):
+        lengths = _candidate_lengths(workload.request)
+        assert lengths == recorded[workload.id]["candidate_input_tokens"], workload.id
+
+
+def test_jevbench_panel_is_one_task_per_family_sent_as_jevbench_sends_it():
+    from reference.data import jevbench_tasks
+
+    panel = jevbench_panel()
+    tasks = {t["id"]: t for t in jevbench_tasks(JEVBENCH_TIERS)}
+    families = {(t["id"].split("-")[0], t["family"]) for t in tasks.values()}
+    assert len(panel) == len(families) == 10
+    assert {(w.id.split("/")[1].split("-")[0], tasks[w.id.split("/")[1]]["family"]) for w in panel} == families
+    for workload in panel:
+        task = tasks[workload.id.removeprefix("jevbench/")]
+        assert set(workload.request) == {"state", "questions"} and workload.request["state"] == task["state"]
+        assert workload.request["questions"] == {"decision": {**task["question"]}}
+
+
+def test_resolve_expands_groups_in_order_without_duplicates():
+    ids = [w.id for w in resolve(["drone", "open-jev", "jevbench/easy-fact-00", "jevbench"])]
+    assert ids[:6] == ["drone", "customer_service", "context-128-choice-2", "context-128-choice-8",
+                       "context-512-choice-2", "context-512-choice-8"]  # fmt: skip
+    assert ids[6] == "jevbench/easy-fact-00" and len(ids) == len(set(ids)) == 6 + 10
+    with pytest.raises(ValueError, match="unknown workload 'dron'"):
+        resolve(["dron"])
+
+
+# ---------------------------------------------------------------------------------------------------------- records
+def small_record(**changes) -> dict:
+    """A valid complete record of one timed stage on one workload (numbers made up for the schema test only)."""
+    samples = [10.5, 10.0, 11.25, 10.25, 12.0]
+    record = {
+        "schema": records.SCHEMA,
+        "complete": True,
+        "plan": {"name": "cpu-tiny", "device": "cpu", "shapes": "tiny", "reference": "hf_torch",
+                 "baseline": "hf_torch", "headline": "drone", "timer": "perf-counter", "warmup": 1, "runs": 5},
+        "env": {"gpu": None, "driver": None, "torch": "2.13.0+cpu", "triton": "3.9.0", "cuda": None,
+                "git_commit": "0123456789abcdef", "git_dirty": False, "utc": "2026-11-30T10:00:00Z", "device": "cpu"},
+        "weights": {"synthetic": True, "method": "synthetic_weights", "linear_params": 2_057_216},
+        "ceilings": {"copy_tbps": 0.01, "bf16_tflops": 0.1},
+        "workloads": [{"id": "drone", "questions": 3, "candidates": 7, "tokens": 971}],
+        "stages": [{
+            "name": "hf_torch", "status": "ok", "reason": None,
+            "gate": {"node": "tests/test_x.py::test_y", "outcome": "green", "exit_code": 0},
+            "workloads": [{"id": "drone", "rows": 971, "median_ms": statistics.median(samples),
+                           "p10_ms": float(np.percentile(samples, 10)), "p90_ms": float(np.percentile(samples, 90)),
+                           "samples_ms": samples, "kernels_per_forward": None, "gpu_busy_ms": None, "floor_ms": 1.5,
+                           "max_abs_dp": 0.0, "hidden_rel_rmse": 0.0}],
+        }],
+        "attempts": [],
+    }  # fmt: skip
+    record.update(changes)
+    return record
+
+
+def test_a_valid_record_passes_and_round_trips(tmp_path):
+    record = small_record()
+    records.validate_record(record)
+    path = records.write_record(record, tmp_path / "runs" / "r.json")
+    assert records.read_record(path) == record
+    assert not list(tmp_path.glob("runs/*.partial"))
+
+
+def _delete(record: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    target = record
+    for part in parents:
+        target = target[int(part)] if part.isdigit() else target[part]
+    del target[last]
+
+
+REQUIRED = [
+    "schema", "plan", "env", "ceilings", "stages", "plan.name", "env.gpu", "env.driver", "env.torch", "env.triton",
+    "env.cuda", "env.git_commit", "env.git_dirty", "env.utc", "ceilings.copy_tbps", "ceilings.bf16_tflops",
+    "stages.0.name", "stages.0.status", "stages.0.gate", "stages.0.workloads", "stages.0.workloads.0.id",
+    "stages.0.workloads.0.rows", "stages.0.workloads.0.median_ms", "stages.0.workloads.0.p10_ms",
+    "stages.0.workloads.0.p90_ms", "stages.0.workloads.0.samples_ms", "stages.0.workloads.0.kernels_per_forward",
+    "stages.0.workloads.0.gpu_busy_ms", "stages.0.workloads.0.floor_ms", "stages.0.workloads.0.max_abs_dp",
+    "stages.0.workloads.0.hidden_rel_rmse",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dotted", REQUIRED)
+def test_a_record_missing_a_required_name_is_rejected(dotted):
+    record = small_record()
+    _delete(record, dotted)
+    last = dotted.split(".")[-1]
+    with pytest.raises(records.RecordError, match=rf"\.{last}: missing|{last}"):
+        records.validate_record(record)
+
+
+def _stage(record: dict) -> dict:
+    return record["stages"][0]
+
+
+def _timed(record: dict) -> dict:
+    return record["stages"][0]["workloads"][0]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda r: r.update(schema="jevlab-run/0"), "record.schema"),
+        (lambda r: _timed(r).update(median_ms="10.5"), "median_ms: expected number"),
+        (lambda r: _timed(r).update(median_ms=math.nan), "median_ms: expected number"),
+        (lambda r: _timed(r).update(median_ms=10.0), "is not the median of samples_ms"),
+        (lambda r: _timed(r).update(p10_ms=11.0), "p10_ms <= median_ms <= p90_ms"),
+        (lambda r: _timed(r).update(samples_ms=[]), "non-empty list of positive numbers"),
+        (lambda r: _timed(r).update(rows=971.0), "rows: expected int"),
+        (lambda r: _timed(r).update(max_abs_dp=None), "compares every timed workload"),
+        (lambda r: _stage(r).update(status="fast"), "is not one of"),
+        (lambda r: _stage(r).update(status="pending"), "no pending stage"),
+        (lambda r: _stage(r).update(status="gate-red"), "says why"),
+        (lambda r: _stage(r).update(status="gate-red", reason="red"), "only an ok"),
+        (lambda r: _stage(r)["gate"].update(outcome="red"), "timed although its gate is red"),
+        (lambda r: _stage(r).update(gate=None), "timed without a gate"),
+        (lambda r: r["env"].update(git_dirty="no"), "git_dirty: expected bool"),
+        (lambda r: r["attempts"].append({"id": "x"}), r"attempts\[0\]\.stage: missing"),
+    ],
+)
+def test_a_damaged_record_is_rejected(damage, message):
+    record = small_record()
+    damage(record)
+    with pytest.raises(records.RecordError, match=message):
+        records.validate_record(record)
+
+
+def test_an_incomplete_record_may_lack_comparisons_and_have_pending_stages():
+    record = small_record(complete=False)
+    _timed(record)["max_abs_dp"] = None
+    _stage(record)["status"] = "pending"
+    records.validate_record(record)
+
+
+def test_newest_complete_record_per_plan(tmp_path):
+    runs = tmp_path / "runs"
+    for name, plan, utc, complete in [
+        ("a.json", "cpu-tiny", "2026-11-30T10:00:00Z", True),
+        ("b.json", "cpu-tiny", "2026-11-30T11:00:00Z", True),
+        ("c.json", "cpu-tiny", "2026-11-30T12:00:00Z", False),
+        ("d.json", "other", "2026-11-30T09:00:00Z", True),
+    ]:
+        record = small_record(complete=complete)
+        record["plan"]["name"], record["env"]["utc"] = plan, utc
+        records.write_record(record, runs / name)
+    newest = records.newest_per_plan(runs)
+    assert {plan: path.name for plan, (path, _) in newest.items()} == {"cpu-tiny": "b.json", "other": "d.json"}
+
+
+def test_attempts_record_validates(tmp_path):
+    assert isinstance(records.load_attempts(), list)
+    bad = tmp_path / "attempts.toml"
+    bad.write_text('schema = "jevlab-attempts/1"\n[[attempts]]\nid = "x"\nstage = "gemm"\n')
+    with pytest.raises(records.RecordError, match="title: missing"):
+        records.load_attempts(bad)
+    good = bad.read_text() + (
+        'title = "t"\noutcome = "failed"\nreason = "slower"\nevidence = "results/runs/r.json"\ndate = "2026-11-30"\n'
+        "numbers = { ms = 1.5 }\n"
+    )
+    bad.write_text(good)
+    assert records.load_attempts(bad)[0]["numbers"] == {"ms": 1.5}
+
+
+# ---------------------------------------------------------------------------------------------------------- timing
+def test_union_length_counts_overlaps_once():
+    assert timing.union_length([]) == 0
+    assert timing.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.75), (10, 10)]) == 4.0
+    assert timing.union_length([(4, 9), (0, 1), (2, 5)]) == 8.0
+
+
+def test_kernel_stats_from_a_chrome_trace():
+    trace = [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "norm", "ts": 5, "dur": 10},  # overlaps gemm: busy 0..15
+        {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 10},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 40, "dur": 100},
+        {"cat": "kernel", "name": "Memset (Device)", "ts": 40, "dur": 100},
+        {"cat": "gpu_user_annotation", "name": "forward", "ts": 0, "dur": 1000},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3},
+    ]
+    stats = timing.kernel_stats(trace, calls=2)
+    assert stats.kernels_per_forward == 1.5
+    assert stats.gpu_busy_ms == pytest.approx(25 / 2 / 1e3)
+    assert [k["name"] for k in stats.top_kernels] == ["gemm", "norm"]
+    assert stats.top_kernels[0] == {"name": "gemm", "calls_per_forward": 1.0, "ms_per_forward": 0.01}
+
+
+def test_samples_summary_matches_numpy():
+    rng = random.Random(7)
+    values = [rng.uniform(1, 50) for _ in range(31)]
+    summary = timing.Samples(values).summary()
+    assert summary["median_ms"] == statistics.median(values)
+    assert summary["p10_ms"] == pytest.approx(np.percentile(values, 10), rel=1e-12)
+    assert summary["p90_ms"] == pytest.approx(np.percentile(values, 90), rel=1e-12)
+    assert summary["runs"] == 31 and summary["samples_ms"] == values
+
+
+def test_time_calls_on_the_cpu_samples_every_run_after_warmup():
+    calls = []
+    samples = timing.time_calls(lambda: calls.append(sum(range(1000))), device="cpu", warmup=2, runs=4)
+    assert len(calls) == 6 and len(samples.samples_ms) == 4 and all(s > 0 for s in samples.samples_ms)
+    with pytest.raises(ValueError):
+        timing.time_calls(lambda: None, device="cpu", warmup=0, runs=0)
+
+
+def test_floors_are_the_larger_of_streaming_and_compute():
+    ceilings = {"copy_tbps": 2.0, "bf16_tflops": 1000.0}
+    few = timing.floors(10**9, rows=100, ceilings=ceilings)  # 2 GB at 2 TB/s = 1 ms; 2e11 flop at 1e15 = 0.2 ms
+    assert few["weight_floor_ms"] == pytest.approx(1.0) and few["compute_floor_ms"] == pytest.approx(0.2)
+    assert few["floor_ms"] == pytest.approx(1.0)
+    many = timing.floors(10**9, rows=1000, ceilings=ceilings)
+    assert many["floor_ms"] == pytest.approx(2.0) == many["compute_floor_ms"]
+
+
+def test_ceilings_on_the_cpu_are_positive_rates():
+    ceilings = timing.measure_ceilings("cpu", copy_bytes=1 << 20, gemm_n=256, runs=3)
+    assert ceilings["copy_tbps"] > 0 and ceilings["bf16_tflops"] > 0
+    assert len(ceilings["copy_samples_ms"]) == len(ceilings["gemm_samples_ms"]) == 3
+
+
+def test_layer_ranges_find_layers_and_their_op_families():
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.input_layernorm = torch.nn.Identity(), torch.nn.Identity()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+            self.norm = torch.nn.Identity()
+
+    names = [name for name, _ in timing._layer_modules(Model())]
+    assert names == ["layer 0", "layer 0 mlp", "layer 0 input_layernorm", "layer 1", "layer 1 mlp",
+                     "layer 1 input_layernorm"]  # fmt: skip
+    with timing.layer_ranges(Model(), enabled=False) as count:
+        assert count == 0
+    with timing.nvtx_range("nothing", enabled=False):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------- runner
+def test_compare_reports_max_dp_rel_rmse_and_flips():
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 16)
+    reference = Outputs(hidden, [[0.5, 0.3, 0.2], [0.4, 0.6]])
+    assert compare(Outputs(hidden.clone(), [[0.5, 0.3, 0.2], [0.4, 0.6]]), reference) == {
+        "max_abs_dp": 0.0, "hidden_rel_rmse": 0.0, "argmax_flips": 0}  # fmt: skip
+    shifted = Outputs(hidden * 1.01, [[0.5, 0.25, 0.25], [0.65, 0.35]])
+    result = compare(shifted, reference)
+    assert result["max_abs_dp"] == pytest.approx(0.25) and result["argmax_flips"] == 1
+    assert result["hidden_rel_rmse"] == pytest.approx(0.01, rel=1e-5)
+    with pytest.raises(ValueError, match="hidden shapes differ"):
+        compare(Outputs(hidden[:2], reference.probabilities), reference)
+
+
+def test_probabilities_go_through_the_service_readout():
+    from reference.prompts import compile_records
+    from reference.request import validate_request
+
+    choice = {"type": "choice", "instructions": "i", "criteria": {"a": "x", "b": "y"}}
+    request = {"state": "s", "questions": {"q": choice, "n": {"type": "noul", "instructions": "j"}}}
+
+    class Plan:
+        records = compile_records(validate_request(request, model_id="m"))
+
+    probabilities = probabilities_of(Plan, [0.5, -0.25, 1.5], temperature=2.0)
+    assert probabilities[0] == pytest.approx([1 / (1 + math.exp(-0.375)), 1 / (1 + math.exp(0.375))], rel=1e-14)
+    assert probabilities[1] == pytest.approx([1 - 1 / (1 + math.exp(-0.75)), 1 / (1 + math.exp(-0.75))], rel=1e-14)
+
+
+def test_rows_computed_defaults_to_real_tokens():
+    class Packed:
+        pass
+
+    class Padded:
+        def rows_computed(self, prepared):
+            return 40
+
+    assert rows_computed(Packed(), None, [[1, 2, 3], [4]]) == 4
+    assert rows_computed(Padded(), None, [[1, 2, 3], [4]]) == 40
+
+
+def test_node_keys_match_junit_names():
+    assert node_key("tests/test_x.py::test_y") == ("tests.test_x", "test_y", None)
+    assert node_key("tests/test_x.py::test_y[merged vs hf_fla]") == (
+        "tests.test_x",
+        "test_y",
+        "test_y[merged vs hf_fla]",
+    )
+    assert node_key("tests/sub/test_x.py::TestZ::test_y") == ("tests.sub.test_x.TestZ", "test_y", None)
+
+
+def test_gate_result_judges_only_the_nodes_own_cases(tmp_path):
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest" tests="4">'
+        '<testcase classname="tests.test_x" name="test_a[1]"/><testcase classname="tests.test_x" name="test_a[2]"/>'
+        '<testcase classname="tests.test_x" name="test_b"><failure message="boom">trace</failure></testcase>'
+        '<testcase classname="tests.test_x" name="test_c"><skipped message="no gpu"/></testcase>'
+        '<testcase classname="tests.test_x" name="test_ab"/>'
+        "</testsuite></testsuites>"
+    )
+    run = {"exit_code": 1, "output": "out", "cases": junit_cases(junit), "seconds": 1.0, "command": "c"}
+    a = gate_result("tests/test_x.py::test_a", run)
+    assert (a["outcome"], a["passed"], a["failed"]) == ("green", 2, 0)
+    assert gate_result("tests/test_x.py::test_a[2]", run)["passed"] == 1
+    b = gate_result("tests/test_x.py::test_b", run)
+    assert (b["outcome"], b["failed"]) == ("red", 1) and "boom" in b["output_tail"]
+    c = gate_result("tests/test_x.py::test_c", run)
+    assert (c["outcome"], c["skipped"]) == ("red", 1)
+    assert gate_result("tests/test_other.py::test_a", run)["outcome"] == "red"
+    assert gate_result("tests/test_x.py::test_a", run | {"exit_code": 2})["outcome"] == "red"
+
+
+GATES = """import pytest
+def test_ok():
+    assert True
+def test_broken():
+    assert 1 == 2
+@pytest.mark.skip(reason="nothing to run")
+def test_skipped():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_gates_run_in_one_process_and_alone_after_a_usage_error(tmp_path):
+    (tmp_path / "test_gates.py").write_text(GATES)
+    nodes = ["test_gates.py::test_ok", "test_gates.py::test_broken", "test_gates.py::test_skipped"]
+    gates = run_gates([*nodes, nodes[0]], "cpu", timeout_s=120, cwd=tmp_path)
+    assert {node: gate["outcome"] for node, gate in gates.items()} == dict(zip(nodes, ["green", "red", "red"]))
+    assert "assert 1 == 2" in gates[nodes[1]]["output_tail"]
+    assert gates[nodes[2]]["skipped"] == 1
+    mixed = run_gates([nodes[0], "test_gates.py::test_missing"], "cpu", timeout_s=120, cwd=tmp_path)
+    assert mixed[nodes[0]]["outcome"] == "green"  # judged alone: the unknown node stopped the shared process
+    assert mixed["test_gates.py::test_missing"]["outcome"] == "red"
+
+
+def test_summary_lines_show_every_stage():
+    record = small_record()
+    record["stages"].append({"name": "hf_fla", "status": "unavailable", "reason": "runs on cuda only",
+                             "gate": None, "workloads": [], "workload_errors": []})  # fmt: skip
+    _stage(record)["workload_errors"] = []
+    _timed(record)["floor_multiple"] = 7.0
+    lines = "\n".join(summary_lines(record))
+    assert "hf_torch" in lines and "10.50" in lines and "unavailable  runs on cuda only" in lines
+    assert "synthetic weights" in lines
+
+
+def test_cli_lists_a_plan_and_refuses_the_gpu_plan_without_cuda(capsys):
+    assert main(["--plan", "cpu-tiny", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "stage hf_torch" in out and "workload drone" in out
+    if not torch.cuda.is_available():
+        assert main(["--plan", "gpu-27b"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------- envinfo
+def test_environment_names_and_record_stem(monkeypatch):
+    env = envinfo.collect("cpu")
+    records.validate_record(small_record(env=env))  # every name the schema wants, with the right types
+    assert env["device"] == "cpu" and env["gpu"] is None and env["cpu_count"] >= 1
+    assert envinfo.record_stem({"utc": "2026-11-30T10:21:13Z", "gpu": "NVIDIA H200", "git_commit": "9a63d16abc"}) == (
+        "20261130T102113Z-nvidia-h200-9a63d16"
+    )
+    assert envinfo.record_stem({"utc": "2026-11-30T10:21:13Z", "gpu": None, "git_commit": "unknown"}).endswith(
+        "-cpu-unknown"
+    )
+
+
+def test_git_state_falls_back_to_the_sender_variables(monkeypatch):
+    monkeypatch.setattr(envinfo, "_run", lambda args: None)
+    monkeypatch.delenv("JEVLAB_GIT_COMMIT", raising=False)
+    assert envinfo.git_state() == {"git_commit": "unknown", "git_dirty": True, "git_source": "none"}
+    monkeypatch.setenv("JEVLAB_GIT_COMMIT", "feedbeef")
+    monkeypatch.setenv("JEVLAB_GIT_DIRTY", "0")
+    assert envinfo.git_state() == {"git_commit": "feedbeef", "git_dirty": False, "git_source": "env"}
