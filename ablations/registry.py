@@ -104,11 +104,11 @@ def _hf_stage(backend: str) -> Callable[[BuildContext], Any]:
     return build
 
 
-def _engine_stage(*, fused: bool) -> Callable[[BuildContext], Any]:
+def _engine_stage(*, fused: bool, tree: bool = False) -> Callable[[BuildContext], Any]:
     def build(ctx: BuildContext):
         from engine.backbone import EngineBackbone
 
-        return EngineBackbone(ctx.merged_weights(), fused=fused, nvtx_ranges=ctx.nvtx)
+        return EngineBackbone(ctx.merged_weights(), fused=fused, tree=tree, nvtx_ranges=ctx.nvtx)
 
     return build
 
@@ -214,13 +214,29 @@ STAGE_LIST: tuple[Stage, ...] = (
         switches="fused Triton kernels for the element-wise ops (residual add + RMSNorm, SiLU-mul, GDN input prep, "
         "gated RMSNorm, attention prep and output gate) at the reference rounding points; not bitwise against "
         "merged (exp/log1p and the norms' summation order differ by a few fp32 ulps; on the GPU the prep kernel "
-        "also L2-normalises q/k, which merged leaves to FLA)",
+        "also L2-normalises q/k, which merged leaves to FLA); attention through one FlashAttention-2 varlen call per "
+        "layer reading GQA natively (no k/v repeat, no mask; blockwise fp32 core on the CPU), so that a row's bits do "
+        "not depend on the other rows of its batch",
         builds_on="merged",
         exactness=Exactness("bounded", against="merged", metric="hidden_rel_rmse", bound=5e-2),
         gate="tests/test_engine.py::test_fused_close_to_merged_under_the_interpreter",
         gpu_gate="tests/test_gpu_engine.py::test_fused_close_to_merged",
         status="kept",
         build=_engine_stage(fused=True),
+        requires=ENGINE_REQUIRES,
+        consumes_weights=True,
+    ),
+    Stage(
+        name="tree",
+        switches="the two-level prefix tree: shared text computed once (root | one node per question | one leaf per "
+        "candidate); GDN over replicated candidate paths or by fp32 state hand-off at 64-token chunk boundaries "
+        "(chosen by cost); attention per node over its ancestors with the same FlashAttention-2 core as fused",
+        builds_on="fused",
+        exactness=Exactness("bounded", against="fused", metric="hidden_rel_rmse", bound=5e-2),
+        gate="tests/test_engine_tree.py::test_tree_matches_flat_bitwise",
+        gpu_gate="tests/test_gpu_tree.py::test_gpu_model_tree_matches_fused",
+        status="kept",
+        build=_engine_stage(fused=True, tree=True),
         requires=ENGINE_REQUIRES,
         consumes_weights=True,
     ),

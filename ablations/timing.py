@@ -23,6 +23,7 @@ asked (`--nvtx`). On the CPU both are no-ops.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -205,9 +206,18 @@ def layer_ranges(backbone: object, enabled: bool) -> Iterator[int]:
         return
     handles = []
     named = _layer_modules(root)
+
+    # A hook that returns a value replaces the module's input (pre-hook) or output (hook): these must return None,
+    # while nvtx's push/pop return the range depth.
+    def push(*_: object, name: str) -> None:
+        torch.cuda.nvtx.range_push(name)
+
+    def pop(*_: object) -> None:
+        torch.cuda.nvtx.range_pop()
+
     for range_name, module in named:
-        handles.append(module.register_forward_pre_hook(lambda *_, n=range_name: torch.cuda.nvtx.range_push(n)))
-        handles.append(module.register_forward_hook(lambda *_: torch.cuda.nvtx.range_pop()))
+        handles.append(module.register_forward_pre_hook(functools.partial(push, name=range_name)))
+        handles.append(module.register_forward_hook(pop))
     try:
         yield len(named)
     finally:

@@ -1,54 +1,76 @@
-"""The engine backbone: the Qwen3.5 hybrid over packed rows with merged weights (stages `merged` and `fused`).
+"""The engine backbone: the Qwen3.5 hybrid over packed rows with merged weights (stages `merged`, `fused`, `tree`).
 
-Layout. `prepare` packs every candidate's tokens back to back into rows `[T]` (no padding), with `cu_seqlens` (the
-row where each candidate starts, int64 for FLA and int32 for our kernels), positions restarting at 0 per candidate and
-the row of each candidate's last token. Rows are grouped into batches of at most `max_batch_rows` (a candidate is
-never split), because the attention mask below grows with the square of a batch's rows.
+Layout. `prepare` lays every batch of candidates out as a row plan (engine/plan.py): `plan_flat` (candidates back to
+back, no padding) for `merged` and `fused`, `plan_tree` (shared prefixes packed once: root | question nodes | leaves)
+for `tree`. Every row-wise op (embedding, GEMMs, norms, MLP, gates) runs once per packed row; what reads other rows
+(the GDN conv and core, attention) follows the plan's index tensors, so one forward serves both layouts and the flat
+plan is exactly the unshared run of the same kernels. Positions are each row's position in its candidate (RoPE, GDN
+chunk grid). Batches: `merged`/`fused` take consecutive candidates up to `max_batch_rows` rows (a candidate is never
+split); `tree` takes whole questions (`engine.plan.split_questions`) while the batch's tree holds at most
+`max_batch_rows` rows. Each batch is its own plan.
 
-Forward, per batch (`T` rows, `H` hidden; the attention mask and the RoPE tables are built in `prepare`):
+Forward, per batch (`N` packed rows; RoPE tables, masks and index tensors are built in `prepare`):
 ```
-x = embed[ids]                                         [T, H]
+x = embed[ids]                                         [N, H]
 residual, normed = x, rmsnorm_1p(x)                    (input norm of layer 0)
 per layer:
-    proj = normed @ w_inᵀ                              one merged GEMM, [T, gdn_in_width] or [T, attn_in_width]
-    GDN:  conv+SiLU per candidate -> q, k, v; g, beta; GDN core (varlen); gated RMSNorm with z; out_proj
-    attn: q/k RMSNorm, partial RoPE, q/gate split; block-diagonal causal SDPA; sigmoid gate; o_proj
+    proj = normed @ w_inᵀ                              one merged GEMM, [N, gdn_in_width] or [N, attn_in_width]
+    GDN:  conv+SiLU (each row over its own path's previous rows) -> q, k, v; g, beta; GDN core; gated RMSNorm with z;
+          out_proj
+    attn: q/k RMSNorm, partial RoPE, q/gate split; causal attention over each row's path; sigmoid gate; o_proj
     residual, normed = residual + mixer_out, rmsnorm_1p(.)           (post-attention norm)
     m = silu_mul(normed @ w_gate_upᵀ); d = m @ w_downᵀ
     residual, normed = residual + d, rmsnorm_1p(.)                    (next layer's input norm, or the final norm)
-return normed[last rows]                               [C, H]
+return normed[read rows]                               [C, H]
 ```
 
-Stages. `merged` (`fused=False`) runs every element-wise op as the reference composition of `reference/ops.py`, so each
-op has HF's rounding points; only the GEMM grouping and the row layout differ from HF. `fused` (`fused=True`) runs
-the Triton kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep, gated RMSNorm, attention
-prep, attention gate); each kernel states its exactness against the op it replaces.
+GDN layer over a plan, by the batch's GDN mode (`engine.tree.choose_gdn_mode`, or forced with `gdn_mode`):
+* `replicated`: the conv input is every candidate's path (`plan.conv_paths`: for `fused` the projection gathered along
+  the paths, none for a flat plan), the core runs once over all paths (one varlen call, the plan's `replicated`
+  schedule), and each packed row takes its representative path's output (`scatter_rows`).
+* `handoff`: the conv input is each node after its 3 history rows (`plan.conv_segments`), compacted to the packed
+  rows, and `engine.tree.tree_gdn_core` runs the plan's `handoff` schedule (root once, fp32 states handed to the
+  branches at 64-row chunk boundaries).
+
+Stages (element-wise ops). `merged` (`fused=False`) runs every element-wise op as the reference composition of
+`reference/ops.py`, so each op has HF's rounding points; the conv is `reference.ops.causal_conv1d_silu` over the
+conv input with W-1 zero rows before each sequence; the GDN gates run on rows zero-padded to a multiple of 32 (torch's
+CPU kernels compute the last (n mod vector width) elements of a tensor in a scalar tail that rounds differently, so
+without the padding a row's gates would depend on the batch's row count). `fused` (`fused=True`) runs the Triton
+kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep, gated RMSNorm, attention prep,
+attention gate); each kernel states its exactness against the op it replaces and is batch-invariant by design.
 
 GDN core (`gdn_core`, default by device):
-* `"fla"` (CUDA default): FLA 0.6.0 `chunk_gated_delta_rule` over all rows at once with `cu_seqlens` (chunks restart at
-  each candidate, so the chunk grid is the unpadded one) and precomputed `chunk_indices` (no host sync). Backend
-  dispatch is pinned off (`reference.model` sets the FLA switches; checked at construction). q/k are L2-normalised
-  with FLA's `l2norm_fwd` numerics: inside FLA (`use_qk_l2norm_in_kernel=True`) in `merged`, by the prep kernel in
+* `"fla"` (CUDA default): FLA 0.6.0 `chunk_gated_delta_rule` over all sequences of a call (`cu_seqlens`, chunks restart
+  at each sequence, precomputed `chunk_indices`: no host sync). Backend dispatch is pinned off (checked at
+  construction). q/k L2-normalised with FLA's `l2norm_fwd` numerics: inside FLA in `merged`, by the prep kernel in
   `fused`. This is the `hf_fla` numerics.
-* `"torch"` (CPU default): HF's torch `torch_chunk_gated_delta_rule` (`reference.ops.gdn_core_torch`), one call per
-  candidate, q/k normalised inside in fp32. This is the `hf_torch` numerics. It exists because FLA's chunk kernel is
-  wrong for bf16 inputs under the Triton interpreter (reference-math.md §6): on the CPU the engine runs the GDN core
-  in torch, not FLA.
+* `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
+  q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
+  (reference-math.md §6), so the CPU never runs FLA.
 
-Attention core: one `scaled_dot_product_attention` call per attention layer over all rows of the batch, with an
-additive bf16 block-diagonal causal mask (0 where a row may see a key of its own candidate at or before it, -inf
-elsewhere; built once in `prepare`) and k/v repeated to the query heads (as HF's `repeat_kv` does when it passes a
-mask). One launch per layer (per-candidate calls would cost C launches), exact in real arithmetic; but the kernel's
-tiling over keys differs from HF's padded batch (whose own layout depends on the batch's longest candidate), so the
-output can differ from HF's by a few bf16 ulps on some rows: on the CPU this is the first op where `merged` departs
-from `hf_torch` (tests/test_engine.py). The same mask shape generalises to the prefix tree. Cost: the kernel visits
-all T x T key tiles, most of them fully masked.
+Attention (`attention`):
+* `"varlen"` (default of `fused` and `tree`): one varlen causal call per layer over the plan's nodes
+  (`plan.attention`: a node's rows as queries, its path as keys; a flat plan's nodes are the candidates, so no key
+  gather), GQA read natively, no mask. CUDA: FlashAttention-2's varlen forward (`engine.tree.flash_node_core`);
+  CPU: `engine.tree.blockwise_node_core` (fp32, fixed 64-key blocks). Both are prefix-invariant (a row's result
+  depends only on its path up to itself), which is what makes `tree` bitwise against `fused`.
+* `"mask"` (default of `merged`): one `scaled_dot_product_attention` call over all rows of a batch with an additive
+  bf16 mask (0 where the plan lets a row see a key, -inf elsewhere; block-diagonal causal for a flat plan; built once in
+  `prepare`, rows 16-byte aligned) and k/v repeated to the query heads, as HF's `repeat_kv` does when it passes a
+  mask. Exact in real arithmetic; the kernel tiles keys differently from HF's padded batch, so it can depart from HF by
+  a few bf16 ulps on some rows (tests/test_engine.py). Visits all N x N key tiles.
 
-Exactness of `merged` against `hf_torch` on the CPU (tiny twin, measured in tests/test_engine.py): merged GEMMs,
-packed conv and per-candidate torch core are bitwise, so every state before the first attention layer is
-bit-identical; from the attention SDPA on, relative RMSE per residual state is bounded there. On the GPU (27B,
-tests/test_gpu_engine.py) cuBLAS may pick other algorithms for the merged widths and row counts than for HF's
-separate, padded GEMMs, so `merged` vs `hf_fla` is measured and bounded, not assumed bitwise.
+Exactness.
+* `merged` vs `hf_torch` on the CPU (tiny twin, tests/test_engine.py): merged GEMMs, packed conv and per-candidate
+  torch core are bitwise, so every state before the first attention layer is bit-identical; from the attention on,
+  relative RMSE per residual state is bounded there. On the GPU (tests/test_gpu_engine.py) cuBLAS may pick other
+  algorithms for the merged widths and row counts than for HF's separate padded GEMMs: measured and bounded.
+* `fused` vs `merged`: bounded (kernels: sum-of-squares order, interpreter exp/log1p; attention kernel).
+* `tree` vs `fused` (tree off, same kernels): every op but the GEMMs is batch- and prefix-invariant, so a row's bits do
+  not depend on which rows share its batch: bitwise wherever the GEMMs are row-count invariant. Measured bitwise on the
+  CPU (tiny twin, bf16: tests/test_engine_tree.py); on the H200 cuBLAS may choose other kernels for N tree rows than
+  for the flat rows, so there it is bitwise or bounded by the measured figure of tests/test_gpu_tree.py.
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if
@@ -69,14 +91,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
+from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions
+from engine.tree import choose_gdn_mode, default_node_core, scatter_rows, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from reference import ops
 from reference.model import fla_settings
 from reference.shapes import ModelShapes
 
 GDN_CORES = ("fla", "torch")
-FLA_CHUNK = 64  # FLA's chunk size for chunk_gated_delta_rule (its default)
+ATTENTION_MODES = ("varlen", "mask")
+GDN_MODES = ("replicated", "handoff")
 MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA SDPA kernels want
+GATE_ROW_ALIGN = 32  # merged gates: rows padded so that rows x Hv is a multiple of torch's widest CPU vector (32 bf16)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -84,86 +110,55 @@ MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA S
 
 
 @dataclass
-class PackedBatch:
-    """Consecutive candidates packed into rows; every tensor on the device (host copies marked)."""
+class RowBatch:
+    """One batch: its row plan and what the forward reads besides it, all on the device (host fields marked)."""
 
-    lengths: tuple[int, ...]  # host: tokens per candidate
-    token_ids: Tensor  # [T] int64
-    positions: Tensor  # [T] int64, 0..len-1 per candidate
-    cu_seqlens: Tensor  # [N + 1] int64: first row of each candidate, then T (FLA's varlen convention)
-    cu_seqlens_i32: Tensor  # [N + 1] int32, the same (for the kernels)
-    chunk_indices: Tensor  # [chunks, 2] int64: (candidate, chunk within it) per 64-row FLA chunk
-    last_rows: Tensor  # [N] int64: the row of each candidate's last token
-    conv_rows: Tensor  # [T + (W-1) N] int64: rows of [0 | proj] for the conv, W-1 zero rows (index 0) before each
-    conv_keep: Tensor  # [T] int64: the conv-layout row of each packed row
-    attn_mask: Tensor  # [1, 1, T, T] bf16 additive (0 / -inf), block-diagonal causal; 16-byte aligned rows
-    rope_cos: Tensor  # [T, rotary_dim] bf16 RoPE tables at each row's position (`reference.ops.rope_cos_sin`)
-    rope_sin: Tensor  # [T, rotary_dim] bf16
-
-    @property
-    def bounds(self) -> list[tuple[int, int]]:
-        """Host (start, end) rows of each candidate."""
-        starts = [0]
-        for n in self.lengths:
-            starts.append(starts[-1] + n)
-        return list(zip(starts[:-1], starts[1:]))
+    plan: TreePlan
+    candidates: tuple[int, ...]  # host: the request index of each of the plan's candidates
+    gdn_mode: str  # host: "replicated" or "handoff"
+    rope_cos: Tensor  # [N, rotary_dim] bf16 RoPE tables at each row's position (`reference.ops.rope_cos_sin`)
+    rope_sin: Tensor  # [N, rotary_dim] bf16
+    attn_mask: Tensor | None  # [1, 1, N, N] bf16 additive (0 / -inf), 16-byte aligned rows; attention "mask" only
 
 
 @dataclass
-class PackedRows:
-    """A request's candidates in batches, in candidate order."""
+class EngineRows:
+    """A request's candidates laid out in batches: what `prepare` returns and `forward` reads."""
 
-    batches: list[PackedBatch]
+    batches: list[RowBatch]
     num_candidates: int
+    order: Tensor | None  # [C] int64: row of the batches' concatenated outputs holding candidate c; None: identity
+
+    @property
+    def rows_computed(self) -> int:
+        """Packed rows of all batches: the rows every row-wise op (GEMMs, norms, MLP) runs over."""
+        return sum(b.plan.num_rows for b in self.batches)
+
+    @property
+    def logical_tokens(self) -> int:
+        """Tokens of all candidates (the rows of the unshared layout)."""
+        return sum(b.plan.logical_tokens for b in self.batches)
 
 
-def pack_batch(candidates: Sequence[Sequence[int]], shapes: ModelShapes, device: torch.device) -> PackedBatch:
-    """Pack candidates (token id lists) into one batch: host arithmetic, one host-to-device copy, then the mask and
-    the RoPE tables on the device (they depend on the layout only, so no forward recomputes them)."""
-    lengths = [len(ids) for ids in candidates]
-    num_rows, num_cands = sum(lengths), len(lengths)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    starts = torch.cumsum(lengths_t, 0) - lengths_t  # [N]
-    cu_seqlens = torch.cat([starts, torch.tensor([num_rows])])  # [N + 1]
-    candidate_of_row = torch.repeat_interleave(torch.arange(num_cands), lengths_t)  # [T]
-    positions = torch.arange(num_rows) - starts[candidate_of_row]
-    chunks = [(c, j) for c, n in enumerate(lengths) for j in range(math.ceil(n / FLA_CHUNK))]
-    chunk_indices = torch.tensor(chunks, dtype=torch.int64)  # [chunks, 2]
-    # Conv layout: before each candidate W-1 zero rows, so each candidate's conv sees zero history, as alone.
-    history = shapes.linear_conv_kernel_dim - 1
-    conv_starts = starts + history * torch.arange(1, num_cands + 1)  # first conv-layout row of each candidate
-    conv_keep = conv_starts[candidate_of_row] + positions  # [T]
-    conv_rows = torch.zeros(num_rows + history * num_cands, dtype=torch.int64)
-    conv_rows[conv_keep] = torch.arange(1, num_rows + 1)  # row r of proj is row r + 1 of [0 | proj]
-
-    token_ids = torch.tensor([i for ids in candidates for i in ids], dtype=torch.int64)
-    last_rows = cu_seqlens[1:] - 1
-    chunk_indices = chunk_indices.flatten()
-    parts = [token_ids, positions, cu_seqlens, last_rows, chunk_indices, conv_rows, conv_keep, candidate_of_row]
-    flat = torch.cat(parts).to(device)  # the one host-to-device copy
-    token_ids, positions, cu_seqlens, last_rows, chunk_indices, conv_rows, conv_keep, candidate_of_row = torch.split(
-        flat, [p.numel() for p in parts]
-    )
-
-    padded = math.ceil(num_rows / MASK_ALIGN) * MASK_ALIGN
-    rows = torch.arange(num_rows, device=device)
-    visible = (candidate_of_row[:, None] == candidate_of_row[None, :]) & (rows[:, None] >= rows[None, :])  # [T, T]
-    mask = torch.full((num_rows, padded), float("-inf"), dtype=torch.bfloat16, device=device)
-    mask[:, :num_rows].masked_fill_(visible, 0.0)
-    cos, sin = ops.rope_cos_sin(positions, shapes.rotary_dim, shapes.rope_theta, dtype=torch.bfloat16)
-    return PackedBatch(
-        lengths=tuple(lengths),
-        token_ids=token_ids,
-        positions=positions,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_i32=cu_seqlens.to(torch.int32),
-        chunk_indices=chunk_indices.view(-1, 2),
-        last_rows=last_rows,
-        conv_rows=conv_rows,
-        conv_keep=conv_keep,
-        attn_mask=mask[:, :num_rows][None, None],
+def _row_batch(
+    plan: TreePlan, candidates: Sequence[int], shapes: ModelShapes, gdn_mode: str | None, attention: str
+) -> RowBatch:
+    """A plan's RoPE tables and (attention "mask") additive mask, on the plan's device."""
+    cos, sin = ops.rope_cos_sin(plan.positions, shapes.rotary_dim, shapes.rope_theta, dtype=torch.bfloat16)
+    mask = None
+    if attention == "mask":
+        n = plan.num_rows
+        padded = math.ceil(n / MASK_ALIGN) * MASK_ALIGN
+        mask = torch.full((n, padded), float("-inf"), dtype=torch.bfloat16, device=plan.device)
+        mask[:, :n].masked_fill_(plan.attention_mask, 0.0)
+        mask = mask[:, :n][None, None]
+    return RowBatch(
+        plan=plan,
+        candidates=tuple(candidates),
+        gdn_mode=gdn_mode or choose_gdn_mode(plan),
         rope_cos=cos,
         rope_sin=sin,
+        attn_mask=mask,
     )
 
 
@@ -192,7 +187,7 @@ class _Ranges:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GDN cores: (q, k, v, g, beta) of all rows -> o [T, Hv, V] bf16
+# GDN core
 
 
 def _fla_chunk_function() -> Callable:
@@ -209,38 +204,20 @@ def _fla_chunk_function() -> Callable:
     return inspect.unwrap(chunk_gated_delta_rule)
 
 
-def _gdn_core_fla(chunk_rule, q, k, v, g, beta, batch: PackedBatch, qk_normalised: bool) -> Tensor:
-    """FLA varlen over all candidates at once. q, k [T, Hk, K] bf16; v [T, Hv, V]; g fp32, beta bf16 [T, Hv]."""
-    o, _ = chunk_rule(
-        q[None],
-        k[None],
-        v[None],
-        g=g[None],
-        beta=beta[None],
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=not qk_normalised,
-        cu_seqlens=batch.cu_seqlens,
-        chunk_indices=batch.chunk_indices,
-    )
-    return o[0]
-
-
-def _gdn_core_torch(q, k, v, g, beta, batch: PackedBatch) -> Tensor:
-    """HF's torch chunk rule, one call per candidate (it ignores cu_seqlens); q/k raw, normalised inside in fp32."""
-    return torch.cat([ops.gdn_core_torch(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e])[0] for s, e in batch.bounds])
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Element-wise stages: reference compositions (merged) and kernels (fused), one interface
 #
-#   residual_rmsnorm(residual [T, H], delta [T, H] | None, weight [H]) -> (new residual, normed) [T, H]
-#   silu_mul(gate_up [T, 2I]) -> [T, I]
-#   gdn_prep(proj [T, gdn_in_width], layer, batch) -> q, k [T, Hk, K], v [T, Hv, V] bf16; g fp32, beta bf16 [T, Hv];
-#       z [T, Hv V] (a view of proj); q/k L2-normalised (FLA numerics) iff `qk_normalised`
-#   gated_rmsnorm(o [T, Hv, V] contiguous, z [T, Hv V], weight [V]) -> [T, Hv V]
-#   attn_prep(proj [T, attn_in_width], layer, cos, sin [T, r]) -> q [Hq, T, D], k, v [Hkv, T, D] (q/k normed and
-#       roped), gate (whatever attention_gate takes)
-#   attention_gate(attn [T, Hq, D], gate) -> [T, Hq D]
+#   residual_rmsnorm(residual [N, H], delta [N, H] | None, weight [H]) -> (new residual, normed) [N, H]
+#   silu_mul(gate_up [N, 2I]) -> [N, I]
+#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput) -> q, k [n, Hk, K], v [n, Hv, V] bf16; g fp32,
+#       beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA numerics) iff
+#       `qk_normalised`
+#   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V]) -> [N, Hv V]
+#   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
+#       -> q, k, v (q/k normed and roped), gate (whatever attention_gate takes); rows first: q [N, Hq, D], k, v
+#       [K, Hkv, D] gathered at key_rows (or [N, Hkv, D] when None); heads first (the masked SDPA; key_rows unused):
+#       q [Hq, N, D], k, v [Hkv, N, D]
+#   attention_gate(attn [N, Hq, D], gate) -> [N, Hq D]
 
 
 class _ReferenceOps:
@@ -258,34 +235,54 @@ class _ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.silu_mul(gate, up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, batch: PackedBatch):
-        """Conv + SiLU over the conv layout (W-1 zero rows before each candidate: zero history), split, gates."""
+    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput):
+        """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates."""
         s = self.shapes
-        t, hv = proj.shape[0], s.linear_num_value_heads
-        qkv, z, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
-        spaced = F.pad(qkv, (0, 0, 1, 0)).index_select(0, batch.conv_rows)  # [T + (W-1) N, conv_dim]
-        conv = ops.causal_conv1d_silu(spaced, layer.conv_weight).index_select(0, batch.conv_keep)  # [T, conv_dim]
-        q, k, v = conv.split([s.linear_key_dim, s.linear_key_dim, s.linear_value_dim], -1)
-        g, beta = ops.gdn_gates(a, b, layer.A_log, layer.dt_bias)
-        q = q.view(t, s.linear_num_key_heads, s.linear_key_head_dim)
-        k = k.view(t, s.linear_num_key_heads, s.linear_key_head_dim)
-        return q, k, v.view(t, hv, s.linear_value_head_dim), g, beta, z
+        hv = s.linear_num_value_heads
+        qkv, _, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
+        spaced = F.pad(qkv, (0, 0, 1, 0)).index_select(0, conv.spaced)  # [M + (W-1) S, conv_dim]
+        x = ops.causal_conv1d_silu(spaced, layer.conv_weight).index_select(0, conv.spaced_keep)  # [n, conv_dim]
+        q, k, v = x.split([s.linear_key_dim, s.linear_key_dim, s.linear_value_dim], -1)
+        g, beta = _row_invariant_gates(a, b, layer.A_log, layer.dt_bias)  # [N, Hv]
+        if not conv.keep_rows_are_packed:
+            g, beta = g.index_select(0, conv.keep_rows), beta.index_select(0, conv.keep_rows)
+        n = x.shape[0]
+        q = q.reshape(n, s.linear_num_key_heads, s.linear_key_head_dim)
+        k = k.reshape(n, s.linear_num_key_heads, s.linear_key_head_dim)
+        return q, k, v.reshape(n, hv, s.linear_value_head_dim), g, beta
 
     def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor) -> Tensor:
         return ops.gated_rmsnorm(o, z.view(o.shape), weight, self.shapes.rms_norm_eps).flatten(1)
 
-    def attn_prep(self, proj: Tensor, layer: AttentionLayerWeights, cos: Tensor, sin: Tensor):
+    def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
         s = self.shapes
         t, hq, hkv, d = proj.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
         q_gate, k, v = proj.split([2 * hq * d, hkv * d, hkv * d], -1)
         query, gate = q_gate.view(t, hq, 2 * d).chunk(2, dim=-1)
         q = ops.apply_partial_rope(ops.rmsnorm_1p(query, layer.q_norm, s.rms_norm_eps), cos, sin)
         k = ops.apply_partial_rope(ops.rmsnorm_1p(k.view(t, hkv, d), layer.k_norm, s.rms_norm_eps), cos, sin)
-        heads_first = (x.transpose(0, 1) for x in (q, k, v.view(t, hkv, d)))
-        return *heads_first, gate.reshape(t, hq * d)
+        v = v.view(t, hkv, d)
+        if heads_first:
+            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        elif key_rows is not None:
+            k, v = k.index_select(0, key_rows), v.index_select(0, key_rows)
+        return q, k, v, gate.reshape(t, hq * d)
 
     def attention_gate(self, attn: Tensor, gate: Tensor) -> Tensor:
         return ops.attention_gate(attn.reshape(gate.shape), gate)
+
+
+def _row_invariant_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """`reference.ops.gdn_gates` on rows zero-padded to a multiple of GATE_ROW_ALIGN, then cut back.
+
+    torch's CPU kernels for softplus, exp and sigmoid compute the last (numel mod vector width) elements of a tensor
+    in a scalar tail that can round differently from the vector body; padding puts every real element in the body,
+    so a row's gates do not depend on the number of rows (the tree computes fewer rows than the flat layout). CUDA has
+    no such tail; the padding then only costs a few rows.
+    """
+    pad = -a.shape[0] % GATE_ROW_ALIGN
+    g, beta = ops.gdn_gates(F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad)), A_log, dt_bias)
+    return g[: a.shape[0]], beta[: a.shape[0]]
 
 
 class _FusedOps:
@@ -302,40 +299,57 @@ class _FusedOps:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return kernels.silu_mul(gate_up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, batch: PackedBatch):
+    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput):
+        """The prep kernel over the conv input (the projection gathered into it unless it is the packed rows), then
+        the kept rows (none dropped for the paths, the history rows dropped for the node segments)."""
         s = self.shapes
-        q, k, v, g, beta = kernels.gdn_prep(
-            proj,
+        source = proj if conv.rows_are_packed else proj.index_select(0, conv.rows)  # [M, gdn_in_width]
+        out = kernels.gdn_prep(
+            source,
             layer.conv_weight,
             layer.A_log,
             layer.dt_bias,
-            batch.cu_seqlens_i32,
+            conv.cu_seqlens_i32,
             num_k_heads=s.linear_num_key_heads,
             num_v_heads=s.linear_num_value_heads,
             head_k_dim=s.linear_key_head_dim,
             head_v_dim=s.linear_value_head_dim,
             qk_l2norm=self.qk_normalised,
         )
-        z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
-        return q[0], k[0], v[0], g[0], beta[0], z
+        if conv.keep_all:
+            return tuple(t[0] for t in out)
+        return tuple(t[0].index_select(0, conv.keep) for t in out)
 
     def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor) -> Tensor:
         return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps)
 
-    def attn_prep(self, proj: Tensor, layer: AttentionLayerWeights, cos: Tensor, sin: Tensor):
+    def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
+        """One prep launch; k and v land in one [2, N, Hkv, D] buffer so that the key gather is one launch too."""
         s = self.shapes
-        dims = dict(num_heads=s.num_attention_heads, head_dim=s.head_dim)
-        q, k, v = kernels.attn_prep(
-            proj,
-            layer.q_norm,
-            layer.k_norm,
-            cos,
-            sin,
-            s.rms_norm_eps,
-            num_kv_heads=s.num_key_value_heads,
-            layout="htd",
-            **dims,
-        )
+        t, hq, hkv, d = proj.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        dims = dict(num_heads=hq, head_dim=d)
+        if heads_first:
+            q, k, v = kernels.attn_prep(
+                proj, layer.q_norm, layer.k_norm, cos, sin, s.rms_norm_eps, num_kv_heads=hkv, layout="htd", **dims
+            )
+        else:
+            q = torch.empty(t, hq, d, dtype=proj.dtype, device=proj.device)
+            kv = torch.empty(2, t, hkv, d, dtype=proj.dtype, device=proj.device)
+            kernels.attn_prep(
+                proj,
+                layer.q_norm,
+                layer.k_norm,
+                cos,
+                sin,
+                s.rms_norm_eps,
+                num_kv_heads=hkv,
+                layout="thd",
+                out=(q, kv[0], kv[1]),
+                **dims,
+            )
+            if key_rows is not None:
+                kv = kv.index_select(1, key_rows)  # [2, K, Hkv, D]
+            k, v = kv[0], kv[1]
         return q, k, v, kernels.attention_gate_view(proj, **dims)
 
     def attention_gate(self, attn: Tensor, gate: Tensor) -> Tensor:
@@ -347,13 +361,22 @@ class _FusedOps:
 
 
 class EngineBackbone:
-    """A `Backbone` over packed rows with merged weights; `fused` switches the element-wise ops to the kernels."""
+    """A `Backbone` over packed rows with merged weights.
+
+    `fused` switches the element-wise ops to the kernels; `tree` lays each batch out as a prefix tree (stage `tree`,
+    built on `fused`; also runs with `fused=False` for CPU tests). `attention` ("varlen" or "mask"; default "mask" for
+    `merged`, "varlen" otherwise) and `gdn_mode` ("replicated" / "handoff"; default: the plan's cost rule) are
+    ablation switches; `gdn_core` ("fla" / "torch") defaults by device.
+    """
 
     def __init__(
         self,
         merged: MergedWeights,
         *,
         fused: bool,
+        tree: bool = False,
+        attention: str | None = None,
+        gdn_mode: str | None = None,
         gdn_core: str | None = None,
         max_batch_rows: int = 8192,
         nvtx_ranges: bool = False,
@@ -361,7 +384,17 @@ class EngineBackbone:
         self.weights = merged
         self.shapes = merged.shapes
         self.device = merged.device
-        self.name = "fused" if fused else "merged"
+        self.fused = fused
+        self.tree = tree
+        default_attention = "varlen" if fused or tree else "mask"
+        self.attention = attention or default_attention
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"unknown attention {self.attention!r}; expected one of {ATTENTION_MODES}")
+        if gdn_mode is not None and gdn_mode not in GDN_MODES:
+            raise ValueError(f"unknown gdn_mode {gdn_mode!r}; expected one of {GDN_MODES} or None (cost rule)")
+        self.gdn_mode = gdn_mode
+        base = ("tree" if fused else "merged_tree") if tree else ("fused" if fused else "merged")
+        self.name = base if self.attention == default_attention else f"{base}_{self.attention}"
         self.gdn_core = gdn_core or ("fla" if self.device.type == "cuda" else "torch")
         if self.gdn_core not in GDN_CORES:
             raise ValueError(f"unknown gdn_core {self.gdn_core!r}; expected one of {GDN_CORES}")
@@ -373,14 +406,15 @@ class EngineBackbone:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows
-        self._chunk_rule = _fla_chunk_function() if self.gdn_core == "fla" else None
+        self._core = _fla_chunk_function() if self.gdn_core == "fla" else torch_chunk_core
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
+        self._node_core = default_node_core(self.device)
         self._range = _Ranges(nvtx_ranges)
 
     # -- Backbone protocol ---------------------------------------------------------------------------------------------
 
-    def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> PackedRows:
-        """Pack candidates into batches of at most `max_batch_rows` rows (one candidate may exceed it alone)."""
+    def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> EngineRows:
+        """Lay candidates out in batches (each one plan) and copy everything the forward reads to the device."""
         if len(candidates) == 0:
             raise ValueError("no candidates")
         if len(groups) != len(candidates):
@@ -391,38 +425,77 @@ class EngineBackbone:
                 raise ValueError(f"candidate {c} has no tokens")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"candidate {c} has token ids outside [0, {vocab})")
-        batches, current, rows = [], [], 0
-        for ids in candidates:
-            if current and rows + len(ids) > self.max_batch_rows:
-                batches.append(current)
-                current, rows = [], 0
-            current.append(ids)
-            rows += len(ids)
-        batches.append(current)
-        return PackedRows([pack_batch(b, self.shapes, self.device) for b in batches], len(candidates))
+        if self.tree:
+            index_batches = split_questions(candidates, groups, self.max_batch_rows)
+        else:
+            index_batches = _consecutive_batches([len(ids) for ids in candidates], self.max_batch_rows)
+        make_plan = plan_tree if self.tree else plan_flat
+        batches = []
+        for index in index_batches:
+            plan = make_plan([candidates[c] for c in index], [groups[c] for c in index], device=self.device)
+            batches.append(_row_batch(plan, index, self.shapes, self.gdn_mode, self.attention))
+        flat_order = [c for index in index_batches for c in index]
+        order = None
+        if flat_order != list(range(len(candidates))):
+            position = {c: i for i, c in enumerate(flat_order)}
+            order = torch.tensor([position[c] for c in range(len(candidates))], device=self.device)
+        return EngineRows(batches, len(candidates), order)
 
     @torch.no_grad()
-    def forward(self, prepared: PackedRows) -> Tensor:
+    def forward(self, prepared: EngineRows) -> Tensor:
         """[C, hidden] bf16: the final-norm output at each candidate's last token, in candidate order."""
-        return torch.cat([self._forward_batch(batch, None) for batch in prepared.batches])
+        outs = [self._forward_batch(batch, None) for batch in prepared.batches]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if prepared.order is None else out.index_select(0, prepared.order)
 
     @torch.no_grad()
-    def hidden_states(self, prepared: PackedRows) -> list[Tensor]:
-        """num_layers + 2 entries [total real tokens, hidden] bf16: embedding, each layer output, final-norm output."""
-        per_batch = []
+    def hidden_states(self, prepared: EngineRows) -> list[Tensor]:
+        """num_layers + 2 entries [total real tokens, hidden] bf16: embedding, each layer output, final-norm output;
+        each candidate's tokens (its path's rows) concatenated in candidate order."""
+        pieces: dict[int, list[Tensor]] = {}  # candidate -> its rows of every state
         for batch in prepared.batches:
             states: list[Tensor] = []
             self._forward_batch(batch, states)
-            per_batch.append(states)
-        return [torch.cat(parts) for parts in zip(*per_batch)]
+            plan = batch.plan
+            bounds = plan.path_cu_seqlens_cpu.tolist()
+            paths = [state.index_select(0, plan.path_rows) for state in states]  # each [L, hidden]
+            for j, c in enumerate(batch.candidates):
+                pieces[c] = [p[bounds[j] : bounds[j + 1]] for p in paths]
+        return [torch.cat(parts) for parts in zip(*(pieces[c] for c in range(prepared.num_candidates)))]
+
+    # -- what the ablation runner and the service read -----------------------------------------------------------------
+
+    def rows_computed(self, prepared: EngineRows) -> int:
+        """Packed rows of all batches (the rows the GEMMs run over)."""
+        return prepared.rows_computed
+
+    def prefix_cache_metadata(self, prepared: EngineRows) -> dict:
+        """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7)."""
+        if not self.tree:
+            return {"enabled": False, "mode": "independent_candidates"}
+        plans = [b.plan for b in prepared.batches]
+        return {
+            "enabled": True,
+            "mode": "prefix_tree",
+            "logical_input_tokens": prepared.logical_tokens,
+            "processed_input_tokens": prepared.rows_computed,
+            "reused_input_tokens": prepared.logical_tokens - prepared.rows_computed,
+            "shared_prefix_tokens": sum(p.root_len for p in plans),
+            "question_prefix_tokens": sum(sum(p.question_lens) for p in plans),
+            "candidate_sequences": prepared.num_candidates,
+            "batches": len(plans),
+            "gdn_modes": [b.gdn_mode for b in prepared.batches],
+            "gdn_core_tokens": sum(b.plan.gdn[b.gdn_mode].num_tokens for b in prepared.batches),
+            "recurrent_state_dtype": "float32",
+        }
 
     # -- forward -------------------------------------------------------------------------------------------------------
 
-    def _forward_batch(self, batch: PackedBatch, states: list[Tensor] | None) -> Tensor:
-        """One batch's forward; appends every residual state to `states` when given. Returns [N, hidden]."""
+    def _forward_batch(self, batch: RowBatch, states: list[Tensor] | None) -> Tensor:
+        """One batch's forward; appends every residual state to `states` when given. Returns [C_batch, hidden]."""
         w, ops_, rng = self.weights, self._ops, self._range
         with rng("embedding"):
-            x = F.embedding(batch.token_ids, w.embed)  # [T, H]
+            x = F.embedding(batch.plan.token_ids, w.embed)  # [N, H]
         with rng("norm"):
             residual, normed = ops_.residual_rmsnorm(x, None, w.layers[0].input_norm)
         if states is not None:
@@ -431,13 +504,13 @@ class EngineBackbone:
             gdn = isinstance(layer, GDNLayerWeights)
             with rng(f"layer {i:02d} {'gdn' if gdn else 'attn'}"):
                 with rng("in_proj"):
-                    proj = F.linear(normed, layer.w_in)  # [T, gdn_in_width | attn_in_width]
+                    proj = F.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
                 mixed = self._gdn(proj, layer, batch) if gdn else self._attention(proj, layer, batch)
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, mixed, layer.post_norm)
                 with rng("mlp"):
-                    act = ops_.silu_mul(F.linear(normed, layer.w_gate_up))  # [T, I]
-                    down = F.linear(act, layer.w_down)  # [T, H]
+                    act = ops_.silu_mul(F.linear(normed, layer.w_gate_up))  # [N, I]
+                    down = F.linear(act, layer.w_down)  # [N, H]
                 next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, down, next_norm)
@@ -445,43 +518,78 @@ class EngineBackbone:
                 states.append(residual)
         if states is not None:
             states.append(normed)
-        return normed.index_select(0, batch.last_rows)  # [N, H]
+        return normed.index_select(0, batch.plan.read_rows)  # [C_batch, H]
 
-    def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: PackedBatch) -> Tensor:
-        rng = self._range
-        with rng("gdn_prep"):
-            q, k, v, g, beta, z = self._ops.gdn_prep(proj, layer, batch)
-        with rng("gdn_core"):
-            if self._chunk_rule is not None:
-                o = _gdn_core_fla(self._chunk_rule, q, k, v, g, beta, batch, self._ops.qk_normalised)
-            else:
-                o = _gdn_core_torch(q, k, v, g, beta, batch)  # [T, Hv, V]
+    def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch) -> Tensor:
+        s, plan, rng = self.shapes, batch.plan, self._range
+        core_options = {"use_qk_l2norm_in_kernel": not self._ops.qk_normalised}
+        if batch.gdn_mode == "replicated":
+            with rng("gdn_prep"):
+                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths)  # every path's rows [L, ...]
+            with rng("gdn_core"):
+                call = plan.gdn["replicated"].calls[0]  # all paths, from position 0
+                o, _ = self._core(
+                    q[None],
+                    k[None],
+                    v[None],
+                    g[None],
+                    beta[None],
+                    cu_seqlens=call.cu_seqlens,
+                    cu_seqlens_cpu=call.cu_seqlens_cpu,
+                    chunk_indices=call.chunk_indices,
+                    **core_options,
+                )
+                o = scatter_rows(o[0], plan)  # [N, Hv, V]: each row from its representative path
+        else:
+            with rng("gdn_prep"):
+                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_segments)  # packed rows [N, ...]
+            with rng("gdn_core"):
+                o = tree_gdn_core(q, k, v, g, beta, plan, mode="handoff", core=self._core, **core_options)
         with rng("gated_norm"):
-            y = self._ops.gated_rmsnorm(o, z, layer.out_norm)  # [T, Hv V]
+            z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
+            y = self._ops.gated_rmsnorm(o, z, layer.out_norm)  # [N, Hv V]
         with rng("out_proj"):
             return F.linear(y, layer.w_out)
 
-    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: PackedBatch) -> Tensor:
-        rng = self._range
+    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch) -> Tensor:
+        rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
+        varlen = self.attention == "varlen"
+        key_rows = None if not varlen or nodes.keys_are_rows else nodes.key_rows
         with rng("attn_prep"):
-            q, k, v, gate = self._ops.attn_prep(proj, layer, batch.rope_cos, batch.rope_sin)
+            q, k, v, gate = self._ops.attn_prep(proj, layer, batch.rope_cos, batch.rope_sin, key_rows, not varlen)
         with rng("attention"):
-            attn = _block_diagonal_sdpa(q, k, v, batch.attn_mask, self.shapes.head_dim**-0.5)  # [T, Hq, D]
+            if varlen:
+                attn = self._node_core(q, k, v, nodes, scale)  # [N, Hq, D]
+            else:
+                attn = _masked_sdpa(q, k, v, batch.attn_mask, scale)
         with rng("attn_gate"):
-            y = self._ops.attention_gate(attn, gate)  # [T, Hq D]
+            y = self._ops.attention_gate(attn, gate)  # [N, Hq D]
         with rng("out_proj"):
             return F.linear(y, layer.w_out)
 
 
-def _block_diagonal_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Causal attention within each candidate: q [Hq, T, D], k, v [Hkv, T, D] -> [T, Hq, D] bf16 (a strided view).
+def _consecutive_batches(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Consecutive candidates per batch while the batch holds at most `max_rows` rows (one candidate may exceed it)."""
+    batches: list[list[int]] = [[]]
+    rows = 0
+    for c, n in enumerate(lengths):
+        if batches[-1] and rows + n > max_rows:
+            batches.append([])
+            rows = 0
+        batches[-1].append(c)
+        rows += n
+    return batches
 
-    k/v heads repeated to the query heads (head h reads kv head h // (Hq/Hkv)), one SDPA call with the additive
-    block-diagonal causal mask [1, 1, T, T].
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention with an additive mask: q [Hq, N, D], k, v [Hkv, N, D] -> [N, Hq, D] bf16 (a strided view).
+
+    k/v heads repeated to the query heads (head h reads kv head h // (Hq/Hkv)), one SDPA call with the mask
+    [1, 1, N, N].
     """
     rep = q.shape[0] // k.shape[0]
     out = F.scaled_dot_product_attention(
-        q[None],  # [1, Hq, T, D]
+        q[None],  # [1, Hq, N, D]
         k.repeat_interleave(rep, dim=0)[None],
         v.repeat_interleave(rep, dim=0)[None],
         attn_mask=mask,

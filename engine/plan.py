@@ -21,8 +21,11 @@ Node ids: 0 = root, 1 + r = question r (questions numbered in order of first app
 
 Besides the layout, a plan holds the index tensors the layer functions need, all built on the host once and copied to
 the device in one transfer: conv windows from ancestors, the gather of each candidate's path, the representative slot
-of each packed row, the row-to-node relation for the attention mask, and two GDN schedules (`replicated` and
-`handoff`, see `GdnSchedule`).
+of each packed row, the row-to-node relation for the attention mask, two GDN schedules (`replicated` and `handoff`, see
+`GdnSchedule`), two conv input layouts for kernels that read a sequence's previous rows (`ConvInput`: the paths, and
+node segments with their history rows) and the node-wise varlen attention layout (`NodeAttention`).
+
+`split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
 """
 
 from __future__ import annotations
@@ -99,6 +102,58 @@ class GdnSchedule:
 
 
 @dataclass(frozen=True, eq=False)
+class ConvInput:
+    """Packed rows laid out as sequences for a causal conv that starts each sequence from zero history.
+
+    Sequence i is `rows[cu_seqlens[i]:cu_seqlens[i+1]]` (packed row ids); the wanted outputs are the slots `keep`, in
+    order (`keep_rows = rows[keep]` are their packed rows). Two layouts per plan:
+    * `conv_paths`: every candidate's path (keep: all slots, so the outputs are in path layout);
+    * `conv_segments`: each non-empty node's rows after up to W-1 history rows (the last rows of its ancestors), nodes
+      in packed order (keep: the node rows, so the outputs are the packed rows in order).
+    A row's conv window is the same W rows in both, and in the unshared run. `spaced` lays the sequences out for a conv
+    that does not know sequence boundaries (`reference.ops.causal_conv1d_silu`): an index into [zero row | packed
+    rows] with W-1 zero rows before each sequence; `spaced_keep` are the positions of the `keep` slots in it.
+    """
+
+    rows: torch.Tensor  # [M] int64
+    cu_seqlens: torch.Tensor  # [S + 1] int64, on the device
+    cu_seqlens_i32: torch.Tensor  # [S + 1] int32, on the device (for the GDN prep kernel)
+    cu_seqlens_cpu: torch.Tensor  # [S + 1] int64, host
+    keep: torch.Tensor  # [n] int64
+    keep_rows: torch.Tensor  # [n] int64
+    keep_rows_are_packed: bool  # keep_rows == arange(N): the outputs are the packed rows in order
+    spaced: torch.Tensor  # [M + (W-1) S] int64
+    spaced_keep: torch.Tensor  # [n] int64
+    rows_are_packed: bool  # rows == arange(N): the packed rows need no gather
+    keep_all: bool  # keep == arange(M): every output is wanted, in order
+
+
+@dataclass(frozen=True, eq=False)
+class NodeAttention:
+    """Varlen causal attention over the tree, one sequence per non-empty node (packed order).
+
+    Sequence i's queries are the node's own packed rows (contiguous: `cu_seqlens_q`), its keys the node's path up to
+    its last row (`key_rows[cu_seqlens_k[i]:cu_seqlens_k[i+1]]`: root rows, question rows, own rows), and the queries
+    are the last rows of the keys (causal alignment at the bottom right, as FlashAttention's varlen kernel does when
+    seqlen_q < seqlen_k). A row sees exactly its ancestors and the earlier rows of its own node, as `visible`. For a
+    flat plan the nodes are the candidates and `key_rows` are the packed rows themselves (`keys_are_rows`).
+    """
+
+    key_rows: torch.Tensor  # [K] int64
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32, on the device
+    cu_seqlens_k: torch.Tensor  # [S + 1] int32, on the device
+    cu_seqlens_q_cpu: torch.Tensor  # [S + 1] int64, host
+    cu_seqlens_k_cpu: torch.Tensor  # [S + 1] int64, host
+    max_q: int
+    max_k: int
+    keys_are_rows: bool
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.key_rows)
+
+
+@dataclass(frozen=True, eq=False)
 class TreePlan:
     """A packed row layout (kind "tree" or "flat") with its index tensors on `device`.
 
@@ -131,6 +186,9 @@ class TreePlan:
     path_cu_seqlens_i32: torch.Tensor  # [C + 1] int32, on the device (for kernels taking int32 offsets)
     read_rows: torch.Tensor  # [C] int64
     gdn: dict[str, GdnSchedule]  # "replicated" and "handoff"
+    conv_paths: ConvInput
+    conv_segments: ConvInput
+    attention: NodeAttention
 
     @property
     def num_rows(self) -> int:
@@ -208,6 +266,44 @@ def plan_flat(
     """The unshared layout (candidates back to back) in the same structure: empty root and question nodes."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
     return _build("flat", seqs, question_of, 0, [0] * num_questions, torch.device(device), chunk_size)
+
+
+def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Batches of whole questions: candidate indices per batch (ascending), each batch to be planned on its own.
+
+    Questions are taken in order of first appearance and added to the current batch while its prefix tree would hold
+    at most `max_rows` packed rows; a question whose own tree is larger forms a batch alone (never split). The rows of
+    a tree over questions r with n_r candidates: root + sum_r (E_r - root) + sum_c (len_c - E_r(c)), where E_r is the
+    end of question r's node (min(lcp of its candidates, its shortest - 1)) and root = min(lcp of all, shortest - 1),
+    so it is updated per question from the lcp of the new question's first candidate with the batch's first.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    members: list[list[int]] = [[] for _ in range(num_questions)]
+    for c, r in enumerate(question_of):
+        members[r].append(c)
+    batches: list[list[int]] = []
+    state = None  # (anchor, lcp of all, shortest, questions, sum_r E_r (1 - n_r), sum of lengths) of the open batch
+    for own in members:
+        own_seqs = [seqs[c] for c in own]
+        shortest = min(len(q) for q in own_seqs)
+        own_lcp = _common_prefix_len(own_seqs)
+        end = min(own_lcp, shortest - 1)
+        own_terms = (end * (1 - len(own)), sum(len(q) for q in own_seqs))
+        if state is not None:
+            anchor, lcp_all, short_all, count, ends, lengths = state
+            lcp_new = min(lcp_all, own_lcp, _common_prefix_len([anchor, own_seqs[0]]))
+            short_new = min(short_all, shortest)
+            root = min(lcp_new, short_new - 1)
+            rows = root * (1 - count - 1) + ends + own_terms[0] + lengths + own_terms[1]
+            if rows <= max_rows:
+                batches[-1] += own
+                state = (anchor, lcp_new, short_new, count + 1, ends + own_terms[0], lengths + own_terms[1])
+                continue
+        batches.append(list(own))
+        state = (own_seqs[0], own_lcp, shortest, 1, *own_terms)
+    return [sorted(batch) for batch in batches]
 
 
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
@@ -323,6 +419,34 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
         src = row_slot - back
         conv_rows[:, k] = np.where(slot_pos[row_slot] >= back, path_rows[np.maximum(src, 0)], num_rows)
 
+    # Non-empty nodes in packed order: (first row, rows, key rows = the node's path up to its last row).
+    nodes = []
+    if root_len > 0:
+        nodes.append((0, np.arange(root_len), np.arange(root_len)))
+    for r in range(num_questions):
+        if q_lens[r] > 0:
+            own = q_start[r] + np.arange(q_lens[r])
+            nodes.append((q_start[r], own, np.concatenate([np.arange(root_len), own])))
+    for c in range(num_cands):
+        nodes.append((leaf_start[c], leaf_start[c] + np.arange(leaf_lens[c]), paths[c]))
+    # Conv segments: each node's rows after its history (the rows at positions p0-W+1..p0-1 of its path, where any).
+    segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
+    for first, own, _ in nodes:
+        history = conv_rows[first, : CONV_WIDTH - 1]
+        history = history[history < num_rows]
+        segments.append(np.concatenate([history, own]))
+        segment_keep[own] = slot + len(history) + np.arange(len(own))
+        slot += len(history) + len(own)
+    conv_layouts = {
+        "conv_paths": _conv_input(paths, np.arange(len(path_rows)), num_rows),
+        "conv_segments": _conv_input(segments, segment_keep, num_rows),
+    }
+    q_counts = np.array([len(own) for _, own, _ in nodes], dtype=np.int64)
+    k_counts = np.array([len(keys) for _, _, keys in nodes], dtype=np.int64)
+    key_rows = np.concatenate([keys for _, _, keys in nodes]).astype(np.int64)
+    attn_cu_q = np.concatenate([[0], np.cumsum(q_counts)]).astype(np.int64)
+    attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
+
     schedules = {
         "replicated": [_replicated_call(path_rows, lens, chunk_size)],
         "handoff": _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size),
@@ -343,7 +467,13 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
         "path_rows": path_rows,
         "path_cu_seqlens": path_cu,
         "read_rows": read_rows.astype(np.int64),
+        "attention.key_rows": key_rows,
+        "attention.cu_seqlens_q": attn_cu_q,
+        "attention.cu_seqlens_k": attn_cu_k,
     }
+    for name, layout in conv_layouts.items():
+        for field in ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep"):
+            arrays[f"{name}.{field}"] = layout[field]
     for mode, calls in schedules.items():
         for i, call in enumerate(calls):
             call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
@@ -379,6 +509,33 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
             )
         gdn[mode] = GdnSchedule(mode=mode, calls=tuple(built))
 
+    conv_inputs = {
+        name: ConvInput(
+            rows=dev[f"{name}.rows"],
+            cu_seqlens=dev[f"{name}.cu_seqlens"],
+            cu_seqlens_i32=dev[f"{name}.cu_seqlens"].to(torch.int32),
+            cu_seqlens_cpu=torch.from_numpy(layout["cu_seqlens"]),
+            keep=dev[f"{name}.keep"],
+            keep_rows=dev[f"{name}.keep_rows"],
+            keep_rows_are_packed=np.array_equal(layout["keep_rows"], np.arange(num_rows)),
+            spaced=dev[f"{name}.spaced"],
+            spaced_keep=dev[f"{name}.spaced_keep"],
+            rows_are_packed=np.array_equal(layout["rows"], np.arange(num_rows)),
+            keep_all=np.array_equal(layout["keep"], np.arange(len(layout["rows"]))),
+        )
+        for name, layout in conv_layouts.items()
+    }
+    attention = NodeAttention(
+        key_rows=dev["attention.key_rows"],
+        cu_seqlens_q=dev["attention.cu_seqlens_q"].to(torch.int32),
+        cu_seqlens_k=dev["attention.cu_seqlens_k"].to(torch.int32),
+        cu_seqlens_q_cpu=torch.from_numpy(attn_cu_q),
+        cu_seqlens_k_cpu=torch.from_numpy(attn_cu_k),
+        max_q=int(q_counts.max()),
+        max_k=int(k_counts.max()),
+        keys_are_rows=np.array_equal(key_rows, np.arange(num_rows)),
+    )
+
     return TreePlan(
         kind=kind,
         device=device,
@@ -401,7 +558,27 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
         path_cu_seqlens_i32=dev["path_cu_seqlens"].to(torch.int32),
         read_rows=dev["read_rows"],
         gdn=gdn,
+        conv_paths=conv_inputs["conv_paths"],
+        conv_segments=conv_inputs["conv_segments"],
+        attention=attention,
     )
+
+
+def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, num_rows: int) -> dict:
+    """Host arrays of a `ConvInput` over `sequences` (packed row ids each), keeping slots `keep`."""
+    lens = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    rows = np.concatenate(sequences).astype(np.int64)
+    history = CONV_WIDTH - 1
+    spaced = np.concatenate([np.concatenate([np.zeros(history, dtype=np.int64), seq + 1]) for seq in sequences])
+    spaced_slot = np.arange(len(rows)) + history * (np.repeat(np.arange(len(sequences)), lens) + 1)
+    return {
+        "rows": rows,
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        "keep": keep.astype(np.int64),
+        "keep_rows": rows[keep],
+        "spaced": spaced.astype(np.int64),
+        "spaced_keep": spaced_slot[keep],
+    }
 
 
 def _replicated_call(path_rows: np.ndarray, lens: np.ndarray, chunk_size: int) -> dict:

@@ -10,8 +10,10 @@ Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run onc
   path) or `handoff` (root once to its last 64-token boundary, fp32 state handed to the branches, the straddling chunk
   recomputed per branch). `core` is any varlen GDN function with FLA's `chunk_gated_delta_rule` signature.
 * `tree_attention`: full attention where each row sees its ancestors and the earlier rows of its own node
-  (`mode="mask"`, SDPA with a boolean mask built on the device, or FlexAttention on CUDA), or the same varlen causal
-  attention as the flat run over each candidate's gathered path (`mode="paths"`).
+  (`mode="mask"`, SDPA with a boolean mask built on the device, or FlexAttention on CUDA), the same varlen causal
+  attention as the flat run over each candidate's gathered path (`mode="paths"`), or one varlen sequence per node
+  whose queries are the node's rows and whose keys are its path (`mode="nodes"`, `plan.attention`: what the engine
+  runs; cores `flash_node_core` on CUDA, `blockwise_node_core` anywhere).
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
 the tree but one copy per candidate in the flat run, so "bitwise" needs every kernel of the flat run to be
@@ -21,9 +23,10 @@ later rows or its neighbours in the batch.
 * GDN core: bitwise in both modes when the core is prefix-invariant and an initial state handed over at a multiple
   of 64 reproduces the one-pass run (both measured for HF's torch chunk function on the CPU, fp32 and bf16,
   tests/test_tree.py; FLA on the H200: tests/test_gpu_tree.py).
-* attention: `paths` mode is bitwise when its core is prefix-invariant (`blockwise_causal_attention` is, by
-  construction; per-sequence SDPA on the CPU is not, measured); `mask` mode is bounded (a row's keys sit at other
-  offsets of a longer key axis, so the reduction order changes).
+* attention: `paths` and `nodes` modes are bitwise when their core is prefix-invariant (`blockwise_causal_attention`
+  is, by construction, also with queries at the end of their keys; FlashAttention-2's varlen forward is by its
+  schedule, checked on the H200; per-sequence SDPA on the CPU is not, measured); `mask` mode is bounded (a row's keys
+  sit at other offsets of a longer key axis, so the reduction order changes).
 * GEMMs are not here: their results can depend on the number of rows M, which the tree changes (measured in the
   tests: bf16 CPU GEMMs were row-count invariant on the tiny twin; on the H200 see tests/test_gpu_tree.py).
 """
@@ -37,7 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.plan import TreePlan
+from engine.plan import NodeAttention, TreePlan
 from reference import ops
 
 # Fixed cost of one GDN core call in units of 64-token chunks of one sequence (launch latency of FLA's ~6 kernels
@@ -214,19 +217,27 @@ def tree_attention(
     mask, compiled, CUDA). Bounded against the flat run. mode "paths": `core(q, k, v, cu_seqlens_cpu, scale)`
     (varlen causal attention, default `sdpa_varlen_causal`) over the gathered paths, each packed row read from its
     representative path; bitwise against the flat run with the same `core` when that core is prefix-invariant.
-    Returns [N, Hq, D] in q's dtype (mask mode: a strided view).
+    mode "nodes": one varlen sequence per node (`plan.attention`: the node's rows as queries, its path as keys),
+    `core(q, k_gathered, v_gathered, plan.attention, scale)` (default `default_node_core(q.device)`); every packed
+    row is computed once (no path copies of the queries) and, with a prefix-invariant core, bitwise against the flat
+    run of the same core. Returns [N, Hq, D] in q's dtype (mask mode: a strided view).
     """
     num_rows, num_heads, _ = q.shape
     if num_rows != plan.num_rows or k.shape[0] != num_rows or v.shape[0] != num_rows:
         raise ValueError(f"q/k/v rows {num_rows}/{k.shape[0]}/{v.shape[0]} do not match the plan's {plan.num_rows}")
     if num_heads % k.shape[1] != 0:
         raise ValueError(f"{num_heads} query heads are not a multiple of {k.shape[1]} kv heads")
+    if mode == "nodes":
+        layout = plan.attention
+        if not layout.keys_are_rows:
+            k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
+        return (default_node_core(q.device) if core is None else core)(q, k, v, layout, scale)
     if mode == "paths":
         core = sdpa_varlen_causal if core is None else core
         o = core(gather_paths(q, plan), gather_paths(k, plan), gather_paths(v, plan), plan.path_cu_seqlens_cpu, scale)
         return scatter_rows(o, plan)
     if mode != "mask":
-        raise ValueError(f"unknown tree attention mode {mode!r}; known: 'mask', 'paths'")
+        raise ValueError(f"unknown tree attention mode {mode!r}; known: 'mask', 'paths', 'nodes'")
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, N, D]
     if backend == "sdpa":
         groups = num_heads // k.shape[1]
@@ -251,41 +262,61 @@ def sdpa_varlen_causal(
 
 
 def blockwise_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_cpu: torch.Tensor, scale: float, block: int = 64
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor,
+    scale: float,
+    block: int = 64,
+    *,
+    cu_seqlens_k_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention per packed sequence whose reduction order is fixed by position (prefix-invariant).
 
-    q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D] in q's dtype. fp32 throughout: queries and keys in `block`-row
-    blocks counted from the sequence start; key block j updates every query block >= j with an online softmax (running
+    q [Tq, Hq, D], k and v [Tk, Hkv, D] -> [Tq, Hq, D] in q's dtype. Sequence i's queries are q rows
+    cu_seqlens_cpu[i]:[i+1] and its keys k rows cu_seqlens_k_cpu[i]:[i+1] (default: the same bounds); the queries are
+    the LAST positions of the keys (bottom-right causal alignment, as FlashAttention's varlen kernel): with n_q queries
+    and n_k keys, query j sits at position n_k - n_q + j and sees keys 0..n_k - n_q + j.
+    fp32 throughout: keys in `block`-row blocks counted from the sequence start, queries placed in the blocks of their
+    positions (zero rows fill the rest); key block j updates every query block >= j with an online softmax (running
     max, denominator, accumulator), the diagonal block masked causally; o = accumulator / denominator, rounded once.
-    Row i's result depends only on rows <= i of its own sequence, never on the sequence's length or later rows, so a
-    row shared by several candidates gets the same bits in each (per-sequence SDPA on the CPU does not:
-    tests/test_tree.py measures it). Reference speed; the GPU uses flash kernels.
+    Row i's result depends only on keys <= its position, never on the sequence's length, later rows or which other
+    queries are present, so a row shared by several candidates gets the same bits in each and in any node layout
+    (per-sequence SDPA on the CPU does not: tests/test_tree.py measures it). Reference speed; CUDA uses FlashAttention.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = num_heads // k.shape[1]
     causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
-    bounds = cu_seqlens_cpu.tolist()
+    q_bounds = cu_seqlens_cpu.tolist()
+    k_bounds = q_bounds if cu_seqlens_k_cpu is None else cu_seqlens_k_cpu.tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        length = end - start
-        nb = -(-length // block)
-        qb, kb, vb = (_blocks(t[start:end], nb, block) for t in (q, k, v))  # [nb, heads, block, D] fp32
+    for (q_start, q_end), (k_start, k_end) in zip(zip(q_bounds[:-1], q_bounds[1:]), zip(k_bounds[:-1], k_bounds[1:])):
+        num_q, num_k = q_end - q_start, k_end - k_start
+        if not 0 < num_q <= num_k:
+            raise ValueError(f"a sequence has {num_q} queries for {num_k} keys: need 0 < queries <= keys")
+        nb = -(-num_k // block)
+        offset = num_k - num_q  # position of the first query
+        b0 = offset // block  # first query block
+        q_full = F.pad(q[q_start:q_end].float(), (0, 0, 0, 0, offset - b0 * block, nb * block - num_k))
+        qb = _blocks(q_full, nb - b0, block)  # [nb - b0, heads, block, D] fp32: query blocks b0..nb-1
+        kb, vb = (_blocks(t[k_start:k_end].float(), nb, block) for t in (k, v))
         kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-        m = torch.full((nb, num_heads, block), float("-inf"), device=q.device)
-        denom = torch.zeros(nb, num_heads, block, device=q.device)
-        acc = torch.zeros(nb, num_heads, block, head_dim, device=q.device)
+        m = torch.full((nb - b0, num_heads, block), float("-inf"), device=q.device)
+        denom = torch.zeros(nb - b0, num_heads, block, device=q.device)
+        acc = torch.zeros(nb - b0, num_heads, block, head_dim, device=q.device)
         for j in range(nb):
-            s = (qb[j:] @ kb[j].transpose(-1, -2)) * scale  # [nb - j, Hq, block, block]
-            s[0] = s[0].masked_fill(~causal, float("-inf"))
-            m_new = torch.maximum(m[j:], s.amax(-1))
+            first = max(j, b0) - b0  # local index of the first query block key block j updates
+            s = (qb[first:] @ kb[j].transpose(-1, -2)) * scale  # [blocks, Hq, block, block]
+            if j >= b0:
+                s[0] = s[0].masked_fill(~causal, float("-inf"))
+            m_new = torch.maximum(m[first:], s.amax(-1))
             p = torch.exp(s - m_new[..., None])
-            corr = torch.exp(m[j:] - m_new)
-            denom[j:] = denom[j:] * corr + p.sum(-1)
-            acc[j:] = acc[j:] * corr[..., None] + p @ vb[j]
-            m[j:] = m_new
-        o = (acc / denom[..., None]).transpose(1, 2).reshape(nb * block, num_heads, head_dim)[:length]
-        outs.append(o.to(q.dtype))
+            corr = torch.exp(m[first:] - m_new)
+            denom[first:] = denom[first:] * corr + p.sum(-1)
+            acc[first:] = acc[first:] * corr[..., None] + p @ vb[j]
+            m[first:] = m_new
+        o = (acc / denom[..., None]).transpose(1, 2).reshape((nb - b0) * block, num_heads, head_dim)
+        outs.append(o[offset - b0 * block : offset - b0 * block + num_q].to(q.dtype))
     return torch.cat(outs)
 
 
@@ -293,6 +324,34 @@ def _blocks(t: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     """[L, H, D] -> [nb, H, block, D] fp32, zero-padded at the end."""
     t = F.pad(t.float(), (0, 0, 0, 0, 0, nb * block - t.shape[0]))
     return t.view(nb, block, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+
+
+def blockwise_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: NodeAttention, scale: float):
+    """Node-wise varlen causal attention with `blockwise_causal_attention` (any device; the CPU's core).
+
+    q [Nq, Hq, D] (the queries of `layout`'s sequences), k and v [K, Hkv, D] (its key rows, gathered) -> [Nq, Hq, D].
+    """
+    return blockwise_causal_attention(q, k, v, layout.cu_seqlens_q_cpu, scale, cu_seqlens_k_cpu=layout.cu_seqlens_k_cpu)
+
+
+def flash_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: NodeAttention, scale: float):
+    """Node-wise varlen causal attention with FlashAttention-2's varlen forward (torch's build, CUDA, bf16).
+
+    Same arguments as `blockwise_node_core`. One launch for all sequences; GQA read natively (query head h uses kv
+    head h // (Hq/Hkv)); causal masks align at the bottom right when a sequence has fewer queries than keys. No
+    split-KV for queries longer than one row, so a row's result is the online softmax over its key blocks (64-key
+    tiles from the sequence start) in a fixed order: prefix-invariant by construction, checked on the H200
+    (tests/test_gpu_tree.py).
+    """
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_q, layout.max_k, 0.0, True, False, scale=scale
+    )
+    return out[0]
+
+
+def default_node_core(device: torch.device) -> Callable:
+    """The node-wise attention core of a device: FlashAttention-2 varlen on CUDA, `blockwise_node_core` elsewhere."""
+    return flash_node_core if torch.device(device).type == "cuda" else blockwise_node_core
 
 
 @functools.cache

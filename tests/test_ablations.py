@@ -614,3 +614,41 @@ def test_git_state_falls_back_to_the_sender_variables(monkeypatch):
     monkeypatch.setenv("JEVLAB_GIT_COMMIT", "feedbeef")
     monkeypatch.setenv("JEVLAB_GIT_DIRTY", "0")
     assert envinfo.git_state() == {"git_commit": "feedbeef", "git_dirty": False, "git_source": "env"}
+
+
+def test_layer_ranges_hooks_leave_inputs_and_outputs_alone(monkeypatch):
+    """nvtx push/pop return the range depth; a hook that passed it on would replace the module's input or output
+    (this broke every timed workload of the first H200 run)."""
+    import torch
+
+    from ablations import timing
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: 1)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: 0)
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(5, 8)
+    expected = model(x)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.model = model
+    with timing.layer_ranges(holder, True) as count:
+        got = model(x)
+    assert count > 0
+    assert torch.equal(got, expected)

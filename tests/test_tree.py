@@ -1,10 +1,12 @@
 """The prefix tree (engine/plan.py, engine/tree.py) against the unshared layout, on the CPU.
 
 Planner: hypothesis-generated requests (1-8 questions, 1-40 options, states of 0-600 tokens, options sharing long
-prefixes, single-option choices, noul-only) and adversarial token lists; every structural invariant is checked.
-Layer functions: tree against flat with identical per-row inputs (a packed tree row's input is copied into every
-candidate path that holds it, so GEMM row-count effects are excluded): conv and GDN core (both modes) bitwise in fp32
-and bf16; attention bitwise in `paths` mode with a prefix-invariant core and bounded in `mask` mode. Then a two-layer
+prefixes, single-option choices, noul-only) and adversarial token lists; every structural invariant is checked,
+including the conv input layouts (paths, node segments with history rows) and the node-wise attention layout (equal
+to the attention mask on the adversarial lists). Layer functions: tree against flat with identical per-row inputs (a
+packed tree row's input is copied into every candidate path that holds it, so GEMM row-count effects are excluded):
+conv and GDN core (both modes) bitwise in fp32 and bf16; attention bitwise in `paths` and `nodes` modes with a
+prefix-invariant core (also with queries at the end of their keys) and bounded in `mask` mode. Then a two-layer
 composition (embedding, GDN layer, attention layer, final norm; GEMMs over each plan's own rows): tree == flat bitwise.
 Tiny-twin head shapes: GDN H=2, HV=6, K=V=32 (conv width 4, 320 channels); attention 6 query heads, 1 kv head, D=64.
 """
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
 from engine.tree import (
     blockwise_causal_attention,
+    blockwise_node_core,
     choose_gdn_mode,
     gather_paths,
     gdn_mode_costs,
@@ -130,6 +133,42 @@ def check_plan(plan: TreePlan, candidates: list[list[int]], groups: list[int]) -
         expect = np.where(slot_pos >= back, path_rows[np.maximum(np.arange(len(path_rows)) - back, 0)], n)
         assert np.array_equal(conv_rows[path_rows, k], expect)
     check_schedules(plan)
+    check_conv_inputs(plan)
+    # node attention: each node's rows are its queries, in packed order, and the last rows of its keys (its path)
+    a = plan.attention
+    cu_q, cu_k, key_rows = a.cu_seqlens_q_cpu.numpy(), a.cu_seqlens_k_cpu.numpy(), a.key_rows.numpy()
+    assert np.array_equal(a.cu_seqlens_q.numpy(), cu_q) and np.array_equal(a.cu_seqlens_k.numpy(), cu_k)
+    assert cu_q[-1] == n and (np.diff(cu_q) >= 1).all() and (np.diff(cu_k) >= np.diff(cu_q)).all()
+    assert (a.max_q, a.max_k) == (np.diff(cu_q).max(), np.diff(cu_k).max())
+    for i in range(len(cu_q) - 1):
+        keys, queries = key_rows[cu_k[i] : cu_k[i + 1]], np.arange(cu_q[i], cu_q[i + 1])
+        assert np.array_equal(keys[len(keys) - len(queries) :], queries)
+        assert np.array_equal(positions[keys], np.arange(len(keys)))  # a path from position 0
+        assert np.array_equal(conv_rows[keys[1:], CONV_WIDTH - 2], keys[:-1])  # consecutive on one path
+    assert a.keys_are_rows == np.array_equal(key_rows, np.arange(n)) and (a.keys_are_rows or plan.kind == "tree")
+
+
+def check_conv_inputs(plan: TreePlan) -> None:
+    """Both conv inputs give every kept row the window of its own path (zeros before position 0), both in the
+    sequence layout (the prep kernel masks rows before a sequence start) and in the zero-spaced layout."""
+    n, conv_rows = plan.num_rows, plan.conv_rows.numpy()
+    for layout in (plan.conv_paths, plan.conv_segments):
+        rows, cu, keep = layout.rows.numpy(), layout.cu_seqlens_cpu.numpy(), layout.keep.numpy()
+        assert np.array_equal(layout.cu_seqlens.numpy(), cu) and np.array_equal(layout.cu_seqlens_i32.numpy(), cu)
+        assert np.array_equal(layout.keep_rows.numpy(), rows[keep])
+        sequence_start = np.repeat(cu[:-1], np.diff(cu))[keep]
+        spaced, spaced_keep = layout.spaced.numpy(), layout.spaced_keep.numpy()
+        for k in range(CONV_WIDTH):
+            back = CONV_WIDTH - 1 - k
+            in_sequence = np.where(keep - back >= sequence_start, rows[np.maximum(keep - back, 0)], n)
+            assert np.array_equal(in_sequence, conv_rows[rows[keep], k])
+            zero_spaced = spaced[spaced_keep - back] - 1  # index into [zero | rows]: -1 is the zero row
+            assert np.array_equal(np.where(zero_spaced < 0, n, zero_spaced), conv_rows[rows[keep], k])
+        assert layout.rows_are_packed == np.array_equal(rows, np.arange(n))
+        assert layout.keep_all == np.array_equal(keep, np.arange(len(rows)))
+    assert np.array_equal(plan.conv_paths.keep_rows.numpy(), plan.path_rows.numpy())
+    assert np.array_equal(plan.conv_segments.keep_rows.numpy(), np.arange(n))
+    assert len(plan.conv_segments.rows) <= n + (CONV_WIDTH - 1) * (1 + plan.num_questions + plan.num_candidates)
 
 
 def check_tree_split(plan: TreePlan, candidates: list[list[int]], groups: list[int]) -> None:
@@ -204,6 +243,14 @@ def test_plan_tree_invariants_adversarial(request_tokens):
         path = tree.path_rows[start:end].numpy()
         visible[np.ix_(path, path)] |= np.tril(np.ones((end - start, end - start), dtype=bool))
     assert np.array_equal(tree.attention_mask.numpy(), visible)
+    # node attention sees exactly the mask: query j of a node with q queries and k keys sees keys 0..k-q+j
+    a, seen = tree.attention, np.zeros_like(visible)
+    cu_q, cu_k, key_rows = a.cu_seqlens_q_cpu.tolist(), a.cu_seqlens_k_cpu.tolist(), a.key_rows.numpy()
+    for i in range(len(cu_q) - 1):
+        num_q, keys = cu_q[i + 1] - cu_q[i], key_rows[cu_k[i] : cu_k[i + 1]]
+        for j in range(num_q):
+            seen[cu_q[i] + j, keys[: len(keys) - num_q + j + 1]] = True
+    assert np.array_equal(seen, visible)
 
 
 def test_plan_flat_layout():
@@ -445,6 +492,24 @@ def test_attention_paths_mode_bitwise(dtype, request_tokens, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=6, deadline=None)
+@given(request_tokens=small_trees(), seed=st.integers(0, 2**31))
+def test_attention_nodes_mode_bitwise(dtype, request_tokens, seed):
+    """Nodes mode (the engine's attention: queries = a node's rows, keys = its path) with the prefix-invariant core:
+    tree == flat bitwise, and each packed row computed once."""
+    candidates, groups = request_tokens
+    tree, flat = plan_tree(candidates, groups), plan_flat(candidates, groups)
+    q, k, v = attention_inputs(tree.num_rows, dtype, seed)
+    scale = TINY.head_dim**-0.5
+    o_tree = tree_attention(q, k, v, tree, scale, mode="nodes", core=blockwise_node_core)
+    per_path = [gather_paths(t, tree) for t in (q, k, v)]
+    o_flat = tree_attention(*per_path, flat, scale, mode="nodes", core=blockwise_node_core)
+    assert o_tree.shape == q.shape
+    assert torch.equal(gather_paths(o_tree, tree), o_flat)
+    assert torch.equal(o_flat, blockwise_causal_attention(*per_path, flat.path_cu_seqlens_cpu, scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_mask_mode_bounded(dtype):
     """Mask mode against an fp64 per-candidate reference (bounded), with the CPU SDPA figures printed.
 
@@ -490,6 +555,15 @@ def test_blockwise_attention_prefix_invariant_and_accurate():
         assert torch.equal(
             blockwise_causal_attention(q2, k2, v2, torch.tensor([0, length]), scale)[:keep], whole[:keep]
         )
+    for first_query in (0, 63, 64, 130, 299):  # queries at the end of their keys (bottom-right causal)
+        part = blockwise_causal_attention(
+            q[first_query:], k, v, torch.tensor([0, 300 - first_query]), scale, cu_seqlens_k_cpu=torch.tensor([0, 300])
+        )
+        assert torch.equal(part, whole[first_query:])
+    with pytest.raises(ValueError, match="queries"):
+        blockwise_causal_attention(
+            q, k[:10], v[:10], torch.tensor([0, 300]), scale, cu_seqlens_k_cpu=torch.tensor([0, 10])
+        )
     exact = sdpa_varlen_causal(q.double(), k.double(), v.double(), torch.tensor([0, 300]), scale)
     sdpa = sdpa_varlen_causal(q, k, v, torch.tensor([0, 300]), scale)
     assert (whole.double() - exact).abs().max() <= (sdpa.double() - exact).abs().max()
@@ -509,7 +583,7 @@ def test_layer_functions_reject_bad_shapes():
     with pytest.raises(ValueError, match="beta has"):
         tree_gdn_core(q, k, v, g, beta[:-1], tree)
     qa, ka, va = attention_inputs(n, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="unknown tree attention mode"):
+    with pytest.raises(ValueError, match="unknown tree attention mode.*'nodes'"):
         tree_attention(qa, ka, va, tree, 0.125, mode="dense")
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_attention(qa, ka, va, tree, 0.125, backend="eager")
