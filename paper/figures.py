@@ -14,6 +14,9 @@ under `<results>/figures/`:
 * `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
   them out (it reads this file and the PNGs, nothing else).
 
+When the results folder is the checkout's own, the ladder table of each plan is also written into README.md between
+the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers, so the README never carries a hand-typed figure.
+
 `--results` defaults to `$JEVLAB_RESULTS` or `results/` of the checkout. Every figure names its plan and machine,
 and the CPU plan is labelled as such; probabilities appear only in the correctness table, beside the
 synthetic-weights statement of the record.
@@ -380,6 +383,36 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
     return path
 
 
+README_START, README_END = "<!-- results:ladder -->", "<!-- /results:ladder -->"
+
+
+def readme_ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
+    """Markdown: per plan, its label, the ladder figure and the ladder table (headline workload)."""
+    parts = []
+    for path, record in chosen:
+        plan = record["plan"]
+        parts.append(
+            f"**{plan_label(record)}**, workload `{plan['headline']}` (record `{_relative(path, root)}`; "
+            "synthetic weights):\n"
+        )
+        parts.append(f"![ladder](results/figures/ladder-{plan['name']}.png)\n")
+        table = ladder_table(record)
+        parts.append("| " + " | ".join(table[0]) + " |")
+        parts.append("|" + "---|" * len(table[0]))
+        parts += ["| " + " | ".join(row) + " |" for row in table[1:]]
+        parts.append("")
+    return "\n".join(parts) if parts else "No complete run record yet.\n"
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """`text` with everything between the README markers replaced by `block`; the markers must each occur once."""
+    if text.count(README_START) != 1 or text.count(README_END) != 1:
+        raise ValueError(f"README needs exactly one {README_START} and one {README_END}")
+    head, rest = text.split(README_START)
+    _, tail = rest.split(README_END)
+    return f"{head}{README_START}\n{block.rstrip()}\n{README_END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paper.figures", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", help="results folder (default: $JEVLAB_RESULTS or results/)")
@@ -395,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     for _, record in chosen:
         print(f"figures for {plan_label(record)}")
     print(f"summary: {path}")
+    readme = REPO / "README.md"
+    if root.resolve() == (REPO / "results").resolve() and readme.is_file():
+        readme.write_text(replace_between_markers(readme.read_text(), readme_ladder(chosen, root)))
+        print(f"ladder tables: {readme}")
     return 0
 
 

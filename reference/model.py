@@ -194,6 +194,10 @@ class HFBackbone:
             )
         self.model = model if model is not None else build_hf_model(weights)
 
+    def rows_computed(self, prepared: PaddedBatches) -> int:
+        """Rows the forward computes, padding included: every batch is [B, T_max] through every layer."""
+        return sum(ids.numel() for ids in prepared.input_ids)
+
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> PaddedBatches:
         if len(candidates) == 0:
             raise ValueError("no candidates")

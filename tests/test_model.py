@@ -243,3 +243,15 @@ def test_prepare_pads_right_and_validates(tiny, model):
     ]:
         with pytest.raises(ValueError, match=message):
             backbone.prepare(candidates, groups)
+
+
+def test_rows_computed_counts_padding():
+    """The HF reference computes every padded position; the ablation floors use this count."""
+    from reference.model import HFBackbone
+    from reference.shapes import TINY
+    from reference.weights import synthetic_weights
+
+    weights = synthetic_weights(TINY, seed=3)
+    backbone = HFBackbone(weights, "torch", batch_size=2)
+    prepared = backbone.prepare([[5] * 7, [6] * 3, [7] * 4], [0, 0, 1])
+    assert backbone.rows_computed(prepared) == 2 * 7 + 1 * 4

@@ -183,3 +183,25 @@ def test_report_without_records_says_so(tmp_path):
 def test_build_needs_the_figures_first(tmp_path):
     with pytest.raises(FileNotFoundError, match="paper.figures"):
         build.build(tmp_path)
+
+
+def test_readme_markers_are_replaced_and_nothing_else():
+    from paper.figures import README_END, README_START, replace_between_markers
+
+    text = f"intro\n{README_START}\nold table\n{README_END}\noutro\n"
+    out = replace_between_markers(text, "| new |\n")
+    assert out == f"intro\n{README_START}\n| new |\n{README_END}\noutro\n"
+    with pytest.raises(ValueError):
+        replace_between_markers("no markers here", "x")
+    with pytest.raises(ValueError):
+        replace_between_markers(text + README_START, "x")
+
+
+def test_the_readme_carries_the_generated_ladder_of_the_committed_records():
+    """README.md's ladder block is exactly what paper.figures writes from the committed records (never hand-edited)."""
+    from paper.figures import README_END, README_START, REPO, readme_ladder, replace_between_markers, select_records
+
+    root = REPO / "results"
+    readme = (REPO / "README.md").read_text()
+    assert replace_between_markers(readme, readme_ladder(select_records(root, None, []), root)) == readme
+    assert readme.index(README_START) < readme.index(README_END)
