@@ -95,6 +95,7 @@ from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questio
 from engine.tree import choose_gdn_mode, default_node_core, scatter_rows, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from reference import ops
+from reference.backbone import check_candidates
 from reference.model import fla_settings
 from reference.shapes import ModelShapes
 
@@ -415,16 +416,7 @@ class EngineBackbone:
 
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> EngineRows:
         """Lay candidates out in batches (each one plan) and copy everything the forward reads to the device."""
-        if len(candidates) == 0:
-            raise ValueError("no candidates")
-        if len(groups) != len(candidates):
-            raise ValueError(f"{len(groups)} groups for {len(candidates)} candidates")
-        vocab = self.shapes.vocab_size
-        for c, ids in enumerate(candidates):
-            if len(ids) == 0:
-                raise ValueError(f"candidate {c} has no tokens")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise ValueError(f"candidate {c} has token ids outside [0, {vocab})")
+        check_candidates(candidates, groups, self.shapes.vocab_size)
         if self.tree:
             index_batches = split_questions(candidates, groups, self.max_batch_rows)
         else:

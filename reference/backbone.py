@@ -32,5 +32,19 @@ class Backbone(Protocol):
         ...
 
 
+def check_candidates(candidates: Sequence[Sequence[int]], groups: Sequence[int], vocab_size: int) -> None:
+    """Raise ValueError unless there is at least one candidate, one group per candidate, and every candidate has
+    tokens inside the vocabulary."""
+    if len(candidates) == 0:
+        raise ValueError("no candidates")
+    if len(groups) != len(candidates):
+        raise ValueError(f"{len(groups)} groups for {len(candidates)} candidates")
+    for c, ids in enumerate(candidates):
+        if len(ids) == 0:
+            raise ValueError(f"candidate {c} has no tokens")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"candidate {c} has token ids outside [0, {vocab_size})")
+
+
 def last_hidden(backbone: Backbone, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> torch.Tensor:
     return backbone.forward(backbone.prepare(candidates, groups))

@@ -58,6 +58,7 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5  # noqa: E402
 
+from reference.backbone import check_candidates  # noqa: E402
 from reference.weights import DecisionWeights  # noqa: E402
 
 GDN_FUNCTION_NAMES = (
@@ -199,16 +200,7 @@ class HFBackbone:
         return sum(ids.numel() for ids in prepared.input_ids)
 
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> PaddedBatches:
-        if len(candidates) == 0:
-            raise ValueError("no candidates")
-        if len(groups) != len(candidates):
-            raise ValueError(f"{len(groups)} groups for {len(candidates)} candidates")
-        vocab = self.shapes.vocab_size
-        for c, ids in enumerate(candidates):
-            if len(ids) == 0:
-                raise ValueError(f"candidate {c} has no tokens")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise ValueError(f"candidate {c} has token ids outside [0, {vocab})")
+        check_candidates(candidates, groups, self.shapes.vocab_size)
         batches = PaddedBatches([], [], [], len(candidates))
         for start in range(0, len(candidates), self.batch_size):
             chunk = candidates[start : start + self.batch_size]

@@ -64,6 +64,34 @@ class DecisionPlan:
         return sum(len(ids) for ids in self.candidates)
 
 
+def backbone_tensors(backbone: Backbone) -> list[torch.Tensor]:
+    """The tensors an engine backbone holds (its `weights`: engine.weights.MergedWeights) once the DecisionWeights'
+    backbone dict was consumed."""
+    merged = getattr(backbone, "weights", None)
+    if merged is None or not hasattr(merged, "named_tensors"):
+        raise ValueError(f"backbone {backbone.name} holds no readable weights and the DecisionWeights are empty")
+    return [tensor for _, tensor in merged.named_tensors()]
+
+
+def prompts_and_groups(records: list[Record]) -> tuple[list[str], list[int]]:
+    """Every candidate's user-message text, records in order, and the index of the record each belongs to."""
+    prompts, groups = [], []
+    for index, record in enumerate(records):
+        own = candidate_prompts(record)
+        prompts += own
+        groups += [index] * len(own)
+    return prompts, groups
+
+
+def request_candidates(
+    request_obj: Any, *, model_id: str = "Qwen/Qwen3.8-27B", tokenizer: PromptTokenizer | None = None
+) -> tuple[list[list[int]], list[int]]:
+    """Token ids and question index of every candidate of a request: validation, prompts and chat template, the
+    steps `DecisionModel.plan` takes, without a model (no length limit applied)."""
+    prompts, groups = prompts_and_groups(compile_records(validate_request(request_obj, model_id=model_id)))
+    return (tokenizer or default_prompt_tokenizer()).encode_prompts(prompts), groups
+
+
 class DecisionModel:
     """A backbone plus the decision weights' head and temperature, behind the Open-Jev request contract."""
 
@@ -85,18 +113,16 @@ class DecisionModel:
         self.code_commit = code_commit if code_commit is not None else git_commit()
         self.head_weight = weights.head_weight.to(device=backbone.device)  # fp32 [hidden]
         self.head_bias = weights.head_bias.to(device=backbone.device)  # fp32 []
-        self.parameter_dtypes = sorted({str(tensor.dtype) for tensor in weights.backbone.values()})
+        # An engine backbone consumes weights.backbone into its own merged tensors; read the dtypes where they live.
+        tensors = weights.backbone.values() if weights.backbone else backbone_tensors(backbone)
+        self.parameter_dtypes = sorted({str(tensor.dtype) for tensor in tensors})
 
     def _compile(self, request_obj: Any) -> tuple[Request, list[Record]]:
         request = validate_request(request_obj, model_id=self.weights.model_id)
         return request, compile_records(request)
 
     def _tokenize(self, request: Request, records: list[Record]) -> DecisionPlan:
-        prompts, groups = [], []
-        for index, record in enumerate(records):
-            own = candidate_prompts(record)
-            prompts += own
-            groups += [index] * len(own)
+        prompts, groups = prompts_and_groups(records)
         candidates = self.tokenizer.encode_prompts(prompts)
         longest = max(len(ids) for ids in candidates)
         if longest > self.max_length:

@@ -327,3 +327,18 @@ def test_fused_close_to_merged_under_the_interpreter(merged_weights, merged):
     departs = next((i for i, (g, r) in enumerate(zip(got, ref)) if not torch.equal(g, r)), None)
     print(f"fused vs merged: first departing state {departs}; rel RMSE " + " ".join(f"{e:.1e}" for e in errors))
     assert max(errors) <= REL_RMSE_BOUND
+
+
+def test_decision_model_reports_the_engine_parameter_dtypes():
+    """The merge empties DecisionWeights.backbone; the response metadata must still name the dtypes the engine holds."""
+    from engine.backbone import EngineBackbone
+    from engine.weights import MergedWeights
+    from reference.service import DecisionModel
+    from reference.shapes import TINY
+    from reference.weights import synthetic_weights
+
+    weights = synthetic_weights(TINY, seed=11)
+    backbone = EngineBackbone(MergedWeights.from_decision_weights(weights), fused=False)
+    assert not weights.backbone
+    model = DecisionModel(backbone, weights)
+    assert model.parameter_dtypes and set(model.parameter_dtypes) <= {"torch.bfloat16", "torch.float32"}

@@ -328,17 +328,9 @@ def test_choose_gdn_mode():
 def open_jev_candidates(workload: str) -> tuple[list[list[int]], list[int]]:
     """Token ids and groups of an Open-Jev workload, through the request pipeline (DecisionModel.plan's steps)."""
     from reference.data import open_jev_workloads
-    from reference.prompts import candidate_prompts, compile_records
-    from reference.request import validate_request
-    from reference.tokenizer import default_prompt_tokenizer
+    from reference.service import request_candidates
 
-    request = validate_request(open_jev_workloads()[workload]["request"], model_id="Qwen/Qwen3.8-27B")
-    prompts, groups = [], []
-    for index, record in enumerate(compile_records(request)):
-        own = candidate_prompts(record)
-        prompts += own
-        groups += [index] * len(own)
-    return default_prompt_tokenizer().encode_prompts(prompts), groups
+    return request_candidates(open_jev_workloads()[workload]["request"])
 
 
 def test_drone_rows_computed(shared_dir):
