@@ -400,10 +400,6 @@ def test_gpu_gdn_mode_cost_calibration(workload):
 SEED = 0
 TIMED_RUNS, WARMUP_RUNS = 20, 3
 TREE_VS_GEMM_TARGET = 1.25  # tree forward <= 1.25x the GEMMs alone at the tree's rows (issue 5)
-# Raw tree vs fused (cuBLAS row-count effects included). Provisional, set before any H200 run from the CPU's fused vs
-# merged figures: replace with the measured value plus a stated margin after the first run.
-TREE_LAST_REL_RMSE_BOUND = 5e-2
-TREE_MAX_DP_BOUND = 2e-2
 OUR_KERNELS = ("_residual_rmsnorm", "_silu_mul", "_gdn_prep", "_gated_rmsnorm", "_attn_prep", "_attention_gate")
 KERNEL_FAMILIES = {  # first match wins, by substring of the kernel name (lower case)
     "ours": tuple(k.lower() for k in OUR_KERNELS),
@@ -615,11 +611,12 @@ def test_gpu_model_tree_rows(model_runs, workload):
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_gpu_model_tree_matches_fused(model_runs, workload):
-    """Bitwise once the GEMMs see the flat layout's rows; raw (the stage as it runs) within the declared bound."""
+    """Stage `tree` is declared bitwise against `fused` (ablations/registry.py): measured on the H200 on 2026-11-30
+    for all three workloads, both as the stage runs (cuBLAS over the tree's own rows) and with the GEMMs over the flat
+    rows (results/gpu/20261130T110928Z-nvidia-h200-31c29be-gate-tree.json)."""
     r = model_runs[workload]
     assert r["bitwise_with_gemms_over_paths"], "tree departs from fused even with the GEMMs over the flat rows"
-    assert r["last_rel_rmse"] <= TREE_LAST_REL_RMSE_BOUND
-    assert r["max_dp"] <= TREE_MAX_DP_BOUND
+    assert r["bitwise"], f"tree departs from fused: last rel RMSE {r['last_rel_rmse']:.2e}, max |dp| {r['max_dp']:.2e}"
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
