@@ -3,11 +3,15 @@ HF reference with the FLA core (`hf_fla`) and with the torch core (`hf_torch`).
 
     nox --no-venv -s gpu_tests -- tests/test_gpu_engine.py        (prints the table; JSON to $OUT if set)
 
-One module fixture does all the device work once, in two phases so that the 27B weights are never held twice:
-1. synthetic weights (seed 0) -> HF model: hidden states, last-token states, forward times and kernel counts of
-   hf_fla and hf_torch (states kept on the host), then everything of phase 1 is freed;
-2. the same synthetic weights again -> `MergedWeights` (consumes them) -> `merged` and `fused` engines on that one
-   copy: the same measurements, and the peak GPU memory of the whole phase (weights, merge, forwards).
+Two module fixtures, each in two phases so that the 27B weights are never held twice:
+- `checks` (correctness; all that the `merged` and `fused` gates trigger, no timing or profiling):
+  1. synthetic weights (seed 0) -> HF model: hidden states and last-token states of hf_fla and hf_torch (kept on the
+     host), then everything of phase 1 is freed;
+  2. the same synthetic weights again -> `MergedWeights` (consumes them) -> `merged` and `fused` engines on that one
+     copy: the same states, the NVTX check, and the peak GPU memory of the whole phase (weights, merge, forwards);
+     then freed.
+- `results` (measurements, for the table, the kernel-count test and $OUT): the same two phases again, with forward
+  times and kernel counts instead of states (the HF phase cannot share the engine phase's copy of the weights).
 Compared per residual state (embedding, 64 layers, final norm; all real tokens): relative RMSE and the first state
 that is not bit-identical; on the last-token states: relative RMSE, and max |dp| over all candidate probabilities of
 the request (fp32 head + per-question softmax at the synthetic temperature). Synthetic weights: the probabilities
@@ -33,6 +37,7 @@ import gc
 import json
 import os
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
@@ -84,31 +89,46 @@ def time_forward(backbone, prepared) -> dict:
 
 
 def count_kernels(backbone, prepared) -> dict:
-    """GPU activities of one `forward` (after warm-up) by torch.profiler: kernels, and memcpy/memset separately."""
+    """GPU activities of one `forward` (after warm-up) by torch.profiler: kernels, and memcpy/memset separately.
+
+    The profiler's own UserWarnings are ignored (torch 2.11 warns "Profiler clears events at the end of each cycle"
+    when a second profile starts; each profile here is one cycle, read at once), so that no profiler notice fails the
+    measurement under warnings-as-errors; warnings from the forward itself still count."""
     from torch.profiler import ProfilerActivity, profile
 
     backbone.forward(prepared)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        backbone.forward(prepared)
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning. Profiler clears events", category=UserWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.profiler")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            backbone.forward(prepared)
+            torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = sum(name.startswith(("Memcpy", "Memset")) for name in names)
     gemms = sum(any(key in name.lower() for key in GEMM_NAMES) for name in names)
     return {"kernels": len(names) - copies, "gemm_kernels": gemms, "memcpy_memset": copies}
 
 
-def measure(backbone, plan) -> dict:
-    """Hidden states (host), last-token states (host), times and kernel counts of one backbone on the plan."""
+def states_of(backbone, plan) -> dict:
+    """Hidden states (host) and last-token states (host) of one backbone on the plan."""
     prepared = backbone.prepare(plan.candidates, plan.groups)
     states = [s.cpu() for s in backbone.hidden_states(prepared)]
-    last = backbone.forward(prepared).cpu()
-    return {
-        "states": states,
-        "last": last,
-        "time": time_forward(backbone, prepared),
-        **count_kernels(backbone, prepared),
-    }
+    return {"states": states, "last": backbone.forward(prepared).cpu()}
+
+
+def measure(backbone, plan) -> dict:
+    """Forward times and kernel counts of one backbone on the plan."""
+    prepared = backbone.prepare(plan.candidates, plan.groups)
+    return {"time": time_forward(backbone, prepared), **count_kernels(backbone, prepared)}
+
+
+def release_cuda_memory() -> None:
+    """Free what the phase left (its objects deleted by the caller) and check that no copy of the weights is left."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() / GIB
+    assert left < 1.0, f"{left:.2f} GiB still allocated after freeing a phase: the next phase would hold the 27B twice"
 
 
 def probabilities(last: torch.Tensor, plan, head_weight, head_bias, temperature) -> list[float]:
@@ -134,7 +154,10 @@ def compare(got: dict, ref: dict, plan, head) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def checks() -> dict:
+    """Correctness, no timing and no profiling (all that the `merged` and `fused` gates trigger): hidden and
+    last-token states of the four paths on the drone request, their comparisons, the peak GPU memory of each phase,
+    and the NVTX check. Two phases so that the 27B weights are never held twice; both freed before returning."""
     torch.manual_seed(SEED)
     request = open_jev_workloads()[WORKLOAD]["request"]
     device = torch.device("cuda")
@@ -146,13 +169,10 @@ def results() -> dict:
     hf["hf_torch"] = HFBackbone(weights, "torch", model=hf["hf_fla"].model)
     plan = DecisionModel(hf["hf_fla"], weights).plan(request)
     head = (weights.head_weight.cpu(), weights.head_bias.cpu(), weights.temperature)
-    paths = {name: measure(backbone, plan) for name, backbone in hf.items()}
+    paths = {name: states_of(backbone, plan) for name, backbone in hf.items()}
     hf_peak = torch.cuda.max_memory_allocated() / GIB
     del hf, weights
-    gc.collect()
-    torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated() / GIB
-    assert left < 1.0, f"{left:.2f} GiB still allocated after freeing the HF phase: the peak below would be wrong"
+    release_cuda_memory()
 
     # Phase 2: the engine, one merged copy of the weights shared by both stages.
     torch.cuda.reset_peak_memory_stats()
@@ -161,25 +181,57 @@ def results() -> dict:
         "merged": EngineBackbone(merged_weights, fused=False),
         "fused": EngineBackbone(merged_weights, fused=True),
     }
-    for name, backbone in engines.items():
-        paths[name] = measure(backbone, plan)
+    paths |= {name: states_of(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
     nvtx = EngineBackbone(merged_weights, fused=True, nvtx_ranges=True)
     nvtx_equal = torch.equal(nvtx.forward(nvtx.prepare(plan.candidates, plan.groups)).cpu(), paths["fused"]["last"])
     engine_peak = torch.cuda.max_memory_allocated() / GIB
+    del engines, nvtx, merged_weights
+    release_cuda_memory()
 
     pairs = [("merged", "hf_fla"), ("merged", "hf_torch"), ("fused", "hf_fla"), ("fused", "hf_torch")]
     pairs.append(("fused", "merged"))
-    comparisons = {f"{a} vs {b}": compare(paths[a], paths[b], plan, head) for a, b in pairs}
+    return {
+        "plan": plan,
+        "peak_gib": {"hf": hf_peak, "engine": engine_peak},
+        "comparisons": {f"{a} vs {b}": compare(paths[a], paths[b], plan, head) for a, b in pairs},
+        "nvtx_ranges_bitwise": nvtx_equal,
+    }
+
+
+@pytest.fixture(scope="module")
+def results(checks) -> dict:
+    """Measurements: forward times and kernel counts of the four paths, on weights built again phase by phase (the
+    HF model and the merged weights never at once; `checks` freed its copies), beside `checks`' comparisons, peaks and
+    NVTX check. Written to $OUT/gpu_engine.json when OUT is set."""
+    plan = checks["plan"]
+    device = torch.device("cuda")
+
+    weights = synthetic_weights(QWEN38_27B, seed=SEED, device=device)
+    hf = {"hf_fla": HFBackbone(weights, "fla")}
+    hf["hf_torch"] = HFBackbone(weights, "torch", model=hf["hf_fla"].model)
+    paths = {name: measure(backbone, plan) for name, backbone in hf.items()}
+    del hf, weights
+    release_cuda_memory()
+
+    merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
+    engines = {
+        "merged": EngineBackbone(merged_weights, fused=False),
+        "fused": EngineBackbone(merged_weights, fused=True),
+    }
+    paths |= {name: measure(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
+    del engines, merged_weights
+    release_cuda_memory()
+
     out = {
         "workload": WORKLOAD,
         "rows": sum(len(c) for c in plan.candidates),
         "candidates": [len(c) for c in plan.candidates],
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "peak_gib": {"hf": hf_peak, "engine": engine_peak},
-        "paths": {name: {k: v for k, v in p.items() if k not in ("states", "last")} for name, p in paths.items()},
-        "comparisons": comparisons,
-        "nvtx_ranges_bitwise": nvtx_equal,
+        "peak_gib": checks["peak_gib"],
+        "paths": paths,
+        "comparisons": checks["comparisons"],
+        "nvtx_ranges_bitwise": checks["nvtx_ranges_bitwise"],
         "synthetic_weights": True,
     }
     if os.environ.get("OUT"):
@@ -212,13 +264,13 @@ def test_print_table(results, capsys):
         print("\n".join(lines))
 
 
-def test_peak_memory_holds_the_weights_once(results):
-    assert results["peak_gib"]["engine"] <= PEAK_GIB
+def test_peak_memory_holds_the_weights_once(checks):
+    assert checks["peak_gib"]["engine"] <= PEAK_GIB
 
 
 @pytest.mark.parametrize("name", ["merged vs hf_fla", "merged vs hf_torch", "fused vs hf_fla", "fused vs hf_torch"])
-def test_engine_close_to_the_reference(results, name):
-    c = results["comparisons"][name]
+def test_engine_close_to_the_reference(checks, name):
+    c = checks["comparisons"][name]
     assert c["per_state_rel_rmse"][0] == 0.0, "the embedding gather must be bitwise"
     worst = max(c["per_state_rel_rmse"])
     assert worst <= STATE_REL_RMSE_BOUND, f"{name}: worst per-state relative RMSE {worst:.2e}"
@@ -226,15 +278,15 @@ def test_engine_close_to_the_reference(results, name):
     assert c["max_dp"] <= MAX_DP_BOUND
 
 
-def test_fused_close_to_merged(results):
-    c = results["comparisons"]["fused vs merged"]
+def test_fused_close_to_merged(checks):
+    c = checks["comparisons"]["fused vs merged"]
     assert c["first_departing_state"] != 0
     assert max(c["per_state_rel_rmse"]) <= STATE_REL_RMSE_BOUND
     assert c["max_dp"] <= MAX_DP_BOUND
 
 
-def test_nvtx_ranges_do_not_change_the_result(results):
-    assert results["nvtx_ranges_bitwise"]
+def test_nvtx_ranges_do_not_change_the_result(checks):
+    assert checks["nvtx_ranges_bitwise"]
 
 
 def test_fused_kernel_count_meets_the_prediction(results):

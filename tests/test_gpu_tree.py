@@ -22,6 +22,9 @@ and on a row's position: then bitwise is required); rows computed
 (drone <= 45% of 971); forward times of `merged`, `fused`, `tree` (CUDA events, 3 warm-ups, median of 20); the time
 of the 256 GEMMs alone at the tree's row count (target: tree forward <= 1.25x that); kernels per forward (profiler,
 by family). Synthetic weights: probabilities mean nothing for accuracy; |dp| only measures fidelity between layouts.
+Two module fixtures share the one copy of the weights (`model_engines`): `model_checks` runs only the forwards the
+comparisons need (all that the `tree` gate, test_gpu_model_tree_matches_fused, triggers) and `model_runs` adds the
+times, the GEMMs alone and the kernel counts (JSON to $OUT).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,6 +134,20 @@ def cuda_time_ms(fn, inner: int = 10, rounds: int = 15) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def cuda_profile():
+    """torch.profiler over CUDA activities, its own UserWarnings ignored (torch 2.11 warns "Profiler clears events at
+    the end of each cycle" when a second profile starts; each profile here is one cycle, read at once), so that no
+    profiler notice fails a test under warnings-as-errors. Warnings from the profiled code still count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning. Profiler clears events", category=UserWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.profiler")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield prof
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -264,8 +282,6 @@ def test_gpu_attention_nodes_flash(workload):
 def test_gpu_masked_sdpa_gqa_backend():
     """Which SDPA backend runs a masked GQA call (the `mask` attention of `merged`) with k/v repeated and with
     `enable_gqa=True`, and whether the two agree bitwise (printed; asserted: both close to fp32)."""
-    from torch.profiler import ProfilerActivity, profile
-
     tree, flat = plans("drone")
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     hq, hkv, d, n = S.num_attention_heads, S.num_key_value_heads, S.head_dim, flat.num_rows
@@ -288,7 +304,7 @@ def test_gpu_masked_sdpa_gqa_backend():
     for name, fn in (("repeated", repeated), ("enable_gqa", native)):
         outputs[name] = fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with cuda_profile() as prof:
             fn()
             torch.cuda.synchronize()
         kernels_of[name] = [e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -437,11 +453,9 @@ def time_ms(fn) -> dict:
 
 def kernel_families(fn) -> dict:
     """GPU activities of one fn() (after a warm-up call) by family (KERNEL_FAMILIES, else "other")."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         fn()
         torch.cuda.synchronize()
     families: dict[str, int] = {name: 0 for name in (*KERNEL_FAMILIES, "other")}
@@ -519,27 +533,47 @@ def first_departure(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
     }
 
 
+def release_cuda_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module")
-def model_runs() -> dict:
+def model_engines():
+    """The 27B synthetic weights (seed 0), built once for the module and consumed into one `MergedWeights` that every
+    engine shares (the 27B is held once); released when the module's tests are done."""
     torch.manual_seed(SEED)
     weights = synthetic_weights(S, seed=SEED, device=DEVICE)
     head = (weights.head_weight, weights.head_bias, weights.temperature)
     merged = MergedWeights.from_decision_weights(weights)  # consumes the backbone: the 27B is held once
-    engines = {
-        "merged": EngineBackbone(merged, fused=False),
-        "fused": EngineBackbone(merged, fused=True),
-        "tree": EngineBackbone(merged, fused=True, tree=True),
-        # the tree-off twin in one batch (long4k's 20k flat rows exceed the default 8192 rows per batch): the same
-        # layout as the tree's paths, for the comparison with GEMMs over the paths
-        "fused_one_batch": EngineBackbone(merged, fused=True, max_batch_rows=1 << 20),
+    shared = {
+        "head": head,
+        "merged": merged,
+        "engines": {
+            "merged": EngineBackbone(merged, fused=False),
+            "fused": EngineBackbone(merged, fused=True),
+            "tree": EngineBackbone(merged, fused=True, tree=True),
+            # the tree-off twin in one batch (long4k's 20k flat rows exceed the default 8192 rows per batch): the same
+            # layout as the tree's paths, for the comparison with GEMMs over the paths
+            "fused_one_batch": EngineBackbone(merged, fused=True, max_batch_rows=1 << 20),
+        },
     }
-    timed = ("merged", "fused", "tree")
-    runs = {}
+    del weights, head, merged
+    yield shared
+    shared.clear()
+    release_cuda_memory()
+
+
+@pytest.fixture(scope="module")
+def model_checks(model_engines) -> dict:
+    """Correctness per workload, no timing and no profiling (what the `tree` gate needs): `tree` against its tree-off
+    twin `fused_one_batch`, raw and with every GEMM of the tree run over the flat rows; rows computed; the first
+    residual state that departs (not for long4k: 66 states of every path row would be several GB)."""
+    tree, flat = model_engines["engines"]["tree"], model_engines["engines"]["fused_one_batch"]
+    checks = {}
     for workload in WORKLOADS:
         candidates, groups = workload_candidates(workload)
-        prepared = {name: engine.prepare(candidates, groups) for name, engine in engines.items()}
-        tree, flat = engines["tree"], engines["fused_one_batch"]
-        tree_rows, flat_rows = prepared["tree"], prepared["fused_one_batch"]
+        tree_rows, flat_rows = tree.prepare(candidates, groups), flat.prepare(candidates, groups)
         assert len(tree_rows.batches) == len(flat_rows.batches) == 1
         r = {
             "candidates": len(candidates),
@@ -548,22 +582,38 @@ def model_runs() -> dict:
             "prefix_cache": tree.prefix_cache_metadata(tree_rows),
         }
         last_tree, last_flat = tree.forward(tree_rows), flat.forward(flat_rows)
-        p_tree, p_flat = (group_probabilities(x, groups, head) for x in (last_tree, last_flat))
+        p_tree, p_flat = (group_probabilities(x, groups, model_engines["head"]) for x in (last_tree, last_flat))
         r["bitwise"] = torch.equal(last_tree, last_flat)
         r["last_rel_rmse"] = rel_rmse(last_tree, last_flat)
         r["max_dp"] = max(abs(a - b) for a, b in zip(p_tree, p_flat))
-        if workload != "long4k":  # 66 states of every path row: a few GB for the other two
+        if workload != "long4k":
             r.update(first_departure(tree.hidden_states(tree_rows), flat.hidden_states(flat_rows)))
         with gemms_over_paths(tree_rows.batches[0].plan):
             r["bitwise_with_gemms_over_paths"] = torch.equal(tree.forward(tree_rows), last_flat)
-        del last_tree, last_flat
+        checks[workload] = r
+        del tree_rows, flat_rows, last_tree, last_flat
+        release_cuda_memory()
+    return checks
+
+
+@pytest.fixture(scope="module")
+def model_runs(model_engines, model_checks) -> dict:
+    """Measurements per workload on the module's engines: forward times of `merged`, `fused`, `tree` (CUDA events),
+    the GEMMs alone at the tree's row count, kernels per forward (profiler); beside `model_checks`' results.
+    Written to $OUT/gpu_engine_tree.json when OUT is set."""
+    engines, merged = model_engines["engines"], model_engines["merged"]
+    timed = ("merged", "fused", "tree")
+    runs = {}
+    for workload in WORKLOADS:
+        candidates, groups = workload_candidates(workload)
+        prepared = {name: engines[name].prepare(candidates, groups) for name in timed}
+        r = dict(model_checks[workload])
         r["time"] = {n: time_ms(lambda n=n, p=prepared: engines[n].forward(p[n])) for n in timed}
         r["gemm_time_at_tree_rows"] = gemm_time(merged, r["tree_rows"])
         r["kernels"] = {n: kernel_families(lambda n=n, p=prepared: engines[n].forward(p[n])) for n in timed}
         runs[workload] = r
         del prepared
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_cuda_memory()
     out = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -601,8 +651,8 @@ def test_gpu_model_table(model_runs, capsys):
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_gpu_model_tree_rows(model_runs, workload):
-    r = model_runs[workload]
+def test_gpu_model_tree_rows(model_checks, workload):
+    r = model_checks[workload]
     assert r["tree_rows"] <= r["logical_tokens"]
     assert r["prefix_cache"]["processed_input_tokens"] == r["tree_rows"]
     if workload == "drone":
@@ -610,11 +660,11 @@ def test_gpu_model_tree_rows(model_runs, workload):
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_gpu_model_tree_matches_fused(model_runs, workload):
+def test_gpu_model_tree_matches_fused(model_checks, workload):
     """Stage `tree` is declared bitwise against `fused` (ablations/registry.py): measured on the H200 on 2026-11-30
     for all three workloads, both as the stage runs (cuBLAS over the tree's own rows) and with the GEMMs over the flat
-    rows (results/gpu/20261130T110928Z-nvidia-h200-31c29be-gate-tree.json)."""
-    r = model_runs[workload]
+    rows (results/gpu/20261130T110928Z-nvidia-h200-31c29be-gate-tree.json). Needs only `model_checks` (no timing)."""
+    r = model_checks[workload]
     assert r["bitwise_with_gemms_over_paths"], "tree departs from fused even with the GEMMs over the flat rows"
     assert r["bitwise"], f"tree departs from fused: last rel RMSE {r['last_rel_rmse']:.2e}, max |dp| {r['max_dp']:.2e}"
 
