@@ -15,6 +15,12 @@ and the report read (nesting as shown; a record may hold more):
                        floor_ms, weight_floor_ms, compute_floor_ms, max_abs_dp, hidden_rel_rmse, argmax_flips,
                        probabilities, ...}]}]
     attempts      the record of failed attempts (ablations/attempts.toml) as it stood at the run
+    bit_identity  (only when the plan includes the fused stage) {workload, reference, layers: [{index, type}],
+                  candidates, tokens, interpreter, note, error, seconds, rows: [
+                      {layer, kernel, output, elements, bit_identical, share, max_ulp, max_abs_diff, unwritten,
+                       expected, as_expected}]}: every fused kernel against its reference composition on activations
+                  captured from the reference forward (ablations/bit_identity.py); `error` (and no rows) when that
+                  step failed; `interpreter` true on the CPU (Triton interpreter numerics, explained in `note`)
 
 Stage `status`: `ok` (gate green, built, timed), `gate-red` (its gate failed: not timed), `unavailable` (its code is
 missing or it cannot run on this device, with the reason), `error` (building or running it raised, with the reason),
@@ -57,6 +63,12 @@ GATE = {"node": STR, "outcome": STR, "exit_code": INT}
 MEASURED = {"id": STR, "rows": INT, "median_ms": NUM, "p10_ms": NUM, "p90_ms": NUM, "samples_ms": LIST,
             "kernels_per_forward": (NUM, None), "gpu_busy_ms": (NUM, None), "floor_ms": NUM,
             "max_abs_dp": (NUM, None), "hidden_rel_rmse": (NUM, None)}  # fmt: skip
+BIT_IDENTITY = {"workload": STR, "reference": STR, "layers": LIST, "rows": LIST, "interpreter": BOOL,
+                "note": (STR, None), "error": (STR, None)}  # fmt: skip
+BIT_LAYER = {"index": INT, "type": STR}
+BIT_ROW = {"layer": INT, "kernel": STR, "output": STR, "elements": INT, "bit_identical": INT, "share": NUM,
+           "max_ulp": INT, "max_abs_diff": (NUM, None), "unwritten": INT, "expected": STR,
+           "as_expected": BOOL}  # fmt: skip
 ATTEMPT = {"id": STR, "stage": STR, "title": STR, "outcome": STR, "reason": STR, "numbers": DICT, "evidence": STR,
            "date": STR}  # fmt: skip
 
@@ -152,8 +164,39 @@ def validate_record(record: Any) -> None:
             _check_measured(workload, f"{where}.workloads[{j}]", complete, problems)
     for i, attempt in enumerate(record.get("attempts") or []):
         _check_attempt(attempt, f"attempts[{i}]", problems)
+    if "bit_identity" in record:
+        _check_bit_identity(record["bit_identity"], problems)
     if problems:
         raise RecordError("; ".join(problems))
+
+
+def _check_bit_identity(result: Any, problems: list[str]) -> None:
+    """The optional per-kernel bit-identity table: rows on the listed layers with consistent counts, and either
+    rows or an error."""
+    where = "bit_identity"
+    if not _check_fields(result, BIT_IDENTITY, where, problems):
+        return
+    layers = set()
+    for i, layer in enumerate(result.get("layers") or []):
+        if _check_fields(layer, BIT_LAYER, f"{where}.layers[{i}]", problems) and _is(layer.get("index"), INT):
+            layers.add(layer["index"])
+    rows = result.get("rows") if isinstance(result.get("rows"), list) else []
+    if not result.get("error") and not rows:
+        problems.append(f"{where}: no rows and no error")
+    if result.get("error") and rows:
+        problems.append(f"{where}: rows and an error at once")
+    for i, row in enumerate(rows):
+        at = f"{where}.rows[{i}]"
+        if not _check_fields(row, BIT_ROW, at, problems):
+            continue
+        if not all(_is(row.get(k), kind) for k, kind in (("elements", INT), ("bit_identical", INT), ("share", NUM))):
+            continue
+        if row.get("layer") not in layers:
+            problems.append(f"{at}.layer: {row.get('layer')!r} is not one of the listed layers")
+        if not 0 <= row["bit_identical"] <= row["elements"]:
+            problems.append(f"{at}: expected 0 <= bit_identical <= elements")
+        elif not math.isclose(row["share"], row["bit_identical"] / max(1, row["elements"]), rel_tol=1e-12):
+            problems.append(f"{at}.share: {row['share']} is not bit_identical / elements")
 
 
 def _check_attempt(attempt: Any, where: str, problems: list[str]) -> None:

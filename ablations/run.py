@@ -25,6 +25,12 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    one untimed pass; either way they exist before the first engine stage consumes the weights.
 6. Floors per workload from the measured ceilings (weight streaming; compute for the rows the stage computes:
    `backbone.rows_computed(prepared)` where the backbone has it, else the candidates' real tokens).
+7. Per-kernel bit identity, when the plan includes the `fused` stage: right after the reference outputs exist and
+   before any engine stage consumes the weights, the reference stage's HF model runs the headline workload with
+   hooks on a few representative layers (the first GDN and attention layers; on a GPU plan also the last of each),
+   and every fused kernel runs on the captured inputs against its reference composition (ablations/bit_identity.py):
+   `record["bit_identity"]`, one row per layer, kernel and output. On the CPU the kernels run under the Triton
+   interpreter (noted in the record). A failure there is recorded in `bit_identity.error`; the run goes on.
 
 The record (ablations/records.py) is rewritten after every workload with `complete: false`, and a last time with
 `complete: true`; a run that dies leaves what it measured. Everything in it comes from this run.
@@ -370,6 +376,56 @@ class Run:
         self.record["reference"]["source"] = "untimed pass" if source is None else f"{source} + untimed pass"
         self._release()
 
+    def measure_bit_identity(self) -> None:
+        """Step 7: `record["bit_identity"]` from activations captured on the reference stage's HF model (once, while
+        the HF weights still exist; only when the plan includes the fused stage). Errors are recorded, not raised."""
+        if "bit_identity" in self.record or "fused" not in {s.name for s in self.stages}:
+            return
+        from ablations import bit_identity
+
+        shapes = self.weights.shapes
+        headline = self.plan.headline
+        layers = bit_identity.representative_layers(shapes, late=self.device == "cuda")
+        relaxed = bit_identity.CPU_RELAXED if self.device == "cpu" else None
+        result: dict[str, Any] = {
+            "workload": headline,
+            "reference": self.plan.reference,
+            "layers": [{"index": i, "type": shapes.layer_types[i]} for i in layers],
+            "candidates": None,
+            "tokens": None,
+            "interpreter": self.device == "cpu",
+            "note": bit_identity.INTERPRETER_NOTE if self.device == "cpu" else None,
+            "rows": [],
+            "error": None,
+            "seconds": None,
+        }
+        start = time.perf_counter()
+        try:
+            backbone = get_stage(self.plan.reference).build(self.ctx)
+            decision_plan = self.decision_plans.get(headline)
+            if decision_plan is None:  # the headline is not among this run's workloads: planned here
+                from reference.service import DecisionModel
+
+                decision_plan = DecisionModel(backbone, self.weights).plan(resolve([headline])[0].request)
+            result["candidates"] = len(decision_plan.candidates)
+            result["tokens"] = sum(len(ids) for ids in decision_plan.candidates)
+            with torch.inference_mode():
+                captured = bit_identity.capture_activations(
+                    backbone, decision_plan.candidates, decision_plan.groups, layers=layers
+                )
+                rows = bit_identity.captured_table(captured, shapes)
+            for row in rows:
+                row["expected"] = bit_identity.expectation(row["kernel"], row["output"], relaxed)
+                row["as_expected"] = bit_identity.meets_expectation(row, relaxed)
+            result["rows"] = rows
+            del backbone, captured
+        except Exception as error:  # recorded; the timings do not depend on it
+            result["error"] = f"{type(error).__name__}: {error}"
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        self.record["bit_identity"] = result
+        self._release()
+        self.write()
+
     def update_comparisons(self) -> None:
         for entry in self.record["stages"]:
             for result in entry["workloads"]:
@@ -396,6 +452,7 @@ class Run:
             entry = self.entry(stage.name)
             if stage.consumes_weights and not self.ctx.consumed:
                 self.ensure_reference()
+                self.measure_bit_identity()
             if self.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
@@ -445,6 +502,7 @@ class Run:
         self.time_stages()
         if not self.ctx.consumed:
             self.ensure_reference()
+            self.measure_bit_identity()
         self.update_comparisons()
         self.record["complete"] = True
         self.record["finished_utc"] = envinfo.utc_now()
@@ -477,7 +535,28 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
             )
         for error in stage["workload_errors"]:
             lines.append(f"{stage['name']:<10} {'error':<12} {error['id']:<34} {error['error']}")
+    lines += bit_identity_lines(record.get("bit_identity"))
     return lines
+
+
+def bit_identity_lines(result: dict[str, Any] | None) -> list[str]:
+    """One summary line for the bit-identity step (none when the run did not take it)."""
+    if result is None:
+        return []
+    layers = ", ".join(str(layer["index"]) for layer in result["layers"])
+    head = f"bit identity of the fused kernels on {result['workload']} (layers {layers})"
+    if result["error"]:
+        return ["", f"{head}: failed: {result['error']}"]
+    rows = result["rows"]
+    if not rows:
+        return ["", f"{head}: no kernel ran"]
+    missed = [f"{r['layer']}:{r['kernel']}.{r['output']}" for r in rows if not r["as_expected"]]
+    lowest = min(rows, key=lambda r: r["share"])
+    line = f"{head}: {len(rows) - len(missed)}/{len(rows)} outputs as expected, lowest share "
+    line += f"{100 * lowest['share']:.4f}% ({lowest['kernel']}.{lowest['output']})"
+    if missed:
+        line += f"; not as expected: {', '.join(missed)}"
+    return ["", line + (" [Triton interpreter]" if result["interpreter"] else "")]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

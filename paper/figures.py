@@ -154,6 +154,46 @@ def correctness_table(record: dict) -> list[list[str]]:
     return table
 
 
+NOT_MEASURED = "Not measured in this record"
+LAYER_KIND = {"linear_attention": "GDN", "full_attention": "attention"}
+
+
+def share_text(identical: int, elements: int) -> str:
+    """Percent bit-identical, never rounded up to 100 % unless every element is identical."""
+    if identical == elements:
+        return "100 %"
+    return f"{int(1_000_000 * identical / max(1, elements)) / 10_000:.4f} %"
+
+
+def bit_identity_summary(record: dict) -> dict[str, Any]:
+    """The per-kernel bit-identity table of a record (`record["bit_identity"]`) with the sentence that introduces it;
+    `measured` false (and the sentence says why) when the record has no such table or the step failed."""
+    result = record.get("bit_identity")
+    if result is None:
+        text = f"{NOT_MEASURED} (it predates the bit-identity step, or its plan has no fused stage)."
+        return {"measured": False, "text": text, "table": []}
+    if result["error"]:
+        return {"measured": False, "text": f"{NOT_MEASURED}: the step failed ({result['error']}).", "table": []}
+    layers = ", ".join(f"{one['index']} ({LAYER_KIND.get(one['type'], one['type'])})" for one in result["layers"])
+    rows = result["rows"]
+    as_expected = sum(1 for r in rows if r["as_expected"])
+    text = (
+        f"Inputs captured from the {result['reference']} forward of the {result['workload']} request "
+        f"({result.get('candidates')} candidates, {result.get('tokens')} real tokens) at layers {layers}; each kernel "
+        f"wrote NaN-poisoned outputs and was compared with its reference composition (reference/ops.py) on the same "
+        f"inputs. {as_expected} of {len(rows)} outputs meet their declared exactness."
+    )
+    if result["interpreter"]:
+        text += f" {result['note']}."
+    table = [["layer", "kernel", "output", "elements", "bit-identical", "max ulp", "max |diff|", "expected", "met"]]
+    for r in rows:
+        diff = "NaN left" if r["max_abs_diff"] is None else sci(r["max_abs_diff"])
+        table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
+                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, r["expected"],
+                      "yes" if r["as_expected"] else "NO"])  # fmt: skip
+    return {"measured": True, "text": text, "table": table}
+
+
 def stage_table(record: dict) -> list[list[str]]:
     """The registry as the run saw it, with what happened to each stage in this run."""
     table = [["stage", "builds on", "switches", "exactness", "registry", "this run"]]
@@ -348,6 +388,7 @@ def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict
         "ladder": ladder_table(record),
         "workloads": workload_table(record),
         "correctness": correctness_table(record),
+        "bit_identity": bit_identity_summary(record),
         "stages": stage_table(record),
     }
 

@@ -652,3 +652,122 @@ def test_layer_ranges_hooks_leave_inputs_and_outputs_alone(monkeypatch):
         got = model(x)
     assert count > 0
     assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------------- bit identity
+def bit_identity_result(**changes) -> dict:
+    """A `record["bit_identity"]` of two rows (numbers made up for the schema tests only)."""
+    rows = [
+        {"layer": 0, "kernel": "silu_mul", "output": "out", "elements": 1000, "bit_identical": 1000, "share": 1.0,
+         "max_ulp": 0, "max_abs_diff": 0.0, "unwritten": 0, "expected": "bitwise", "as_expected": True},
+        {"layer": 3, "kernel": "attn_prep", "output": "q", "elements": 1000, "bit_identical": 999, "share": 0.999,
+         "max_ulp": 1, "max_abs_diff": 4.9e-4, "unwritten": 0, "expected": "<= 1 ulp in >= 99.99 %",
+         "as_expected": False},
+    ]  # fmt: skip
+    result = {"workload": "drone", "reference": "hf_torch", "candidates": 7, "tokens": 971, "interpreter": True,
+              "layers": [{"index": 0, "type": "linear_attention"}, {"index": 3, "type": "full_attention"}],
+              "note": "CPU: interpreter", "error": None, "seconds": 1.0, "rows": rows}  # fmt: skip
+    result.update(changes)
+    return result
+
+
+def test_a_record_with_a_bit_identity_table_validates():
+    records.validate_record(small_record(bit_identity=bit_identity_result()))
+    failed = bit_identity_result(rows=[], error="RuntimeError: boom")
+    records.validate_record(small_record(bit_identity=failed))
+
+
+def _row(result: dict, i: int = 1) -> dict:
+    return result["rows"][i]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: _row(b).update(share=0.5), "share: 0.5 is not bit_identical / elements"),
+        (lambda b: _row(b).update(bit_identical=1001, share=1.001), "0 <= bit_identical <= elements"),
+        (lambda b: _row(b).update(layer=7), "is not one of the listed layers"),
+        (lambda b: _row(b).update(max_ulp=1.0), "max_ulp: expected int"),
+        (lambda b: _row(b).pop("as_expected"), "as_expected: missing"),
+        (lambda b: b.update(rows=[]), "no rows and no error"),
+        (lambda b: b.update(error="boom"), "rows and an error at once"),
+        (lambda b: b.pop("interpreter"), "interpreter: missing"),
+        (lambda b: b["layers"].append({"index": "5"}), r"layers\[2\]\.index: expected int"),
+    ],
+)
+def test_a_damaged_bit_identity_table_is_rejected(damage, message):
+    result = bit_identity_result()
+    damage(result)
+    with pytest.raises(records.RecordError, match=message):
+        records.validate_record(small_record(bit_identity=result))
+
+
+def test_summary_lines_report_the_bit_identity_step():
+    record = small_record(bit_identity=bit_identity_result())
+    _timed(record)["floor_multiple"] = 7.0
+    _stage(record)["workload_errors"] = []
+    lines = "\n".join(summary_lines(record))
+    assert "bit identity of the fused kernels on drone (layers 0, 3): 1/2 outputs as expected" in lines
+    assert "not as expected: 3:attn_prep.q" in lines and "[Triton interpreter]" in lines
+    record["bit_identity"] = bit_identity_result(rows=[], error="RuntimeError: boom")
+    assert summary_lines(record)[-1].endswith("failed: RuntimeError: boom")
+    del record["bit_identity"]
+    assert not any("bit identity" in line for line in summary_lines(record))
+
+
+def _bit_identity_run(tmp_path, stages: list[str]):
+    """A cpu-tiny Run at the point where the reference outputs exist: tiny weights, a short stand-in for drone's
+    token ids (two candidates of 6 and 4 real tokens), valid weights and ceilings entries."""
+    from types import SimpleNamespace
+
+    from ablations.run import Run, parse_args
+    from reference.shapes import TINY
+    from reference.weights import synthetic_weights
+
+    run = Run(load_plan("cpu-tiny"), in_ladder_order(stages), resolve(["drone"]),
+              parse_args(["--results", str(tmp_path), "--no-progress"]))  # fmt: skip
+    run.weights = synthetic_weights(TINY, seed=0)
+    run.ctx = BuildContext(run.weights)
+    run.record["weights"] = {"synthetic": True, "method": "synthetic_weights", "linear_params": 1}
+    run.record["ceilings"] = {"copy_tbps": 1.0, "bf16_tflops": 1.0}
+    generator = torch.Generator().manual_seed(4)
+    candidates = [torch.randint(0, 248320, (n,), generator=generator).tolist() for n in (6, 4)]
+    run.decision_plans["drone"] = SimpleNamespace(candidates=candidates, groups=[0, 0])
+    return run
+
+
+def test_the_runner_records_the_bit_identity_table_when_the_plan_has_the_fused_stage(tmp_path):
+    run = _bit_identity_run(tmp_path, ["hf_torch", "fused"])
+    run.measure_bit_identity()
+    result = run.record["bit_identity"]
+    assert result["error"] is None, result["error"]
+    assert [layer["index"] for layer in result["layers"]] == [0, 3]  # CPU plan: the first GDN and attention layer
+    assert (result["workload"], result["reference"], result["candidates"], result["tokens"]) == ("drone", "hf_torch",
+                                                                                                   2, 10)  # fmt: skip
+    assert result["interpreter"] and "interpreter" in result["note"]
+    kernels = {row["kernel"] for row in result["rows"]}
+    assert kernels == {"silu_mul", "residual_rmsnorm", "gdn_prep", "gated_rmsnorm", "attn_prep", "attention_gate"}
+    assert all(row["as_expected"] for row in result["rows"]), [r for r in result["rows"] if not r["as_expected"]]
+    assert records.read_record(run.path)["bit_identity"] == result  # written, and valid
+    run.measure_bit_identity()  # once per run
+    assert run.record["bit_identity"] is result
+
+
+def test_a_failing_bit_identity_step_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    from ablations import bit_identity
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture broke")
+
+    monkeypatch.setattr(bit_identity, "capture_activations", broken)
+    run = _bit_identity_run(tmp_path, ["hf_torch", "fused"])
+    run.measure_bit_identity()
+    result = run.record["bit_identity"]
+    assert result["error"] == "RuntimeError: capture broke" and result["rows"] == []
+    records.read_record(run.path)
+
+
+def test_no_bit_identity_step_without_the_fused_stage(tmp_path):
+    run = _bit_identity_run(tmp_path, ["hf_torch", "merged"])
+    run.measure_bit_identity()
+    assert "bit_identity" not in run.record

@@ -205,3 +205,72 @@ def test_the_readme_carries_the_generated_ladder_of_the_committed_records():
     readme = (REPO / "README.md").read_text()
     assert replace_between_markers(readme, readme_ladder(select_records(root, None, []), root)) == readme
     assert readme.index(README_START) < readme.index(README_END)
+
+
+BIT_IDENTITY_HEADING = "Fused kernels against their reference compositions on captured activations"
+
+
+def bit_identity(error: str | None = None) -> dict:
+    """A made-up `record["bit_identity"]`: one bitwise row, one row a few elements off."""
+    rows = [
+        {"layer": 0, "kernel": "silu_mul", "output": "out", "elements": 33_800_000, "bit_identical": 33_800_000,
+         "share": 1.0, "max_ulp": 0, "max_abs_diff": 0.0, "unwritten": 0, "expected": "bitwise", "as_expected": True},
+        {"layer": 3, "kernel": "attn_prep", "output": "q", "elements": 1_000_000, "bit_identical": 999_999,
+         "share": 0.999999, "max_ulp": 1, "max_abs_diff": 4.9e-4, "unwritten": 0,
+         "expected": "<= 1 ulp in >= 99.99 %", "as_expected": True},
+    ]  # fmt: skip
+    return {"workload": "drone", "reference": "hf_fla", "candidates": 7, "tokens": 971, "interpreter": False,
+            "layers": [{"index": 0, "type": "linear_attention"}, {"index": 3, "type": "full_attention"}],
+            "note": None, "error": error, "seconds": 2.0, "rows": [] if error else rows}  # fmt: skip
+
+
+def _with_bit_identity(results: Path, name: str, value: dict) -> None:
+    path = results / "runs" / name
+    record = json.loads(path.read_text())
+    record["bit_identity"] = value
+    records.write_record(record, path)
+
+
+def test_bit_identity_table_reaches_the_summary_and_the_report(results):
+    _with_bit_identity(results, "new.json", bit_identity())
+    figures.main(["--results", str(results)])
+    gpu, cpu = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    bits = gpu["bit_identity"]
+    assert (
+        bits["measured"]
+        and "drone request (7 candidates, 971 real tokens) at layers 0 (GDN), 3 (attention)" in (bits["text"])
+    )
+    header, bitwise, one_off = bits["table"]
+    assert header[:5] == ["layer", "kernel", "output", "elements", "bit-identical"]
+    assert bitwise[:7] == ["0", "silu_mul", "out", "33,800,000", "100 %", "0", "0"]
+    assert one_off[4] == "99.9999 %" and one_off[-1] == "yes"  # never rounded up to 100 %
+    assert not cpu["bit_identity"]["measured"] and cpu["bit_identity"]["text"].startswith("Not measured in this record")
+    build.build(results)
+    assert len(_query(results, "<bit-identity-table>")) == 1
+    assert len(_query(results, "<bit-identity-not-measured>")) == 1
+    subheadings = [h["text"] for h in _query(results, "heading.where(level: 3)", "body")]
+    assert subheadings.count(BIT_IDENTITY_HEADING) == 2
+
+
+def test_a_failed_bit_identity_step_is_reported_as_not_measured(results):
+    _with_bit_identity(results, "new.json", bit_identity(error="RuntimeError: out of memory"))
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    (gpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    assert not gpu["bit_identity"]["measured"]
+    assert gpu["bit_identity"]["text"] == "Not measured in this record: the step failed (RuntimeError: out of memory)."
+    build.build(results)
+    assert "RuntimeError: out of memory" in json.dumps(_query(results, "<bit-identity-not-measured>"))
+
+
+def test_a_summary_written_before_the_bit_identity_step_still_builds(results):
+    """The committed summary.json predates the field: the report says the table is not measured."""
+    figures.main(["--results", str(results)])
+    path = results / "figures" / "summary.json"
+    summary = json.loads(path.read_text())
+    for plan in summary["plans"]:
+        del plan["bit_identity"]
+    path.write_text(json.dumps(summary))
+    build.build(results)
+    missing = _query(results, "<bit-identity-not-measured>")
+    assert len(missing) == 2 and "Not measured in this record" in json.dumps(missing)
+    assert not _query(results, "<bit-identity-table>")
