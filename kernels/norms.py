@@ -44,6 +44,8 @@ Version history:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -74,8 +76,9 @@ def rms_inverse(x, eps, inv_n, N: tl.constexpr, TORCH_CPU: tl.constexpr):
     return rsqrt_f32(mean_sq + eps, TORCH_CPU)
 
 
+@functools.cache
 def inverse_count(n: int) -> float:
-    """fp32(1/n) correctly rounded, the factor torch's CUDA mean multiplies by."""
+    """fp32(1/n) correctly rounded, the factor torch's CUDA mean multiplies by (cached: it sits on every launch)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
