@@ -8,7 +8,6 @@ gap between the two backends mean something.
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
@@ -19,19 +18,11 @@ import torch
 from reference.model import GDN_FUNCTION_NAMES, TORCH_GDN_FUNCTIONS, HFBackbone, build_hf_model, fla_gdn
 from reference.shapes import QWEN38_27B, TINY
 from reference.weights import load_package, synthetic_weights
+from tests.test_model import counting
 
 pytestmark = pytest.mark.gpu
 
 NUM_GDN_LAYERS_27B = QWEN38_27B.layer_types.count("linear_attention")
-
-
-def counting(function, calls: dict, key: str):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        calls[key] = calls.get(key, 0) + 1
-        return function(*args, **kwargs)
-
-    return wrapper
 
 
 def question_probabilities(response: dict) -> dict[str, list[float]]:

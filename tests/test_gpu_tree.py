@@ -224,17 +224,22 @@ def test_gpu_gdn_fla_tree_bitwise(workload, mode):
     assert torch.equal(got, o_flat)
 
 
-@pytest.mark.parametrize("workload", WORKLOADS)
-def test_gpu_attention_tree(workload):
-    """paths mode: the flat SDPA of each row's representative (bitwise); mask mode and flex: bounded, printed."""
-    tree, flat = plans(workload)
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
+def random_attention_inputs(tree: TreePlan, *, seed: int):
+    """Seeded bf16 q [N, Hq, D], k and v [N, Hkv, D] over the tree's packed rows, the 27B's softmax scale, and the
+    three gathered into candidate paths (the flat layout)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     hq, hkv, d = S.num_attention_heads, S.num_key_value_heads, S.head_dim
     q = torch.randn(tree.num_rows, hq, d, generator=gen, device=DEVICE).bfloat16()
     k = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
     v = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
-    scale = d**-0.5
-    per_path = [gather_paths(t, tree) for t in (q, k, v)]
+    return q, k, v, d**-0.5, [gather_paths(t, tree) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_gpu_attention_tree(workload):
+    """paths mode: the flat SDPA of each row's representative (bitwise); mask mode and flex: bounded, printed."""
+    tree, flat = plans(workload)
+    q, k, v, scale, per_path = random_attention_inputs(tree, seed=3)
     o_flat = sdpa_varlen_causal(*per_path, flat.path_cu_seqlens_cpu, scale)
     o_exact = sdpa_varlen_causal(*(t.float() for t in per_path), flat.path_cu_seqlens_cpu, scale)
     o_paths = tree_attention(q, k, v, tree, scale, mode="paths")
@@ -256,13 +261,7 @@ def test_gpu_attention_nodes_flash(workload):
     """The engine's attention: FlashAttention-2 varlen over the tree's nodes == over the flat candidates, bitwise
     (prefix-invariance of the varlen kernel); against an fp32 reference bounded like per-candidate SDPA."""
     tree, flat = plans(workload)
-    gen = torch.Generator(device=DEVICE).manual_seed(8)
-    hq, hkv, d = S.num_attention_heads, S.num_key_value_heads, S.head_dim
-    q = torch.randn(tree.num_rows, hq, d, generator=gen, device=DEVICE).bfloat16()
-    k = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
-    v = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
-    scale = d**-0.5
-    per_path = [gather_paths(t, tree) for t in (q, k, v)]
+    q, k, v, scale, per_path = random_attention_inputs(tree, seed=8)
     o_tree = gather_paths(tree_attention(q, k, v, tree, scale, mode="nodes", core=flash_node_core), tree)
     o_flat = tree_attention(*per_path, flat, scale, mode="nodes", core=flash_node_core)
     o_sdpa = sdpa_varlen_causal(*per_path, flat.path_cu_seqlens_cpu, scale)
@@ -327,13 +326,7 @@ def test_gpu_masked_sdpa_gqa_backend():
 def test_gpu_attention_flex(workload):
     """FlexAttention (compiled) with the tree's block mask: bounded against fp32, printed."""
     tree, flat = plans(workload)
-    gen = torch.Generator(device=DEVICE).manual_seed(4)
-    hq, hkv, d = S.num_attention_heads, S.num_key_value_heads, S.head_dim
-    q = torch.randn(tree.num_rows, hq, d, generator=gen, device=DEVICE).bfloat16()
-    k = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
-    v = torch.randn(tree.num_rows, hkv, d, generator=gen, device=DEVICE).bfloat16()
-    scale = d**-0.5
-    per_path = [gather_paths(t, tree) for t in (q, k, v)]
+    q, k, v, scale, per_path = random_attention_inputs(tree, seed=4)
     o_exact = sdpa_varlen_causal(*(t.float() for t in per_path), flat.path_cu_seqlens_cpu, scale)
     o_flat = sdpa_varlen_causal(*per_path, flat.path_cu_seqlens_cpu, scale)
     o_flex = gather_paths(tree_attention(q, k, v, tree, scale, mode="mask", backend="flex"), tree)
