@@ -13,7 +13,8 @@ and the report read (nesting as shown; a record may hold more):
     stages        [{name, status, reason, gate, registry, build_s, workloads: [
                       {id, rows, median_ms, p10_ms, p90_ms, samples_ms, kernels_per_forward, gpu_busy_ms,
                        floor_ms, weight_floor_ms, compute_floor_ms, max_abs_dp, hidden_rel_rmse, argmax_flips,
-                       probabilities, ...}]}]
+                       probabilities, top_kernels, kernel_families, core_ms, core_multiple, gemm_ms,
+                       gemm_multiple, host_median_ms, ...}]}]
     attempts      the record of failed attempts (ablations/attempts.toml) as it stood at the run
     bit_identity  (only when the plan includes the fused stage) {workload, reference, layers: [{index, type}],
                   candidates, tokens, interpreter, note, error, seconds, rows: [
@@ -27,7 +28,11 @@ missing or it cannot run on this device, with the reason), `error` (building or 
 `pending` (not finished yet, in an incomplete record). Only `ok` and `pending` stages have workloads.
 Nullable by design: `kernels_per_forward` and `gpu_busy_ms` on the CPU (no CUDA kernels); `max_abs_dp` /
 `hidden_rel_rmse` until the reference outputs exist (a complete record has them for every timed workload); env `gpu`,
-`driver`, `cuda` on the CPU.
+`driver`, `cuda` on the CPU. From the profiled call (GPU only, null on the CPU and absent in records older than
+them): `kernel_families` {family: {calls_per_forward, ms_per_forward}} over ablations.timing.FAMILIES; `core_ms` the
+summed kernel time of GEMMs + GDN core + attention core per forward and `core_multiple` = median_ms / core_ms;
+`gemm_ms` and `gemm_multiple` the same for the GEMMs alone; `host_median_ms` the median host time until a timed
+call returned (GPU only); `host_profile` (GPU, headline workload only) cProfile's top functions of one call.
 """
 
 from __future__ import annotations

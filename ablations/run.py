@@ -343,16 +343,26 @@ class Run:
                 outputs = self.outputs_of(backbone, prepared, decision_plan)
             with timing.nvtx_range(f"{label} timed", cuda), timing.layer_ranges(backbone, self.nvtx_timing):
                 samples = timing.time_calls(step, device=self.device, warmup=self.warmup - 1, runs=self.runs)
-            kernels = None
+            kernels = host = None
             if cuda:
                 with timing.nvtx_range(f"{label} profiled", True), timing.layer_ranges(backbone, True):
                     kernels = timing.profile_kernels(step, self.plan.timing.profile_runs)
+                if workload.id == self.plan.headline:
+                    host = timing.host_profile(lambda: (step(), torch.cuda.synchronize()))
         rows = rows_computed(backbone, prepared, decision_plan.candidates)
         result = {"id": workload.id, "rows": rows, "prepare_ms": prepare_ms, **samples.summary()}
         result["warmup"] = self.warmup
         result["kernels_per_forward"] = kernels.kernels_per_forward if kernels else None
         result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
         result["top_kernels"] = kernels.top_kernels if kernels else []
+        result["kernel_families"] = kernels.families if kernels else None
+        result["host_profile"] = host
+        core_ms = kernels.core_ms if kernels else 0.0
+        gemm_ms = kernels.families["gemm"]["ms_per_forward"] if kernels else 0.0
+        result["core_ms"] = core_ms if core_ms > 0 else None
+        result["core_multiple"] = result["median_ms"] / core_ms if core_ms > 0 else None
+        result["gemm_ms"] = gemm_ms if gemm_ms > 0 else None
+        result["gemm_multiple"] = result["median_ms"] / gemm_ms if gemm_ms > 0 else None
         result |= timing.floors(self.linear_params, rows, self.record["ceilings"])
         result["floor_multiple"] = result["median_ms"] / result["floor_ms"]
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}

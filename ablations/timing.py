@@ -2,12 +2,17 @@
 
 Timings (ARCHITECTURE.md, Measuring). On a GPU each sample is one call bracketed by CUDA events with the device
 synchronized before and after, so a sample is the latency of one forward from an idle GPU: kernels plus the launch
-gaps a CPU-bound forward leaves. On the CPU each sample is `time.perf_counter` around one call. Warm-up calls run first
-and are not sampled. Summaries: median with p10 / p90 (numpy's linear interpolation), and the raw samples.
+gaps a CPU-bound forward leaves. Beside it, the host time until the call returned (`host_median_ms`): when it is
+close to the sample, the host is the bottleneck. On the CPU each sample is `time.perf_counter` around one call.
+Warm-up calls run first and are not sampled. Summaries: median with p10 / p90 (numpy's linear interpolation), and
+the raw samples.
 
 Kernel counts and GPU-busy time come from `torch.profiler` (CPU + CUDA activities) over `profile_runs` calls: the
 chrome trace's events of category `kernel` (memcpy, memset and user annotations excluded) divided by the calls, and
-the union of those kernels' [start, end) intervals (overlapping kernels counted once) divided by the calls.
+the union of those kernels' [start, end) intervals (overlapping kernels counted once) divided by the calls. The same
+kernels are summed per family (`KERNEL_FAMILIES`: our fused kernels, GEMMs, the GDN core, the attention core, the
+rest), so a record says how much of a forward is the work the engine cannot avoid (GEMMs + GDN core + attention core:
+`core_ms`) and how much is everything else, launch gaps included (`median_ms / core_ms`, issue 4's target).
 
 Ceilings: the copy rate is bytes read + written by a device-to-device copy of `copy_bytes` random bytes per second;
 the bf16 rate is 2 n^3 flop per second of an n x n x n bf16 matmul on random inputs; both the median over `runs`
@@ -43,6 +48,7 @@ NOT_KERNELS = re.compile(r"^(Memcpy|Memset)", re.IGNORECASE)
 @dataclass(frozen=True)
 class Samples:
     samples_ms: list[float]
+    host_ms: list[float] | None = None  # GPU only: per sample, the host time until the call returned (launch time)
 
     @property
     def median_ms(self) -> float:
@@ -60,6 +66,7 @@ class Samples:
             "max_ms": max(self.samples_ms),
             "runs": len(self.samples_ms),
             "samples_ms": list(self.samples_ms),
+            "host_median_ms": float(statistics.median(self.host_ms)) if self.host_ms else None,
         }
 
 
@@ -70,7 +77,7 @@ def time_calls(fn: Callable[[], object], *, device: str, warmup: int, runs: int)
     for _ in range(warmup):
         fn()
     if device == "cuda":
-        return Samples(_cuda_samples(fn, runs))
+        return Samples(*_cuda_samples(fn, runs))
     samples = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -79,17 +86,21 @@ def time_calls(fn: Callable[[], object], *, device: str, warmup: int, runs: int)
     return Samples(samples)
 
 
-def _cuda_samples(fn: Callable[[], object], runs: int) -> list[float]:
+def _cuda_samples(fn: Callable[[], object], runs: int) -> tuple[list[float], list[float]]:
+    """CUDA-event samples, and beside each the host time from before the start event to `fn`'s return: when the host
+    time is about the sample, the forward is launch-bound (the GPU waits on the host)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
+    samples, host = [], []
     for _ in range(runs):
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
         start.record()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         end.record()
         torch.cuda.synchronize()
         samples.append(float(start.elapsed_time(end)))
-    return samples
+    return samples, host
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
@@ -103,15 +114,41 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+# Kernel families, first match wins, by substring of the lower-cased kernel name. `ours` comes first: the names of the
+# Triton kernels in kernels/ (one of them contains "attention"). The GDN core is FLA's chunked kernels (the HF torch
+# fallback's GDN core is plain torch ops and lands in gemm / other). The attention core is FlashAttention or SDPA.
+KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
+    "ours": ("_residual_rmsnorm", "_silu_mul", "_gdn_prep", "_gated_rmsnorm", "_attn_prep", "_attention_gate"),
+    "gdn_core": ("chunk_", "recompute_w_u", "solve_tril", "l2norm", "kkt"),
+    "attention_core": ("flash", "fmha", "attention", "sdpa"),
+    "gemm": ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas"),
+}
+FAMILIES = (*KERNEL_FAMILIES, "other")
+CORE_FAMILIES = ("gemm", "gdn_core", "attention_core")  # the work a forward cannot avoid (issue 4's 1.10x target)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel name (KERNEL_FAMILIES, else "other")."""
+    lower = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES.items() if any(key in lower for key in keys)), "other")
+
+
 @dataclass(frozen=True)
 class KernelStats:
     kernels_per_forward: float
     gpu_busy_ms: float  # per forward
     top_kernels: list[dict]  # the kernels with the most time: name, calls per forward, ms per forward
+    families: dict[str, dict]  # per family (FAMILIES): calls per forward, ms per forward (summed kernel time)
+
+    @property
+    def core_ms(self) -> float:
+        """Summed kernel time per forward of the GEMMs, the GDN core and the attention core."""
+        return sum(self.families[f]["ms_per_forward"] for f in CORE_FAMILIES)
 
 
 def kernel_stats(trace_events: list[dict], calls: int, top: int = 10) -> KernelStats:
-    """Kernel count and busy time per call from chrome-trace events (`cat` == "kernel", `ts` / `dur` in us)."""
+    """Kernel count, busy time, top kernels and families per call from chrome-trace events (`cat` == "kernel",
+    `ts` / `dur` in us)."""
     kernels = [e for e in trace_events if e.get("cat") == "kernel" and not NOT_KERNELS.match(e.get("name", ""))]
     busy_us = union_length((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
     by_name: dict[str, list[float]] = {}
@@ -122,7 +159,12 @@ def kernel_stats(trace_events: list[dict], calls: int, top: int = 10) -> KernelS
         {"name": name, "calls_per_forward": len(durs) / calls, "ms_per_forward": sum(durs) / calls / 1e3}
         for name, durs in ranked
     ]
-    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels)
+    families = {family: {"calls_per_forward": 0.0, "ms_per_forward": 0.0} for family in FAMILIES}
+    for name, durs in by_name.items():
+        family = families[kernel_family(name)]
+        family["calls_per_forward"] += len(durs) / calls
+        family["ms_per_forward"] += sum(durs) / calls / 1e3
+    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families)
 
 
 def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:
@@ -139,6 +181,35 @@ def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     return kernel_stats(events, calls)
+
+
+def host_profile(fn: Callable[[], object], top: int = 15) -> dict:
+    """Where the host spends one call of `fn`: cProfile over the call (the profiler slows Python down, so read the
+    shares, not the absolute times), the `top` functions by own time and by cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    total_ms = (time.perf_counter() - start) * 1e3
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+
+    def rows(key: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda item: -item[1][key])[:top]
+        return [
+            {
+                "function": f"{Path(file).name}:{line}({name})",
+                "calls": calls,
+                "own_ms": own * 1e3,
+                "cumulative_ms": cumulative * 1e3,
+            }
+            for (file, line, name), (_, calls, own, cumulative, _) in ranked
+        ]
+
+    return {"profiled_ms": total_ms, "by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
 def measure_ceilings(device: str, *, copy_bytes: int, gemm_n: int, runs: int) -> dict:

@@ -421,6 +421,60 @@ def test_kernel_stats_from_a_chrome_trace():
     assert stats.gpu_busy_ms == pytest.approx(25 / 2 / 1e3)
     assert [k["name"] for k in stats.top_kernels] == ["gemm", "norm"]
     assert stats.top_kernels[0] == {"name": "gemm", "calls_per_forward": 1.0, "ms_per_forward": 0.01}
+    assert stats.families["gemm"] == {"calls_per_forward": 1.0, "ms_per_forward": 0.01}
+    assert stats.families["other"] == {"calls_per_forward": 0.5, "ms_per_forward": 0.005}
+    assert stats.core_ms == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("nvjet_sm90_tst_256x152_64x4_2x1_v_bz_coopA_TNT", "gemm"),
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3", "gemm"),
+        ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn_core"),
+        ("chunk_gated_delta_rule_fwd_kkt_solve_kernel", "gdn_core"),
+        ("recompute_w_u_fwd_kernel", "gdn_core"),
+        ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 128, 64, 4>>", "attention_core"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention_core"),
+        ("_attention_gate_kernel", "ours"),
+        ("_residual_rmsnorm_kernel", "ours"),
+        ("_gdn_prep_kernel", "ours"),
+        ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>>", "other"),
+        ("void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel_generic", "other"),
+    ],
+)
+def test_kernel_family_of_real_kernel_names(name, family):
+    """Names as they appear in H200 profiles (results/runs/*nvidia-h200*.json top_kernels, the tree gate JSON)."""
+    assert timing.kernel_family(name) == family
+
+
+def test_kernel_families_cover_every_kernel_once():
+    rng = random.Random(3)
+    names = ["nvjet_a", "chunk_fwd_kernel_o", "flash_fwd", "_silu_mul_kernel", "elementwise_kernel"]
+    trace = [{"cat": "kernel", "name": rng.choice(names), "ts": i * 10, "dur": rng.uniform(1, 9)} for i in range(200)]
+    stats = timing.kernel_stats(trace, calls=4)
+    assert set(stats.families) == set(timing.FAMILIES)
+    assert sum(f["calls_per_forward"] for f in stats.families.values()) == stats.kernels_per_forward
+    total_ms = sum(e["dur"] for e in trace) / 4 / 1e3
+    assert sum(f["ms_per_forward"] for f in stats.families.values()) == pytest.approx(total_ms, rel=1e-12)
+    core = sum(stats.families[f]["ms_per_forward"] for f in ("gemm", "gdn_core", "attention_core"))
+    assert stats.core_ms == pytest.approx(core, rel=1e-12) and 0 < core < total_ms
+
+
+def test_host_profile_names_the_function_that_takes_the_time():
+    def slow_part() -> float:
+        return sum(i * i for i in range(200_000))
+
+    def call() -> None:
+        slow_part()
+        sorted(range(1000))
+
+    profile = timing.host_profile(call, top=5)
+    assert profile["profiled_ms"] > 0
+    assert any("slow_part" in row["function"] for row in profile["by_cumulative_time"][:3])
+    own = [row["own_ms"] for row in profile["by_own_time"]]
+    assert own == sorted(own, reverse=True) and len(own) <= 5
+    assert all(row["cumulative_ms"] <= profile["profiled_ms"] * 1.5 for row in profile["by_cumulative_time"])
 
 
 def test_samples_summary_matches_numpy():
@@ -431,6 +485,9 @@ def test_samples_summary_matches_numpy():
     assert summary["p10_ms"] == pytest.approx(np.percentile(values, 10), rel=1e-12)
     assert summary["p90_ms"] == pytest.approx(np.percentile(values, 90), rel=1e-12)
     assert summary["runs"] == 31 and summary["samples_ms"] == values
+    assert summary["host_median_ms"] is None
+    with_host = timing.Samples(values, host_ms=[v / 2 for v in values]).summary()
+    assert with_host["host_median_ms"] == statistics.median(values) / 2
 
 
 def test_time_calls_on_the_cpu_samples_every_run_after_warmup():

@@ -43,6 +43,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ablations import timing
 from engine.backbone import EngineBackbone
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
 from engine.tree import (
@@ -382,6 +383,22 @@ def test_gpu_gdn_handoff_time():
         f"\nlong4k GDN core (one layer): prefill context once {t_prefill:.3f} ms, handoff {t['handoff']:.3f} ms "
         f"({t['handoff'] / t_prefill:.2f}x), replicated {t['replicated']:.3f} ms; chosen {choose_gdn_mode(tree)}"
     )
+    if os.environ.get("OUT"):
+        out = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "workload": "long4k",
+            "rows": tree.num_rows,
+            "context_rows": len(context),
+            "prefill_context_ms": t_prefill,
+            "handoff_ms": t["handoff"],
+            "replicated_ms": t["replicated"],
+            "handoff_over_prefill": t["handoff"] / t_prefill,
+            "target": 1.3,
+            "chosen_mode": choose_gdn_mode(tree),
+            "timer": "cuda_time_ms (tests/test_gpu_tree.py)",
+        }
+        Path(os.environ["OUT"], "gpu_gdn_handoff.json").write_text(json.dumps(out, indent=1))
     assert choose_gdn_mode(tree) == "handoff"
     assert t["handoff"] <= 1.3 * t_prefill
 
@@ -409,14 +426,6 @@ def test_gpu_gdn_mode_cost_calibration(workload):
 SEED = 0
 TIMED_RUNS, WARMUP_RUNS = 20, 3
 TREE_VS_GEMM_TARGET = 1.25  # tree forward <= 1.25x the GEMMs alone at the tree's rows (issue 5)
-OUR_KERNELS = ("_residual_rmsnorm", "_silu_mul", "_gdn_prep", "_gated_rmsnorm", "_attn_prep", "_attention_gate")
-KERNEL_FAMILIES = {  # first match wins, by substring of the kernel name (lower case)
-    "ours": tuple(k.lower() for k in OUR_KERNELS),
-    "fla": ("chunk_", "recompute_w_u", "l2norm", "solve_tril"),
-    "flash": ("flash",),
-    "gemm": ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas"),
-    "memcpy/memset": ("memcpy", "memset"),
-}
 
 
 def workload_candidates(workload: str) -> tuple[list[list[int]], list[int]]:
@@ -445,19 +454,18 @@ def time_ms(fn) -> dict:
 
 
 def kernel_families(fn) -> dict:
-    """GPU activities of one fn() (after a warm-up call) by family (KERNEL_FAMILIES, else "other")."""
+    """GPU activities of one fn() (after a warm-up call) by family (ablations.timing.kernel_family)."""
     fn()
     torch.cuda.synchronize()
     with cuda_profile() as prof:
         fn()
         torch.cuda.synchronize()
-    families: dict[str, int] = {name: 0 for name in (*KERNEL_FAMILIES, "other")}
+    families: dict[str, int] = {name: 0 for name in (*timing.FAMILIES, "memcpy/memset")}
     other: dict[str, int] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.name.lower()
-        family = next((f for f, keys in KERNEL_FAMILIES.items() if any(key in name for key in keys)), "other")
+        family = "memcpy/memset" if timing.NOT_KERNELS.match(event.name) else timing.kernel_family(event.name)
         families[family] += 1
         if family == "other":
             other[event.name[:50]] = other.get(event.name[:50], 0) + 1
