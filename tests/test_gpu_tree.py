@@ -403,7 +403,7 @@ def test_gpu_gdn_handoff_time():
     assert t["handoff"] <= 1.3 * t_prefill
 
 
-@pytest.mark.parametrize("workload", ["drone", "customer_service"])
+@pytest.mark.parametrize("workload", WORKLOADS)
 def test_gpu_gdn_mode_cost_calibration(workload):
     """Both GDN modes timed per layer: the cost rule's pick is within 10% of the faster (calibrates the rule)."""
     core = fla_core()

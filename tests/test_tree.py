@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
+from engine.plan import CHUNK_SIZE, CONV_WIDTH, TreePlan, plan_flat, plan_tree
 from engine.tree import (
     blockwise_causal_attention,
     blockwise_node_core,
@@ -266,6 +266,23 @@ def test_plan_flat_layout():
     for start, end in zip(np.cumsum(lens) - lens, np.cumsum(lens)):
         blocks[start:end, start:end] = np.tril(np.ones((end - start, end - start), dtype=bool))
     assert np.array_equal(mask, blocks)
+
+
+def test_handoff_single_question_runs_root_and_question_as_one_chain():
+    """One question: [0, A_1) in one call from the zero state, then the leaves from A_1; no root-only call."""
+    candidates, groups = synthetic_request(1, 1, [5], 150, [40])
+    tree = plan_tree(candidates, groups)
+    shared = tree.root_len + tree.question_lens[0]
+    a1 = shared // CHUNK_SIZE * CHUNK_SIZE
+    assert a1 > 0 and tree.root_len // CHUNK_SIZE * CHUNK_SIZE > 0  # the old schedule had a root call here
+    prefix, leaves = tree.gdn["handoff"].calls
+    assert prefix.init_state is None and prefix.keep_final
+    assert prefix.cu_seqlens_cpu.tolist() == [0, a1]
+    assert np.array_equal(prefix.rows.numpy(), tree.path_rows[:a1].numpy())
+    assert leaves.num_sequences == 5 and not leaves.keep_final
+    assert leaves.init_state.tolist() == [1] * 5  # every leaf from the chain's state (bank entry 1)
+    several, several_groups = synthetic_request(2, 2, [3, 4], 150, [40, 20])
+    assert len(plan_tree(several, several_groups).gdn["handoff"].calls) == 3
 
 
 def test_plan_edge_cases():
