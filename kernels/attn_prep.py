@@ -21,6 +21,16 @@ fusion, bf16↓ by integer rounding, see `kernels.activations`). The mean and rs
 a q or k element may differ by one bf16 ulp, rarely (CPU, 27B widths: 99.998 % of q bit-identical; tiny: 100 %);
 v and the pass-through layout are bitwise.
 
+Measured on the H200 (run record results/runs/20261130T120702Z-nvidia-h200-a12d567.json, `bit_identity`: activations
+captured from the 27B reference forward of the drone request, 971 rows): v bitwise in layers 3 and 63; q 11 and 9 of
+5,965,824 elements differ, k 7 and 7 of 994,304; the largest absolute difference is 2^-7 (2^-8 for k of layer 63).
+In layer 63 a q difference reaches 2 ulps (the declared bound is 1 ulp) while its absolute size stays 2^-7, the
+size of a 1-ulp miss at values in [1, 2). That is what a 1-ulp miss of n (the sum-of-squares order above) gives
+after RoPE when bf16↓(n_d·cos_d) and bf16↓(rot_d·sin_d) have opposite signs and partly cancel: the output lands
+one binade lower, where the same absolute difference counts 2 ulps. The record holds counts and maxima, not the
+element itself: this reading is consistent with them, and nothing in them points to another rounding point. The
+1-ulp bound stays as declared, and the bit-identity table marks this row as not as expected.
+
 Batch invariance: BLOCK_T comes from the head width only, never from the row count (tested).
 
 Version history:
