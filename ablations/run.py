@@ -22,7 +22,10 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    service's readout: per-question softmax of score / T), the relative RMSE ||h - h_ref|| / ||h_ref|| of the
    final-norm hidden states at the read positions (fp64 over all candidates), and the number of questions whose
    argmax differs. The reference outputs come from the reference stage's own timed run when it runs, otherwise from
-   one untimed pass; either way they exist before the first engine stage consumes the weights.
+   one untimed pass; either way they exist before the first engine stage consumes the weights. On the headline
+   workload also every residual state (embedding, each layer's output, the final norm; all real tokens,
+   `backbone.hidden_states`): the relative RMSE per state and the first state that is not bit-identical, so a record
+   says where each path departs from the reference, not only how far it ends up.
 6. Floors per workload from the measured ceilings (weight streaming; compute for the rows the stage computes:
    `backbone.rows_computed(prepared)` where the backbone has it, else the candidates' real tokens).
 7. Per-kernel bit identity, when the plan includes the `fused` stage: right after the reference outputs exist and
@@ -195,6 +198,22 @@ def compare(outputs: Outputs, reference: Outputs) -> dict[str, float | int]:
     return {"max_abs_dp": max_dp, "hidden_rel_rmse": rel_rmse, "argmax_flips": flips}
 
 
+def compare_states(states: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, Any]:
+    """Per residual state (embedding, each layer's output, final norm): relative RMSE against the reference (fp64),
+    and the first state that is not bit-identical (None when all are)."""
+    if len(states) != len(reference):
+        raise ValueError(f"{len(states)} states against the reference's {len(reference)}")
+    errors, first = [], None
+    for i, (mine, theirs) in enumerate(zip(states, reference)):
+        if mine.shape != theirs.shape:
+            raise ValueError(f"state {i}: shape {tuple(mine.shape)} against the reference's {tuple(theirs.shape)}")
+        ref = theirs.double()
+        errors.append(math.sqrt(float((mine.double() - ref).square().sum()) / float(ref.square().sum())))
+        if first is None and not torch.equal(mine, theirs):
+            first = i
+    return {"state_rel_rmse": errors, "first_departing_state": first}
+
+
 def rows_computed(backbone: Any, prepared: Any, candidates: list[list[int]]) -> int:
     counter = getattr(backbone, "rows_computed", None)
     return int(counter(prepared)) if counter is not None else sum(len(ids) for ids in candidates)
@@ -220,6 +239,8 @@ class Run:
         self.path = Path(args.results) / "runs" / f"{envinfo.record_stem(self.env)}.json"
         self.reference_outputs: dict[str, Outputs] = {}
         self.outputs: dict[tuple[str, str], Outputs] = {}
+        self.headline_states: dict[str, list[torch.Tensor]] = {}  # stage -> host copies, until compared
+        self.reference_states: list[torch.Tensor] | None = None
         self.decision_plans: dict[str, Any] = {}
         plan_info = plan.describe() | {"runs": self.runs, "warmup": self.warmup}
         plan_info["requested_stages"] = [s.name for s in stages]
@@ -341,6 +362,8 @@ class Run:
         with torch.inference_mode():
             with timing.nvtx_range(f"{label} outputs", cuda):
                 outputs = self.outputs_of(backbone, prepared, decision_plan)
+                if workload.id == self.plan.headline:
+                    self.keep_states(stage.name, backbone, prepared)
             with timing.nvtx_range(f"{label} timed", cuda), timing.layer_ranges(backbone, self.nvtx_timing):
                 samples = timing.time_calls(step, device=self.device, warmup=self.warmup - 1, runs=self.runs)
             kernels = host = None
@@ -381,6 +404,8 @@ class Run:
                 decision_plan = self.decision_plans[workload.id]
                 prepared = backbone.prepare(decision_plan.candidates, decision_plan.groups)
                 self.reference_outputs[workload.id] = self.outputs_of(backbone, prepared, decision_plan)
+                if workload.id == self.plan.headline:
+                    self.keep_states(stage.name, backbone, prepared)
         del backbone
         source = self.record["reference"]["source"]
         self.record["reference"]["source"] = "untimed pass" if source is None else f"{source} + untimed pass"
@@ -436,12 +461,26 @@ class Run:
         self._release()
         self.write()
 
+    def keep_states(self, stage_name: str, backbone: Any, prepared: Any) -> None:
+        """Host copies of every residual state of the headline workload (one extra untimed forward)."""
+        states = [state.cpu() for state in backbone.hidden_states(prepared)]
+        if stage_name == self.plan.reference:
+            self.reference_states = states
+        else:
+            self.headline_states[stage_name] = states
+
     def update_comparisons(self) -> None:
         for entry in self.record["stages"]:
             for result in entry["workloads"]:
                 reference = self.reference_outputs.get(result["id"])
                 if reference is not None:
                     result.update(compare(self.outputs[(entry["name"], result["id"])], reference))
+                if result["id"] != self.plan.headline or self.reference_states is None:
+                    continue
+                if entry["name"] == self.plan.reference:
+                    result.update(compare_states(self.reference_states, self.reference_states))
+                elif entry["name"] in self.headline_states:
+                    result.update(compare_states(self.headline_states.pop(entry["name"]), self.reference_states))
 
     def _release(self) -> None:
         gc.collect()

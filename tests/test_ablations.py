@@ -828,3 +828,51 @@ def test_no_bit_identity_step_without_the_fused_stage(tmp_path):
     run = _bit_identity_run(tmp_path, ["hf_torch", "merged"])
     run.measure_bit_identity()
     assert "bit_identity" not in run.record
+
+
+# ------------------------------------------------------------------------------------- per-state divergence
+def test_compare_states_finds_the_first_departing_state():
+    from ablations.run import compare_states
+
+    generator = torch.Generator().manual_seed(11)
+    reference = [torch.randn(7, 5, generator=generator).bfloat16() for _ in range(6)]
+    same = [state.clone() for state in reference]
+    assert compare_states(same, reference) == {"state_rel_rmse": [0.0] * 6, "first_departing_state": None}
+    moved = [state.clone() for state in reference]
+    moved[3][2, 4] = moved[3][2, 4] * 1.5 + 0.25
+    moved[5] = -moved[5]
+    result = compare_states(moved, reference)
+    assert result["first_departing_state"] == 3
+    assert result["state_rel_rmse"][:3] == [0.0] * 3 and result["state_rel_rmse"][4] == 0.0
+    assert 0 < result["state_rel_rmse"][3] < 1 and result["state_rel_rmse"][5] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="states against"):
+        compare_states(moved[:5], reference)
+    with pytest.raises(ValueError, match="shape"):
+        compare_states([s[:6] for s in moved], reference)
+
+
+@pytest.mark.slow
+def test_the_runner_compares_every_residual_state_of_the_headline(tmp_path):
+    """Tiny twin: hf_torch (the cpu-tiny reference) and merged keep their headline states; the comparison lands on
+    the headline's workload results, the reference's own at zero, merged's departing after the (bitwise) embedding."""
+    from ablations.run import compare_states
+    from reference.service import DecisionModel
+
+    run = _bit_identity_run(tmp_path, ["hf_torch", "merged"])
+    reference_backbone = get_stage("hf_torch").build(run.ctx)
+    plan = DecisionModel(reference_backbone, run.weights).plan(resolve(["drone"])[0].request)  # the real 971 tokens
+    for name in ("hf_torch", "merged"):
+        backbone = get_stage(name).build(run.ctx)
+        with torch.inference_mode():
+            run.keep_states(name, backbone, backbone.prepare(plan.candidates, plan.groups))
+        run.entry(name)["workloads"].append({"id": "drone"})
+        run.update_comparisons()
+    reference, merged = (run.entry(name)["workloads"][0] for name in ("hf_torch", "merged"))
+    layers = run.weights.shapes.num_layers
+    assert reference["state_rel_rmse"] == [0.0] * (layers + 2) and reference["first_departing_state"] is None
+    assert len(merged["state_rel_rmse"]) == layers + 2 and merged["state_rel_rmse"][0] == 0.0
+    first = merged["first_departing_state"]  # measured on this CPU: merged ends 5.3e-3 from hf_torch on drone
+    assert first is not None and first >= 1 and merged["state_rel_rmse"][:first] == [0.0] * first
+    assert 0 < max(merged["state_rel_rmse"]) < 0.05
+    assert run.headline_states == {}  # compared once, then dropped
+    assert compare_states(run.reference_states, run.reference_states)["first_departing_state"] is None
