@@ -16,7 +16,8 @@
 #
 # Reads the newest complete run record of a plan (default: the GPU plan, else any) from `results/runs/` and asks,
 # per stage and workload: how much of the wall time the GPU was busy (the rest is launch and host overhead), how far
-# each stage is from its floor, and which kernels take the time. Runs headless
+# each stage is from its floor, and which kernels take the time; then, from the newest GPU record (a partial run
+# included), the kernel time per family and the host's share of each headline forward. Runs headless
 # (`python notebooks/where_the_time_goes.py`) or as a notebook (`jupytext --to notebook`). Synthetic weights: only
 # timings and fidelity are meaningful.
 
@@ -35,8 +36,8 @@ REPO = Path.cwd() if (Path.cwd() / "results").is_dir() else Path(__file__).resol
 RESULTS = Path(os.environ.get("JEVLAB_RESULTS", REPO / "results"))
 PLAN = os.environ.get("JEVLAB_PLAN", "gpu-27b")
 
-records = [json.loads(p.read_text()) for p in sorted((RESULTS / "runs").glob("*.json"))]
-records = [r for r in records if r.get("complete")]
+all_records = [json.loads(p.read_text()) for p in sorted((RESULTS / "runs").glob("*.json"))]
+records = [r for r in all_records if r.get("complete")]
 chosen = [r for r in records if r["plan"]["name"] == PLAN] or records
 if not chosen:
     raise SystemExit(f"no complete run record under {RESULTS / 'runs'}")
@@ -94,3 +95,45 @@ for stage in record["stages"]:
             busy = f"{w['kernels_per_forward']:.0f} kernels, {w['gpu_busy_ms']:.1f} ms busy"
             print(f"\n{stage['name']} / {headline}: {busy}")
             print(top.round(3).to_string(index=False))
+
+# %% [markdown]
+# ## Kernel time per family on the headline, newest GPU record (partial runs included)
+#
+# Kernel ms per family from one profiled call; `idle_ms` = median minus those kernels (launch gaps); `host_ms` = median
+# host time until the timed call returned (close to the median: launch-bound). Then the host functions with the most
+# own time in one cProfile'd call (cProfile slows Python down: read the shares).
+
+# %%
+FAMILY_ORDER = ("gemm", "gdn_core", "attention_core", "ours", "other")
+gpu = [r for r in all_records if r["plan"]["device"] == "cuda"]
+newest_gpu = max(gpu, key=lambda r: r["env"]["utc"]) if gpu else None
+family_rows, profiles = [], {}
+for stage in newest_gpu["stages"] if newest_gpu else []:
+    w = next((w for w in stage["workloads"] if w["id"] == newest_gpu["plan"]["headline"]), None)
+    if w is None or not w.get("kernel_families"):
+        continue
+    families = sorted(w["kernel_families"], key=lambda f: (FAMILY_ORDER + (f,)).index(f))
+    ms_by_family = {f: w["kernel_families"][f]["ms_per_forward"] for f in families}
+    family_rows.append(
+        {
+            "stage": stage["name"],
+            "status": stage["status"],
+            "median_ms": w["median_ms"],
+            **ms_by_family,
+            "idle_ms": max(0.0, w["median_ms"] - sum(ms_by_family.values())),
+            "host_ms": w.get("host_median_ms"),
+            "x_core": w.get("core_multiple"),
+        }  # fmt: skip
+    )
+    if w.get("host_profile"):
+        profiles[stage["name"]] = w["host_profile"]
+if not family_rows:
+    print("no GPU record with per-family kernel times under", RESULTS / "runs")
+else:
+    state = "complete run" if newest_gpu["complete"] else "PARTIAL run: stopped before completion"
+    print(f"GPU record {newest_gpu['env']['utc']} ({state}), headline {newest_gpu['plan']['headline']}:")
+    print(pd.DataFrame(family_rows).round(2).to_string(index=False))
+    for name, profile in profiles.items():
+        top = pd.DataFrame(profile["by_own_time"][:8])[["function", "calls", "own_ms", "cumulative_ms"]]
+        print(f"\n{name}: host functions by own time (one profiled call, {profile['profiled_ms']:.1f} ms)")
+        print(top.round(2).to_string(index=False))

@@ -2,17 +2,24 @@
 
     python -m paper.figures [--results DIR] [--plan NAME] [--record PATH ...] [--svg]
 
-Picks the newest complete record of each plan (or the records named with `--record`, or only `--plan`) and writes,
-under `<results>/figures/`:
+Picks, per plan, the newest complete record and, when a partial record (`complete: false`: the run stopped or is
+still running) is newer than it, that partial record too (or the records named with `--record`, or only `--plan`).
+A partial record is labelled as such wherever it appears (figure titles, summary, README block, report), with what
+it holds, and its figure files end in `-partial`. For each record it writes, under `<results>/figures/`:
 
 * `ladder-<plan>.png`: one bar per stage on the plan's headline workload, median ms with the p10-p90 range, the
   speed-up over the plan's baseline stage written on each bar, and the floor of each stage (the larger of the
   weight-streaming and compute floors for the rows that stage computes) drawn as a line across its bar;
-  stages that were not timed appear as empty slots naming their status.
+  stages that were not timed appear as empty slots naming their status (a partial record's stage that was still
+  pending draws its bar where the headline was timed, else "not reached (run stopped)").
 * `workloads-<plan>.png`: median ms of every stage on every workload (grouped bars, log scale).
 * `kernels-<plan>.png`: kernels per forward and GPU-busy ms against wall ms per stage on the headline workload.
+* `time-<plan>.png`: where the time of one headline forward goes, per stage: summed kernel ms per family (GEMM, GDN
+  core, attention core, our kernels, other) stacked, the rest of the median as GPU idle, and the host's launch time
+  marked (records without per-family kernel times get a figure that says so).
 * `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
-  them out (it reads this file and the PNGs, nothing else).
+  them out (it reads this file and the PNGs, nothing else); among them the targets of issues 4 and 5 (`TARGETS`) on
+  the headline workload, each met, missed or not measured.
 
 When the results folder is the checkout's own, the ladder table of each plan is also written into README.md between
 the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers, so the README never carries a hand-typed figure.
@@ -36,11 +43,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 
-from ablations.records import newest_per_plan, read_record  # noqa: E402
+from ablations.records import read_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_SCHEMA = "jevlab-report-summary/1"
-STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "error", "pending": "not run"}
+STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "error",
+               "pending": "not reached (run stopped)"}  # fmt: skip
 DASH = "–"
 
 
@@ -77,6 +85,50 @@ def stage_by_name(record: dict, name: str) -> dict | None:
     return next((s for s in record["stages"] if s["name"] == name), None)
 
 
+def is_partial(record: dict) -> bool:
+    return not record["complete"]
+
+
+def completeness(record: dict) -> str:
+    """What the record holds: a complete run, or (partial) how many workloads each pending stage timed."""
+    if not is_partial(record):
+        return "complete run"
+    total = len(record["workloads"])
+    parts = ["partial run: stopped before completion"]
+    for stage in record["stages"]:
+        if stage["status"] == "pending":
+            done = len(stage["workloads"])
+            parts.append(
+                f"{stage['name']} timed on {done} of {total} workloads" if done else f"{stage['name']} not reached"
+            )
+    return "; ".join(parts)
+
+
+def record_label(record: dict) -> str:
+    """The plan label, marked when the record is partial."""
+    return f"{plan_label(record)} — partial run" if is_partial(record) else plan_label(record)
+
+
+def has_timings(stage: dict) -> bool:
+    """Timed stages: `ok`, or `pending` with workloads (a partial record's stage that was cut short)."""
+    return stage["status"] == "ok" or (stage["status"] == "pending" and bool(stage["workloads"]))
+
+
+def stage_heading(stage: dict, record: dict) -> str:
+    """The stage's name, with how far it got when it was still pending."""
+    if stage["status"] != "pending":
+        return stage["name"]
+    return f"{stage['name']} (partial: {len(stage['workloads'])} of {len(record['workloads'])})"
+
+
+def status_text(stage: dict, record: dict) -> str:
+    if stage["status"] != "pending":
+        return stage["status"]
+    if not stage["workloads"]:
+        return STATUS_TEXT["pending"]
+    return f"pending: timed on {len(stage['workloads'])} of {len(record['workloads'])} workloads"
+
+
 # ------------------------------------------------------------------------------------------------ tables
 def ladder_rows(record: dict) -> list[dict[str, Any]]:
     """One row per stage on the headline workload, with the speed-up over the baseline stage where both ran."""
@@ -85,11 +137,13 @@ def ladder_rows(record: dict) -> list[dict[str, Any]]:
     baseline = measured(baseline_stage, headline) if baseline_stage else None
     rows = []
     for stage in record["stages"]:
-        w = measured(stage, headline) if stage["status"] == "ok" else None
+        w = measured(stage, headline) if has_timings(stage) else None
         rows.append(
             {
                 "stage": stage["name"],
                 "status": stage["status"],
+                "status_text": status_text(stage, record),
+                "heading": stage_heading(stage, record) if w else stage["name"],
                 "reason": stage["reason"],
                 "gate": stage["gate"]["outcome"] if stage["gate"] else DASH,
                 "median_ms": w["median_ms"] if w else None,
@@ -116,7 +170,7 @@ def ladder_table(record: dict) -> list[list[str]]:
         table.append(
             [
                 r["stage"],
-                r["status"],
+                r["status_text"],
                 r["gate"],
                 DASH if r["rows"] is None else f"{r['rows']:,}",
                 ms(r["median_ms"]),
@@ -132,9 +186,9 @@ def ladder_table(record: dict) -> list[list[str]]:
 
 
 def workload_table(record: dict) -> list[list[str]]:
-    """Median ms (p10–p90) per workload (rows) and stage (columns)."""
-    timed = [s for s in record["stages"] if s["status"] == "ok"]
-    table = [["workload", "candidates", "tokens", *(s["name"] for s in timed)]]
+    """Median ms (p10–p90) per workload (rows) and stage (columns); a stage cut short by a partial run says so."""
+    timed = [s for s in record["stages"] if has_timings(s)]
+    table = [["workload", "candidates", "tokens", *(stage_heading(s, record) for s in timed)]]
     for workload in record["workloads"]:
         cells = []
         for stage in timed:
@@ -150,7 +204,8 @@ def correctness_table(record: dict) -> list[list[str]]:
     for stage in record["stages"]:
         for w in stage["workloads"]:
             flips = DASH if w.get("argmax_flips") is None else str(w["argmax_flips"])
-            table.append([stage["name"], w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]), flips])
+            name = stage_heading(stage, record)
+            table.append([name, w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]), flips])
     return table
 
 
@@ -183,6 +238,9 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
         f"wrote NaN-poisoned outputs and was compared with its reference composition (reference/ops.py) on the same "
         f"inputs. {as_expected} of {len(rows)} outputs meet their declared exactness."
     )
+    missed = [f"layer {r['layer']} {r['kernel']}.{r['output']}" for r in rows if not r["as_expected"]]
+    if missed:
+        text += f" NOT as declared ({len(missed)}, marked NO below): {', '.join(missed)}."
     if result["interpreter"]:
         text += f" {result['note']}."
     table = [["layer", "kernel", "output", "elements", "bit-identical", "max ulp", "max |diff|", "expected", "met"]]
@@ -194,12 +252,195 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
     return {"measured": True, "text": text, "table": table}
 
 
+# Kernel families in drawing order (the runner's ablations.timing.FAMILIES; a test checks the two agree).
+FAMILY_ORDER = ("gemm", "gdn_core", "attention_core", "ours", "other")
+FAMILY_TEXT = {"gemm": "GEMM", "gdn_core": "GDN core", "attention_core": "attention core", "ours": "our",
+               "other": "other"}  # fmt: skip
+NO_FAMILIES_SHORT = "no per-family kernel times in this record (older runner or CPU run)"
+NO_FAMILIES = (
+    "No per-family kernel times in this record: the runner records them on the GPU only, from commit a12d567 on "
+    "(older records and CPU runs have none)."
+)
+
+
+def time_rows(record: dict) -> list[dict[str, Any]]:
+    """Per stage timed on the headline with per-family kernel times: family ms and calls per forward, GPU idle =
+    median minus the summed kernel ms (clipped at 0), and the host's launch time."""
+    headline = record["plan"]["headline"]
+    rows = []
+    for stage in record["stages"]:
+        w = measured(stage, headline) if has_timings(stage) else None
+        families = w.get("kernel_families") if w else None
+        if not families:
+            continue
+        names = [f for f in FAMILY_ORDER if f in families] + sorted(set(families) - set(FAMILY_ORDER))
+        kernel_ms = sum(families[f]["ms_per_forward"] for f in names)
+        rows.append(
+            {
+                "stage": stage["name"],
+                "heading": stage_heading(stage, record),
+                "median_ms": w["median_ms"],
+                "families": {f: families[f] for f in names},
+                "kernel_ms": kernel_ms,
+                "idle_ms": max(0.0, w["median_ms"] - kernel_ms),
+                "host_median_ms": w.get("host_median_ms"),
+                "core_multiple": w.get("core_multiple"),
+                "gemm_multiple": w.get("gemm_multiple"),
+            }
+        )
+    return rows
+
+
+def time_summary(record: dict) -> dict[str, Any]:
+    """The table beside the time figure; `measured` false (with the reason) when the record has no families."""
+    rows = time_rows(record)
+    if not rows:
+        return {"measured": False, "text": NO_FAMILIES, "table": []}
+    families = list(dict.fromkeys(f for r in rows for f in r["families"]))
+    header = ["stage", "median ms", *(f"{FAMILY_TEXT.get(f, f)} ms (calls)" for f in families), "GPU idle ms",
+              "host launch ms", "host / median", "× core", "× GEMM"]  # fmt: skip
+    table = [header]
+    for r in rows:
+        cells = []
+        for f in families:
+            family = r["families"].get(f)
+            cells.append(
+                DASH if family is None else f"{ms(family['ms_per_forward'])} ({family['calls_per_forward']:,.0f})"
+            )
+        host = r["host_median_ms"]
+        table.append([r["heading"], ms(r["median_ms"]), *cells, ms(r["idle_ms"]), ms(host),
+                      DASH if host is None else f"{host / r['median_ms']:.0%}",
+                      DASH if r["core_multiple"] is None else f"{r['core_multiple']:.2f}×",
+                      DASH if r["gemm_multiple"] is None else f"{r['gemm_multiple']:.2f}×"])  # fmt: skip
+    missing = [s["name"] for s in record["stages"] if has_timings(s) and s["name"] not in {r["stage"] for r in rows}]
+    text = (
+        f"Kernel time per family of one profiled {record['plan']['headline']} forward (torch profiler; kernels that "
+        "overlap are each counted), GPU idle = median minus those kernels (launch gaps and host waits), and the "
+        "median host time until the timed call returned (close to the median: the forward is launch-bound). "
+        "× core = median / (GEMM + GDN core + attention core); × GEMM = median / GEMM."
+    )
+    if missing:
+        text += f" No per-family times for: {', '.join(missing)}."
+    return {"measured": True, "text": text, "table": table}
+
+
+# The targets of the issues, on the headline workload. `limit` None: the limit is another measurement (see `what`).
+TARGETS: dict[str, dict[str, Any]] = {
+    "fused_kernels": {"issue": 4, "stage": "fused", "limit": 700, "what": "kernels per fused forward <= 700"},
+    "fused_core_multiple": {"issue": 4, "stage": "fused", "limit": 1.10,
+                            "what": "fused median <= 1.10 × its core kernel time (GEMM + GDN core + attention core)"},
+    "fused_fidelity": {"issue": 4, "stage": "fused", "limit": None,
+                       "what": "fused max |dp| vs the reference <= hf_torch's max |dp| in the same record"},
+    "tree_gemm_multiple": {"issue": 5, "stage": "tree", "limit": 1.25,
+                           "what": "tree median <= 1.25 × its GEMM kernel time"},
+    "tree_rows_share": {"issue": 5, "stage": "tree", "limit": 0.45,
+                        "what": "tree rows <= 45 % of the unshared packed rows"},
+}  # fmt: skip
+MET, MISSED, NOT_MEASURED_TARGET = "met", "missed", "not measured"
+
+
+def _headline_of(record: dict, name: str) -> tuple[dict | None, str]:
+    """The headline measurement of stage `name`, or None and why it is missing."""
+    stage = stage_by_name(record, name)
+    if stage is None:
+        return None, f"{name} is not in this plan"
+    w = measured(stage, record["plan"]["headline"]) if has_timings(stage) else None
+    if w is None:
+        status = STATUS_TEXT.get(stage["status"], stage["status"])
+        return None, f"{name} not timed on {record['plan']['headline']}: {status}"
+    return w, ""
+
+
+def _field(w: dict | None, name: str) -> Any:
+    return None if w is None else w.get(name)
+
+
+def _target(target_id: str, value: float | None, limit: float | None, shown: str, limit_shown: str,
+            note: str) -> dict[str, Any]:  # fmt: skip
+    if value is None or limit is None:
+        outcome = NOT_MEASURED_TARGET
+    else:
+        outcome = MET if value <= limit else MISSED
+    spec = TARGETS[target_id]
+    return {"id": target_id, "issue": spec["issue"], "what": spec["what"], "value": value, "limit": limit,
+            "measured": shown if value is not None else DASH, "limit_text": limit_shown, "outcome": outcome,
+            "note": note}  # fmt: skip
+
+
+def target_rows(record: dict) -> list[dict[str, Any]]:
+    """Each TARGETS entry on the headline workload: measured value, limit, met / missed / not measured, and a note."""
+    fused, fused_why = _headline_of(record, "fused")
+    tree, tree_why = _headline_of(record, "tree")
+    rows = []
+
+    kernels = _field(fused, "kernels_per_forward")
+    note = fused_why or ("" if kernels is not None else "no CUDA kernels counted (CPU run)")
+    limit = TARGETS["fused_kernels"]["limit"]
+    shown = DASH if kernels is None else f"{kernels:,.0f}"
+    rows.append(_target("fused_kernels", kernels, limit, shown, f"{limit}", note))
+
+    multiple = _field(fused, "core_multiple")
+    note = fused_why or ("" if multiple is not None else NO_FAMILIES_SHORT)
+    if multiple is not None:
+        note = f"median {ms(fused['median_ms'])} ms, core kernels {ms(fused['core_ms'])} ms"
+    limit = TARGETS["fused_core_multiple"]["limit"]
+    shown = DASH if multiple is None else f"{multiple:.2f}×"
+    rows.append(_target("fused_core_multiple", multiple, limit, shown, f"{limit:.2f}×", note))
+
+    reference = record["plan"]["reference"]
+    torch_w, torch_why = _headline_of(record, "hf_torch")
+    dp, torch_dp = _field(fused, "max_abs_dp"), _field(torch_w, "max_abs_dp")
+    if reference == "hf_torch":
+        note, torch_dp = "hf_torch is this plan's reference: its own max |dp| is 0 by construction", None
+    else:
+        note = fused_why or torch_why or ("" if dp is not None and torch_dp is not None else "max |dp| not recorded")
+        if dp is not None and torch_dp is not None:
+            note = f"against {reference}; synthetic weights: fidelity only, not accuracy"
+    limit_shown = f"{sci(torch_dp)} (hf_torch)" if torch_dp is not None else DASH
+    rows.append(_target("fused_fidelity", dp, torch_dp, sci(dp), limit_shown, note))
+
+    multiple = _field(tree, "gemm_multiple")
+    note = tree_why or ("" if multiple is not None else NO_FAMILIES_SHORT)
+    if multiple is not None:
+        note = f"median {ms(tree['median_ms'])} ms, GEMM kernels {ms(tree['gemm_ms'])} ms"
+    limit = TARGETS["tree_gemm_multiple"]["limit"]
+    shown = DASH if multiple is None else f"{multiple:.2f}×"
+    rows.append(_target("tree_gemm_multiple", multiple, limit, shown, f"{limit:.2f}×", note))
+
+    unshared, basis = None, ""
+    for name in ("merged", "fused"):
+        w, _ = _headline_of(record, name)
+        if w is not None:
+            unshared, basis = w["rows"], f"{name}'s packed rows"
+            break
+    if unshared is None:
+        headline = record["plan"]["headline"]
+        unshared = next(w["tokens"] for w in record["workloads"] if w["id"] == headline)
+        basis = f"the {headline} request's tokens"
+    share = tree["rows"] / unshared if tree else None
+    limit = TARGETS["tree_rows_share"]["limit"]
+    shown = DASH if share is None else f"{share:.1%} ({tree['rows']:,} of {unshared:,} rows)"
+    note = tree_why or f"unshared rows: {basis}"
+    rows.append(_target("tree_rows_share", share, limit, shown, f"{limit:.0%}", note))
+    return rows
+
+
+def targets_table(record: dict) -> list[list[str]]:
+    table = [["issue", "target", "measured", "limit", "outcome", "note"]]
+    for r in target_rows(record):
+        table.append([str(r["issue"]), r["what"], r["measured"], r["limit_text"], r["outcome"], r["note"] or DASH])
+    return table
+
+
 def stage_table(record: dict) -> list[list[str]]:
     """The registry as the run saw it, with what happened to each stage in this run."""
     table = [["stage", "builds on", "switches", "exactness", "registry", "this run"]]
     for stage in record["stages"]:
         registry = stage["registry"]
-        this_run = stage["status"] if stage["status"] == "ok" else f"{stage['status']}: {stage['reason']}"
+        if stage["status"] in ("ok", "pending"):
+            this_run = status_text(stage, record)
+        else:
+            this_run = f"{stage['status']}: {stage['reason']}"
         table.append(
             [
                 stage["name"],
@@ -276,7 +517,8 @@ def attempt_table(records: list[dict]) -> list[list[str]]:
 
 # ------------------------------------------------------------------------------------------------ figures
 def _title(record: dict, what: str) -> str:
-    return f"{what}\n{plan_label(record)} · synthetic weights · {record['env']['utc']}"
+    title = f"{what}\n{plan_label(record)} · synthetic weights · {record['env']['utc']}"
+    return f"{title}\n{completeness(record).upper()}" if is_partial(record) else title
 
 
 def ladder_figure(record: dict, path: Path, svg: bool) -> None:
@@ -287,7 +529,8 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
     for x, r in enumerate(rows):
         if r["median_ms"] is None:
             ax.bar(x, top * 0.15, color="none", edgecolor="0.6", hatch="//", linestyle="--")
-            ax.text(x, top * 0.17, STATUS_TEXT.get(r["status"], r["status"]), ha="center", va="bottom", fontsize=8)
+            ax.text(x, top * 0.17, STATUS_TEXT.get(r["status"], r["status"]).replace(" (", "\n("), ha="center",
+                    va="bottom", fontsize=8)  # fmt: skip
             continue
         errors = [[r["median_ms"] - r["p10_ms"]], [r["p90_ms"] - r["median_ms"]]]
         ax.bar(x, r["median_ms"], color="#4C72B0", yerr=errors, capsize=4, error_kw={"elinewidth": 1})
@@ -296,7 +539,7 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
         speedup = DASH if r["speedup"] is None else f"{r['speedup']:.2f}×"
         ax.text(x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}", ha="center", va="bottom",
                 fontsize=8)  # fmt: skip
-    ax.set_xticks(range(len(rows)), [r["stage"] for r in rows])
+    ax.set_xticks(range(len(rows)), [r["heading"].replace(" (", "\n(") for r in rows])
     ax.set_ylabel("median ms (p10–p90), forward + head")
     ax.set_ylim(0, top * 1.25)
     baseline = record["plan"]["baseline"]
@@ -308,7 +551,7 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
 
 
 def workloads_figure(record: dict, path: Path, svg: bool) -> None:
-    timed = [s for s in record["stages"] if s["status"] == "ok"]
+    timed = [s for s in record["stages"] if has_timings(s)]
     ids = [w["id"] for w in record["workloads"]]
     fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(ids) + 3), 4.8))
     width = 0.8 / max(1, len(timed))
@@ -319,7 +562,7 @@ def workloads_figure(record: dict, path: Path, svg: bool) -> None:
             if w is not None:
                 xs.append(x - 0.4 + width * (i + 0.5))
                 heights.append(w["median_ms"])
-        ax.bar(xs, heights, width=width, label=stage["name"])
+        ax.bar(xs, heights, width=width, label=stage_heading(stage, record))
     ax.set_yscale("log")
     ax.set_xticks(range(len(ids)), [i.removeprefix("jevbench/") for i in ids], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("median ms, forward + head (log)")
@@ -339,7 +582,7 @@ def kernels_figure(record: dict, path: Path, svg: bool) -> None:
             ax.axis("off")
         left.text(0.5, 0.5, "no CUDA kernels counted (no GPU in this run)", ha="center", va="center")
     else:
-        names = [r["stage"] for r in counted]
+        names = [r["heading"].replace(" (", "\n(") for r in counted]
         left.bar(names, [r["kernels"] for r in counted], color="#55A868")
         for x, r in enumerate(counted):
             left.text(x, r["kernels"], f"{r['kernels']:,.0f}", ha="center", va="bottom", fontsize=8)
@@ -355,6 +598,53 @@ def kernels_figure(record: dict, path: Path, svg: bool) -> None:
     _save(fig, path, svg)
 
 
+FAMILY_COLOURS = {"gemm": "#4C72B0", "gdn_core": "#55A868", "attention_core": "#8172B2", "ours": "#DD8452",
+                  "other": "#937860"}  # fmt: skip
+
+
+def time_figure(record: dict, path: Path, svg: bool) -> None:
+    """Stacked kernel ms per family + GPU idle up to the median, per stage on the headline; host launch time marked."""
+    rows = time_rows(record)
+    headline = record["plan"]["headline"]
+    if not rows:
+        fig, ax = plt.subplots(figsize=(9, 1.8))
+        ax.axis("off")
+        ax.text(0.5, 0.5, NO_FAMILIES.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
+        fig.suptitle(_title(record, f"Where the time goes: {headline}"), fontsize=9)
+        _save(fig, path, svg)
+        return
+    families = list(dict.fromkeys(f for r in rows for f in r["families"]))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.5 * len(rows) + 3.5), 4.8))
+    xs = range(len(rows))
+    bottoms = [0.0] * len(rows)
+    for family in families:
+        heights = [r["families"].get(family, {}).get("ms_per_forward", 0.0) for r in rows]
+        label = f"{FAMILY_TEXT.get(family, family)} kernels"
+        ax.bar(xs, heights, bottom=bottoms, width=0.6, color=FAMILY_COLOURS.get(family), label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    idle = [r["idle_ms"] for r in rows]
+    ax.bar(xs, idle, bottom=bottoms, width=0.6, color="white", edgecolor="0.5", hatch="..",
+           label="GPU idle (median − kernel ms)")  # fmt: skip
+    host_label = "host launch time (median host ms until the call returned)"
+    top = max(max(r["median_ms"], r["kernel_ms"]) for r in rows)
+    for x, r in enumerate(rows):
+        if r["host_median_ms"] is not None:
+            ax.hlines(r["host_median_ms"], x - 0.38, x + 0.38, colors="black", lw=2, label=host_label)
+            ax.plot([x + 0.38], [r["host_median_ms"]], "o", color="black", ms=4)
+            host_label = None  # one legend entry
+        core = DASH if r["core_multiple"] is None else f"{r['core_multiple']:.2f}× core"
+        ax.text(x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}",
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(list(xs), [r["heading"].replace(" (", "\n(") for r in rows])
+    ax.set_ylabel("ms per forward (bar height = median)")
+    ax.set_ylim(0, top * 1.2)
+    ax.set_title(_title(record, f"Where the time goes: {headline} (kernel ms per family from one profiled call)"),
+                 fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    _save(fig, path, svg)
+
+
 def _save(fig: plt.Figure, path: Path, svg: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, bbox_inches="tight", metadata={"Software": None})
@@ -364,15 +654,24 @@ def _save(fig: plt.Figure, path: Path, svg: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
+FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": kernels_figure, "time": time_figure}
+
+
+def figure_path(root: Path, kind: str, record: dict) -> Path:
+    """`<root>/figures/<kind>-<plan>[-partial].png`."""
+    suffix = "-partial" if is_partial(record) else ""
+    return root / "figures" / f"{kind}-{record['plan']['name']}{suffix}.png"
+
+
 def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict[str, Any]:
-    name = record["plan"]["name"]
-    figures = {kind: root / "figures" / f"{kind}-{name}.png" for kind in ("ladder", "workloads", "kernels")}
-    ladder_figure(record, figures["ladder"], svg)
-    workloads_figure(record, figures["workloads"], svg)
-    kernels_figure(record, figures["kernels"], svg)
+    figures = {kind: figure_path(root, kind, record) for kind in FIGURES}
+    for kind, draw in FIGURES.items():
+        draw(record, figures[kind], svg)
     return {
-        "name": name,
-        "label": plan_label(record),
+        "name": record["plan"]["name"],
+        "label": record_label(record),
+        "partial": is_partial(record),
+        "completeness": completeness(record),
         "is_cpu": record["plan"]["device"] == "cpu",
         "record": _relative(record_path, root),
         "utc": record["env"]["utc"],
@@ -389,6 +688,8 @@ def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict
         "workloads": workload_table(record),
         "correctness": correctness_table(record),
         "bit_identity": bit_identity_summary(record),
+        "time": time_summary(record),
+        "targets": {"table": targets_table(record), "outcomes": {r["id"]: r["outcome"] for r in target_rows(record)}},
         "stages": stage_table(record),
     }
 
@@ -398,15 +699,32 @@ def _relative(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
 
+def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
+    """Per plan: the newest complete record, and the newest partial record when it is newer than that one (or the
+    plan has no complete record). Every record is validated (a partial one too); newest by env.utc, then file name."""
+    found = sorted(((path, read_record(path)) for path in Path(runs_dir).glob("*.json")),
+                   key=lambda item: (item[1]["env"]["utc"], item[0].name))  # fmt: skip
+    complete: dict[str, tuple[Path, dict]] = {}
+    partial: dict[str, tuple[Path, dict]] = {}
+    for path, record in found:
+        (partial if is_partial(record) else complete)[record["plan"]["name"]] = (path, record)
+    chosen = list(complete.values())
+    for name, (path, record) in partial.items():
+        if name not in complete or record["env"]["utc"] > complete[name][1]["env"]["utc"]:
+            chosen.append((path, record))
+    return chosen
+
+
 def select_records(root: Path, plan: str | None, record_paths: list[str]) -> list[tuple[Path, dict]]:
     if record_paths:
         chosen = [(Path(p), read_record(Path(p))) for p in record_paths]
     else:
-        chosen = list(newest_per_plan(root / "runs").values())
+        chosen = newest_records(root / "runs")
     if plan:
         chosen = [(p, r) for p, r in chosen if r["plan"]["name"] == plan]
-    # GPU plans first: the report leads with the measurements that matter.
-    return sorted(chosen, key=lambda item: (item[1]["plan"]["device"] == "cpu", item[1]["plan"]["name"]))
+    # GPU plans first: the report leads with the measurements that matter; within a plan the newest record first.
+    newest_first = sorted(chosen, key=lambda item: item[1]["env"]["utc"], reverse=True)
+    return sorted(newest_first, key=lambda item: (item[1]["plan"]["device"] == "cpu", item[1]["plan"]["name"]))
 
 
 def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False) -> Path:
@@ -428,21 +746,22 @@ README_START, README_END = "<!-- results:ladder -->", "<!-- /results:ladder -->"
 
 
 def readme_ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
-    """Markdown: per plan, its label, the ladder figure and the ladder table (headline workload)."""
+    """Markdown: per record, its label and completeness, the ladder figure and the ladder table (headline workload)."""
     parts = []
     for path, record in chosen:
         plan = record["plan"]
         parts.append(
-            f"**{plan_label(record)}**, workload `{plan['headline']}` (record `{_relative(path, root)}`; "
-            "synthetic weights):\n"
+            f"**{record_label(record)}**, workload `{plan['headline']}` (record `{_relative(path, root)}`, "
+            f"{completeness(record)}; synthetic weights):\n"
         )
-        parts.append(f"![ladder](results/figures/ladder-{plan['name']}.png)\n")
+        figure = figure_path(root, "ladder", record).name
+        parts.append(f"![ladder](results/figures/{figure})\n")
         table = ladder_table(record)
         parts.append("| " + " | ".join(table[0]) + " |")
         parts.append("|" + "---|" * len(table[0]))
         parts += ["| " + " | ".join(row) + " |" for row in table[1:]]
         parts.append("")
-    return "\n".join(parts) if parts else "No complete run record yet.\n"
+    return "\n".join(parts) if parts else "No run record yet.\n"
 
 
 def replace_between_markers(text: str, block: str) -> str:
@@ -465,9 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = select_records(root, args.plan, args.record)
     path = write_summary(root, chosen, args.svg)
     if not chosen:
-        print(f"no complete run record under {root / 'runs'}; the report will say so", file=sys.stderr)
+        print(f"no run record under {root / 'runs'}; the report will say so", file=sys.stderr)
     for _, record in chosen:
-        print(f"figures for {plan_label(record)}")
+        print(f"figures for {record_label(record)} ({completeness(record)})")
     print(f"summary: {path}")
     readme = REPO / "README.md"
     if root.resolve() == (REPO / "results").resolve() and readme.is_file():

@@ -19,8 +19,9 @@ from ablations.registry import STAGE_LIST, get_stage
 from paper import build, figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SECTIONS = ["Method", "Environment", "Latency ladder", "Kernels and GPU-busy time", "Correctness", "Stages",
-            "Failed attempts", "Limits"]  # fmt: skip
+SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
+            "Correctness", "Stages", "Failed attempts", "Limits"]  # fmt: skip
+PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
 
 
 def timed(workload_id: str, median: float, *, gpu: bool, rows: int = 971) -> dict:
@@ -74,6 +75,33 @@ def fake_record(plan: str, utc: str, *, gpu: bool, medians: dict[str, float | No
 
 
 GPU_MEDIANS = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 50.0, "fused": None}
+# (gemm, gdn_core, attention_core, ours, other) kernel ms and the host launch ms of the headline, per stage.
+FAMILY_MS = {"hf_torch": (90.0, 0.0, 2.0, 0.0, 60.0, 150.0), "hf_fla": (60.0, 5.0, 2.0, 0.0, 25.0, 95.0),
+             "merged": (50.0, 5.0, 2.0, 0.0, 20.0, 78.0), "fused": (40.0, 5.0, 1.0, 4.0, 1.0, 45.0)}  # fmt: skip
+
+
+def add_families(w: dict, gemm: float, gdn: float, attention: float, ours: float, other: float, host: float) -> None:
+    """Per-family kernel times (as the GPU runner writes them) on a timed workload."""
+    ms_by_family = {"gemm": gemm, "gdn_core": gdn, "attention_core": attention, "ours": ours, "other": other}
+    w["kernel_families"] = {f: {"calls_per_forward": 10.0 * i, "ms_per_forward": v}
+                            for i, (f, v) in enumerate(ms_by_family.items())}  # fmt: skip
+    core = gemm + gdn + attention
+    w |= {"core_ms": core, "core_multiple": w["median_ms"] / core, "gemm_ms": gemm,
+          "gemm_multiple": w["median_ms"] / gemm, "host_median_ms": host}  # fmt: skip
+
+
+def partial_record(utc: str, plan: str = "gpu-27b") -> dict:
+    """A run stopped inside `fused`: hf_torch, hf_fla, merged on both workloads, fused on the headline only, tree not
+    reached; the headline carries per-family kernel times (FAMILY_MS) and host launch times."""
+    medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": 60.0, "tree": 40.0}
+    record = fake_record(plan, utc, gpu=True, medians=medians) | {"complete": False}
+    for stage in record["stages"]:
+        if stage["name"] in FAMILY_MS:
+            add_families(stage["workloads"][0], *FAMILY_MS[stage["name"]])
+    fused, tree = record["stages"][3], record["stages"][4]
+    fused |= {"status": "pending", "workloads": fused["workloads"][:1]}
+    tree |= {"status": "pending", "workloads": []}
+    return record
 
 
 @pytest.fixture
@@ -84,30 +112,181 @@ def results(tmp_path: Path) -> Path:
     records.write_record(
         fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=GPU_MEDIANS), runs / "new.json"
     )
-    running = fake_record("gpu-27b", "2026-11-30T11:00:00Z", gpu=True, medians=GPU_MEDIANS) | {"complete": False}
-    records.write_record(running, runs / "running.json")
+    records.write_record(partial_record("2026-11-30T11:00:00Z"), runs / "running.json")
     cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0, "merged": 40.0})
     records.write_record(cpu, runs / "cpu.json")
     return tmp_path
 
 
-def test_figures_from_the_newest_complete_record_of_each_plan(results):
+def test_figures_from_the_newest_complete_record_and_a_newer_partial_one(results):
     assert figures.main(["--results", str(results)]) == 0
-    for plan in ("gpu-27b", "cpu-tiny"):
-        for kind in ("ladder", "workloads", "kernels"):
-            png = results / "figures" / f"{kind}-{plan}.png"
+    for name in ("gpu-27b-partial", "gpu-27b", "cpu-tiny"):
+        for kind in ("ladder", "workloads", "kernels", "time"):
+            png = results / "figures" / f"{kind}-{name}.png"
             assert png.read_bytes()[:8] == PNG_MAGIC, png
     summary = json.loads((results / "figures" / "summary.json").read_text())
-    gpu, cpu = summary["plans"]
-    assert (gpu["name"], gpu["record"], cpu["name"]) == ("gpu-27b", "runs/new.json", "cpu-tiny")
+    partial, gpu, cpu = summary["plans"]
+    assert [p["record"] for p in summary["plans"]] == ["runs/running.json", "runs/new.json", "runs/cpu.json"]
+    assert (partial["name"], gpu["name"], cpu["name"]) == ("gpu-27b", "gpu-27b", "cpu-tiny")
     assert "CPU plan" in cpu["label"] and cpu["is_cpu"] and not gpu["is_cpu"]
     assert gpu["figures"]["ladder"] == "/figures/ladder-gpu-27b.png"
-    assert summary["newest_utc"] == "2026-11-30T10:00:00Z" and summary["synthetic"] is True
+    assert partial["figures"]["time"] == "/figures/time-gpu-27b-partial.png"
+    assert (partial["partial"], gpu["partial"], cpu["partial"]) == (True, False, False)
+    assert partial["label"] == "gpu-27b on NVIDIA H200 — partial run" and gpu["label"] == "gpu-27b on NVIDIA H200"
+    assert (partial["completeness"], gpu["completeness"]) == (PARTIAL_TEXT, "complete run")
+    assert summary["newest_utc"] == "2026-11-30T11:00:00Z" and summary["synthetic"] is True
+
+
+def _write(runs: Path, name: str, record: dict) -> None:
+    records.write_record(record, runs / name)
+
+
+def test_a_partial_record_older_than_the_newest_complete_one_is_ignored(tmp_path):
+    _write(tmp_path / "runs", "partial.json", partial_record("2026-11-30T09:30:00Z"))
+    _write(tmp_path / "runs", "complete.json", fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True,
+                                                           medians=GPU_MEDIANS))  # fmt: skip
+    chosen = figures.select_records(tmp_path, None, [])
+    assert [path.name for path, _ in chosen] == ["complete.json"]
+
+
+def test_a_plan_with_only_a_partial_record_gets_it_and_only_the_newest_partial(tmp_path):
+    _write(tmp_path / "runs", "first.json", partial_record("2026-11-30T09:00:00Z"))
+    _write(tmp_path / "runs", "second.json", partial_record("2026-11-30T09:30:00Z"))
+    _write(tmp_path / "runs", "cpu.json", fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False,
+                                                      medians={"hf_torch": 30.0}))  # fmt: skip
+    chosen = figures.select_records(tmp_path, None, [])
+    assert [path.name for path, _ in chosen] == ["second.json", "cpu.json"]
+    assert figures.main(["--results", str(tmp_path), "--plan", "gpu-27b"]) == 0
+    (plan,) = json.loads((tmp_path / "figures" / "summary.json").read_text())["plans"]
+    assert plan["partial"] and plan["figures"]["ladder"] == "/figures/ladder-gpu-27b-partial.png"
+    assert not (tmp_path / "figures" / "ladder-gpu-27b.png").exists()
+
+
+def test_a_named_partial_record_is_labelled_partial(results):
+    assert figures.main(["--results", str(results), "--record", str(results / "runs" / "running.json")]) == 0
+    (plan,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    assert plan["partial"] and plan["completeness"] == PARTIAL_TEXT
+
+
+def _titles(monkeypatch) -> list[str]:
+    """Per figure drawn (in order), its titles and texts joined (figures._save is wrapped for the test)."""
+    texts, save = [], figures._save
+
+    def keep_texts(fig, path, svg):
+        parts = [fig.get_suptitle(), *(ax.get_title() for ax in fig.axes)]
+        parts += [text.get_text() for ax in fig.axes for text in ax.texts]
+        texts.append(" | ".join(parts))
+        save(fig, path, svg)
+
+    monkeypatch.setattr(figures, "_save", keep_texts)
+    return texts
+
+
+def test_partial_figures_say_so_and_draw_the_pending_stage_where_it_was_timed(results, monkeypatch):
+    texts = _titles(monkeypatch)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    partial_titles, complete_titles = texts[:4], texts[4:]
+    assert all(PARTIAL_TEXT.upper() in t for t in partial_titles)
+    assert not any("PARTIAL" in t for t in complete_titles)
+    assert "not reached\n(run stopped)" in partial_titles[0]  # the ladder's tree slot
+    (partial, _) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    header, *rows = partial["ladder"]
+    by_stage = {row[0]: dict(zip(header, row)) for row in rows}
+    assert by_stage["fused"]["status"] == "pending: timed on 1 of 2 workloads"
+    assert by_stage["fused"]["median ms"] == "60.00" and by_stage["fused"]["× vs hf_fla"] == "1.67×"
+    assert by_stage["tree"]["status"] == "not reached (run stopped)" and by_stage["tree"]["median ms"] == figures.DASH
+    assert partial["workloads"][0][-1] == "fused (partial: 1 of 2)"
+    assert partial["workloads"][2][-1] == figures.DASH  # fused never reached customer_service
+    assert "fused (partial: 1 of 2)" in {row[0] for row in partial["correctness"][1:]}
+
+
+def test_time_table_families_idle_and_host_time(results, monkeypatch):
+    texts = _titles(monkeypatch)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    partial, complete = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    time = partial["time"]
+    assert time["measured"]
+    header, *rows = time["table"]
+    assert header[:7] == ["stage", "median ms", "GEMM ms (calls)", "GDN core ms (calls)", "attention core ms (calls)",
+                          "our ms (calls)", "other ms (calls)"]  # fmt: skip
+    by_stage = {row[0]: dict(zip(header, row)) for row in rows}
+    assert list(by_stage) == ["hf_torch", "hf_fla", "merged", "fused (partial: 1 of 2)"]
+    fused = by_stage["fused (partial: 1 of 2)"]
+    assert fused["GEMM ms (calls)"] == "40.00 (0)" and fused["our ms (calls)"] == "4.00 (30)"
+    assert fused["GPU idle ms"] == "9.00"  # 60 - (40 + 5 + 1 + 4 + 1)
+    assert fused["host launch ms"] == "45.00" and fused["host / median"] == "75%" and fused["× core"] == "1.30×"
+    assert by_stage["hf_torch"]["GPU idle ms"] == "8.00" and by_stage["hf_fla"]["GPU idle ms"] == "8.00"
+    assert not complete["time"]["measured"] and complete["time"]["text"] == figures.NO_FAMILIES
+    time_texts = [t for t in texts if "Where the time goes" in t]
+    assert len(time_texts) == 2 and "No per-family kernel times" in time_texts[1]
+
+
+def test_gpu_idle_is_clipped_at_zero():
+    record = partial_record("2026-11-30T11:00:00Z")
+    add_families(record["stages"][0]["workloads"][0], 100.0, 0.0, 10.0, 0.0, 60.0, 150.0)  # 170 ms of kernels > 160
+    (first, *_) = figures.time_rows(record)
+    assert first["kernel_ms"] == 170.0 and first["idle_ms"] == 0.0
+
+
+def test_family_order_is_the_runners():
+    from ablations.timing import CORE_FAMILIES, FAMILIES
+
+    assert set(figures.FAMILY_ORDER) == set(FAMILIES) and set(CORE_FAMILIES) <= set(figures.FAMILY_ORDER)
+
+
+def _outcomes(record: dict) -> dict[str, str]:
+    return {row["id"]: row["outcome"] for row in figures.target_rows(record)}
+
+
+def _headline(record: dict, stage: str) -> dict:
+    return figures.measured(figures.stage_by_name(record, stage), "drone")
+
+
+def test_targets_met_missed_and_not_measured():
+    medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": 60.0, "tree": 40.0}
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
+    fused, tree, merged = _headline(record, "fused"), _headline(record, "tree"), _headline(record, "merged")
+    add_families(fused, 40.0, 5.0, 5.0, 4.0, 1.0, 45.0)  # core 50 ms: 60 / 50 = 1.2x > 1.10
+    fused |= {"kernels_per_forward": 700.0, "max_abs_dp": 1e-3}  # exactly at the kernel target: met
+    _headline(record, "hf_torch")["max_abs_dp"] = 2e-3
+    merged["rows"], tree["rows"] = 1000, 450  # 45.0 % of the packed rows: met
+    assert _outcomes(record) == {"fused_kernels": "met", "fused_core_multiple": "missed", "fused_fidelity": "met",
+                                 "tree_gemm_multiple": "not measured", "tree_rows_share": "met"}  # fmt: skip
+    add_families(tree, 32.0, 1.0, 1.0, 1.0, 1.0, 30.0)  # 40 / 32 = 1.25x: met
+    fused |= {"kernels_per_forward": 701.0, "max_abs_dp": 2.5e-3}
+    tree["rows"] = 451
+    assert _outcomes(record) == {"fused_kernels": "missed", "fused_core_multiple": "missed",
+                                 "fused_fidelity": "missed", "tree_gemm_multiple": "met",
+                                 "tree_rows_share": "missed"}  # fmt: skip
+    rows = {row["id"]: row for row in figures.target_rows(record)}
+    assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
+    assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
+    assert set(figures.TARGETS) == set(rows) and {r["issue"] for r in rows.values()} == {4, 5}
+
+
+def test_targets_not_measured_and_the_token_count_fallback():
+    medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": None, "fused": None, "tree": 40.0}
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
+    _headline(record, "tree")["rows"] = 300
+    rows = {row["id"]: row for row in figures.target_rows(record)}
+    assert {k: r["outcome"] for k, r in rows.items()} == {
+        "fused_kernels": "not measured", "fused_core_multiple": "not measured", "fused_fidelity": "not measured",
+        "tree_gemm_multiple": "not measured", "tree_rows_share": "met"}  # fmt: skip
+    assert rows["fused_kernels"]["note"] == "fused not timed on drone: gate red"
+    assert rows["tree_rows_share"]["measured"] == "30.9% (300 of 971 rows)"  # the workload's 971 tokens
+    assert rows["tree_rows_share"]["note"] == "unshared rows: the drone request's tokens"
+    partial = {row["id"]: row for row in figures.target_rows(partial_record("2026-11-30T11:00:00Z"))}
+    assert partial["tree_rows_share"]["outcome"] == "not measured"
+    assert partial["tree_rows_share"]["note"] == "tree not timed on drone: not reached (run stopped)"
+    cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0, "fused": 40.0})
+    cpu_rows = {row["id"]: row for row in figures.target_rows(cpu)}
+    assert cpu_rows["fused_kernels"]["outcome"] == "not measured"  # no CUDA kernels on the CPU
+    assert cpu_rows["fused_fidelity"]["outcome"] == "not measured"  # hf_torch is the CPU plan's reference
 
 
 def test_ladder_table_speedups_floors_and_untimed_stages(results):
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    (gpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    (_, gpu) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     header, *rows = gpu["ladder"]
     by_stage = {row[0]: dict(zip(header, row)) for row in rows}
     assert by_stage["hf_fla"]["× vs hf_fla"] == "1.00×"
@@ -171,6 +350,9 @@ def test_report_builds_a_pdf_with_every_section_and_the_synthetic_statement(resu
     plan_headings = [h["text"] for h in _query(results, "heading.where(level: 2)", "body")]
     assert any("cpu-tiny" in h and "CPU plan" in h for h in plan_headings)
     assert any(h == "gpu-27b on NVIDIA H200" for h in plan_headings)
+    assert any(h == "gpu-27b on NVIDIA H200 — partial run" for h in plan_headings)
+    assert len(_query(results, "<targets-table>")) == 3
+    assert len(_query(results, "<time-table>")) == 1 and len(_query(results, "<time-not-measured>")) == 2
 
 
 def test_report_without_records_says_so(tmp_path):
@@ -234,7 +416,7 @@ def _with_bit_identity(results: Path, name: str, value: dict) -> None:
 def test_bit_identity_table_reaches_the_summary_and_the_report(results):
     _with_bit_identity(results, "new.json", bit_identity())
     figures.main(["--results", str(results)])
-    gpu, cpu = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    _, gpu, cpu = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     bits = gpu["bit_identity"]
     assert (
         bits["measured"]
@@ -247,15 +429,15 @@ def test_bit_identity_table_reaches_the_summary_and_the_report(results):
     assert not cpu["bit_identity"]["measured"] and cpu["bit_identity"]["text"].startswith("Not measured in this record")
     build.build(results)
     assert len(_query(results, "<bit-identity-table>")) == 1
-    assert len(_query(results, "<bit-identity-not-measured>")) == 1
+    assert len(_query(results, "<bit-identity-not-measured>")) == 2
     subheadings = [h["text"] for h in _query(results, "heading.where(level: 3)", "body")]
-    assert subheadings.count(BIT_IDENTITY_HEADING) == 2
+    assert subheadings.count(BIT_IDENTITY_HEADING) == 3
 
 
 def test_a_failed_bit_identity_step_is_reported_as_not_measured(results):
     _with_bit_identity(results, "new.json", bit_identity(error="RuntimeError: out of memory"))
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    (gpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    (_, gpu) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     assert not gpu["bit_identity"]["measured"]
     assert gpu["bit_identity"]["text"] == "Not measured in this record: the step failed (RuntimeError: out of memory)."
     build.build(results)
@@ -272,5 +454,33 @@ def test_a_summary_written_before_the_bit_identity_step_still_builds(results):
     path.write_text(json.dumps(summary))
     build.build(results)
     missing = _query(results, "<bit-identity-not-measured>")
-    assert len(missing) == 2 and "Not measured in this record" in json.dumps(missing)
+    assert len(missing) == 3 and "Not measured in this record" in json.dumps(missing)
     assert not _query(results, "<bit-identity-table>")
+
+
+def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_report(results):
+    value = bit_identity()
+    value["rows"][1] |= {"bit_identical": 990_000, "share": 0.99, "max_ulp": 3, "as_expected": False}
+    _with_bit_identity(results, "running.json", value)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    partial, _ = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    bits = partial["bit_identity"]
+    assert (
+        "1 of 2 outputs meet" in bits["text"]
+        and "NOT as declared (1, marked NO below): layer 3 attn_prep.q" in (bits["text"])
+    )
+    assert [row[-1] for row in bits["table"][1:]] == ["yes", "NO"]
+    build.build(results)
+    (table,) = _query(results, "<bit-identity-table>")
+    assert "NO" in json.dumps(table)
+
+
+def test_the_readme_block_carries_both_records_partial_first(results):
+    block = figures.readme_ladder(figures.select_records(results, "gpu-27b", []), results)
+    partial_at = block.index("**gpu-27b on NVIDIA H200 — partial run**")
+    complete_at = block.index("**gpu-27b on NVIDIA H200**")
+    assert partial_at < complete_at
+    assert f"(record `runs/running.json`, {PARTIAL_TEXT}; synthetic weights)" in block
+    assert "(record `runs/new.json`, complete run; synthetic weights)" in block
+    assert "![ladder](results/figures/ladder-gpu-27b-partial.png)" in block
+    assert "![ladder](results/figures/ladder-gpu-27b.png)" in block
