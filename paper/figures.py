@@ -17,6 +17,10 @@ it holds, and its figure files end in `-partial`. For each record it writes, und
 * `time-<plan>.png`: where the time of one headline forward goes, per stage: summed kernel ms per family (GEMM, GDN
   core, attention core, our kernels, other) stacked, the rest of the median as GPU idle, and the host's launch time
   marked (records without per-family kernel times get a figure that says so).
+* `states-<plan>.png`: where each path departs from the plan's reference on the headline workload: the relative
+  RMSE of every residual state (embedding, the output of each layer, the final norm) per stage, log scale, with
+  bit-identical states on a labelled floor band and each stage's first departing state starred; full-attention
+  layers shaded (records older than the per-state comparison get a figure that says so).
 * `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
   them out (it reads this file and the PNGs, nothing else); among them the targets of issues 4 and 5 (`TARGETS`) on
   the headline workload, each met, missed or not measured.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -42,8 +47,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 from ablations.records import read_record  # noqa: E402
+from reference.shapes import get_shapes  # noqa: E402  (dataclasses only: no torch)
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_SCHEMA = "jevlab-report-summary/1"
@@ -249,6 +256,103 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
         table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
                       share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, r["expected"],
                       "yes" if r["as_expected"] else "NO"])  # fmt: skip
+    return {"measured": True, "text": text, "table": table}
+
+
+NO_STATES = (
+    "Not measured in this record: the runner compares every residual state of the headline with the reference "
+    "from commit 8eaec7d on (older records have only the final hidden states)."
+)
+
+
+def state_name(index: int, count: int) -> str:
+    """Residual state `index` of `count` (num_layers + 2): "embedding", "layer k" (the stream after the k-th layer,
+    counted from 1) or "final norm"."""
+    if index == 0:
+        return "embedding"
+    return "final norm" if index == count - 1 else f"layer {index}"
+
+
+def layer_types_of(record: dict) -> list[str] | None:
+    """The record's layer pattern from reference/shapes.py (its shapes name), or None for shapes not known here."""
+    name = record["weights"].get("shapes") or record["plan"]["shapes"]
+    try:
+        return get_shapes(name).layer_types
+    except ValueError:
+        return None
+
+
+def departure_rows(record: dict) -> list[dict[str, Any]]:
+    """Per stage other than the reference, on the headline: the relative RMSE of every residual state and the first
+    state that is not bit-identical (`states` None when the record does not carry them), and why when not timed."""
+    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
+    rows = []
+    for stage in record["stages"]:
+        if stage["name"] == reference:
+            continue
+        w = measured(stage, headline) if has_timings(stage) else None
+        rows.append(
+            {
+                "stage": stage["name"],
+                "heading": stage_heading(stage, record) if w else stage["name"],
+                "timed": w is not None,
+                "status_text": STATUS_TEXT.get(stage["status"], stage["status"]),
+                "states": _field(w, "state_rel_rmse"),
+                "first": _field(w, "first_departing_state"),
+                "max_abs_dp": _field(w, "max_abs_dp"),
+            }
+        )
+    return rows
+
+
+def departure_text(row: dict[str, Any]) -> str:
+    """The first departing state of a row as the table shows it."""
+    if not row["timed"]:
+        return f"not timed: {row['status_text']}"
+    if row["states"] is None:
+        return "not measured"
+    if row["first"] is None:
+        return "none: bitwise"
+    return state_name(row["first"], len(row["states"]))
+
+
+def departures_summary(record: dict) -> dict[str, Any]:
+    """The table beside the states figure and the sentence that introduces it; `measured` false (and the sentence
+    says why) when no stage carries the per-state comparison."""
+    rows = departure_rows(record)
+    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
+    statement = record["weights"].get("statement") or "Synthetic weights."
+    if not any(r["states"] is not None for r in rows):
+        return {"measured": False, "text": f"{NO_STATES} {statement}", "table": []}
+    count = len(next(r["states"] for r in rows if r["states"] is not None))
+    last = count - 2
+    workload = next(w for w in record["workloads"] if w["id"] == headline)
+    types = layer_types_of(record)
+    text = (
+        f"Against {reference} (the plan's reference), on the {headline} request: the relative RMSE "
+        f"||h − h_ref|| / ||h_ref|| of every residual state over all real tokens of all {workload['candidates']} "
+        f"candidates ({workload['tokens']:,} tokens), and the first state that is not bit-identical to the "
+        f"reference's. Layers count from 1: layer k is the residual stream after the k-th of {last} layers."
+    )
+    if types is not None and len(types) == last:
+        attention = [str(i + 1) for i, t in enumerate(types) if t == "full_attention"]
+        text += f" Full-attention layers: {', '.join(attention)}; the others are Gated DeltaNet."
+    text += f" {statement} The states measure how far two code paths drift apart, not decision accuracy."
+    header = ["stage", "first departing state", "rel RMSE layer 1", f"rel RMSE layer {last}",
+              "rel RMSE final norm", "largest rel RMSE (state)", f"max |dp| vs {reference}"]  # fmt: skip
+    table = [header]
+    for r in rows:
+        states = r["states"]
+        if states is None:
+            table.append([r["heading"], departure_text(r), DASH, DASH, DASH, DASH, sci(r["max_abs_dp"])])
+            continue
+        largest = max(range(len(states)), key=states.__getitem__)
+        largest_text = "0" if states[largest] == 0 else f"{sci(states[largest])} ({state_name(largest, len(states))})"
+        table.append([r["heading"], departure_text(r), sci(states[1]), sci(states[-2]), sci(states[-1]),
+                      largest_text, sci(r["max_abs_dp"])])  # fmt: skip
+    missing = [r["stage"] for r in rows if r["timed"] and r["states"] is None]
+    if missing:
+        text += f" No per-state comparison for: {', '.join(missing)}."
     return {"measured": True, "text": text, "table": table}
 
 
@@ -645,6 +749,82 @@ def time_figure(record: dict, path: Path, svg: bool) -> None:
     _save(fig, path, svg)
 
 
+STAGE_MARKERS = ("o", "s", "^", "D", "v", "P")
+STAGE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860")
+
+
+def state_ticks(count: int) -> tuple[list[int], list[str]]:
+    """Tick positions and labels for `count` residual states: every one for up to 16 layers, else the embedding,
+    layer 1, every 4th layer and the final norm."""
+    layers = count - 2
+    shown = range(1, layers + 1) if layers <= 16 else [1, *range(4, layers + 1, 4)]
+    positions = [0, *shown, count - 1]
+    labels = ["embedding", *(str(i) for i in shown), "final norm"]
+    return positions, labels
+
+
+def states_figure(record: dict, path: Path, svg: bool) -> None:
+    """Relative RMSE against the reference per residual state and stage (log scale); zeros (bit-identical states)
+    sit on a labelled floor band below the smallest non-zero value; each stage's first departing state starred."""
+    rows = [r for r in departure_rows(record) if r["states"] is not None]
+    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
+    title = _title(record, f"Where each path departs from {reference}: every residual state, {headline}")
+    if not rows:
+        fig, ax = plt.subplots(figsize=(9, 1.8))
+        ax.axis("off")
+        ax.text(0.5, 0.5, NO_STATES.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
+        fig.suptitle(title, fontsize=9)
+        _save(fig, path, svg)
+        return
+    count = len(rows[0]["states"])
+    positive = [v for r in rows for v in r["states"] if v > 0]
+    floor = min(positive) / 30 if positive else 1e-6  # where zeros are drawn: a decade and a half below the data
+    top = max(positive) if positive else floor * 100
+    fig, ax = plt.subplots(figsize=(max(9.0, 0.16 * count + 4), 4.6))
+    types = layer_types_of(record)
+    if types is not None and len(types) == count - 2:
+        attention_label = "full-attention layer (others Gated DeltaNet)"
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                ax.axvspan(i + 0.5, i + 1.5, color="#E8E0F4", lw=0, zorder=0, label=attention_label)
+                attention_label = None  # one legend entry
+    ax.axhspan(floor / 2.5, floor * 2.5, color="0.9", lw=0, zorder=0)
+    xs = list(range(count))
+    for i, r in enumerate(rows):
+        colour, marker = STAGE_COLOURS[i % len(STAGE_COLOURS)], STAGE_MARKERS[i % len(STAGE_MARKERS)]
+        ys = [v if v > 0 else floor for v in r["states"]]
+        departs = departure_text(r)
+        label = (
+            f"{r['heading']}: bit-identical throughout"
+            if r["first"] is None
+            else f"{r['heading']}: departs at {departs}"
+        )
+        size = 7 - 1.2 * (i % 4)  # later stages smaller, so markers on the same point stay visible
+        ax.plot(xs, ys, color=colour, marker=marker, ms=size, mfc="none", lw=1.2, label=label, zorder=2 + i)
+        if r["first"] is not None:
+            ax.plot([r["first"]], [ys[r["first"]]], marker="*", ms=15, color=colour, mec="black", mew=0.6,
+                    ls="none", zorder=10)  # fmt: skip
+    ax.plot([], [], marker="*", ms=11, color="0.6", mec="black", mew=0.6, ls="none", label="first departing state")
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 4, top * 4)
+    # The floor band gets its own tick label; decades inside the band are not labelled (the band is not a value).
+    decades = [10.0**k for k in range(math.floor(math.log10(floor * 2.5)) + 1, math.ceil(math.log10(top * 4)))]
+    ax.set_yticks([floor, *decades], ["0: bit-identical", *(f"$10^{{{round(math.log10(d))}}}$" for d in decades)])
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(-0.6, count - 0.4)
+    positions, labels = state_ticks(count)
+    ax.set_xticks(positions, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("residual state (layer k = the stream after the k-th layer)")
+    ax.set_ylabel(f"relative RMSE vs {reference} (log)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    missing = [r["stage"] for r in departure_rows(record) if r["timed"] and r["states"] is None]
+    if missing:
+        ax.text(1.01, 0.0, f"not measured: {', '.join(missing)}", transform=ax.transAxes, fontsize=7, va="bottom")
+    fig.tight_layout()
+    _save(fig, path, svg)
+
+
 def _save(fig: plt.Figure, path: Path, svg: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, bbox_inches="tight", metadata={"Software": None})
@@ -654,7 +834,8 @@ def _save(fig: plt.Figure, path: Path, svg: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": kernels_figure, "time": time_figure}
+FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": kernels_figure, "time": time_figure,
+           "states": states_figure}  # fmt: skip
 
 
 def figure_path(root: Path, kind: str, record: dict) -> Path:
@@ -688,6 +869,7 @@ def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict
         "workloads": workload_table(record),
         "correctness": correctness_table(record),
         "bit_identity": bit_identity_summary(record),
+        "departures": departures_summary(record),
         "time": time_summary(record),
         "targets": {"table": targets_table(record), "outcomes": {r["id"]: r["outcome"] for r in target_rows(record)}},
         "stages": stage_table(record),

@@ -20,7 +20,7 @@ from paper import build, figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
-            "Correctness", "Stages", "Failed attempts", "Limits"]  # fmt: skip
+            "Correctness", "Where each path departs", "Stages", "Failed attempts", "Limits"]  # fmt: skip
 PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
 
 
@@ -121,7 +121,7 @@ def results(tmp_path: Path) -> Path:
 def test_figures_from_the_newest_complete_record_and_a_newer_partial_one(results):
     assert figures.main(["--results", str(results)]) == 0
     for name in ("gpu-27b-partial", "gpu-27b", "cpu-tiny"):
-        for kind in ("ladder", "workloads", "kernels", "time"):
+        for kind in ("ladder", "workloads", "kernels", "time", "states"):
             png = results / "figures" / f"{kind}-{name}.png"
             assert png.read_bytes()[:8] == PNG_MAGIC, png
     summary = json.loads((results / "figures" / "summary.json").read_text())
@@ -185,7 +185,7 @@ def _titles(monkeypatch) -> list[str]:
 def test_partial_figures_say_so_and_draw_the_pending_stage_where_it_was_timed(results, monkeypatch):
     texts = _titles(monkeypatch)
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    partial_titles, complete_titles = texts[:4], texts[4:]
+    partial_titles, complete_titles = texts[:5], texts[5:]
     assert all(PARTIAL_TEXT.upper() in t for t in partial_titles)
     assert not any("PARTIAL" in t for t in complete_titles)
     assert "not reached\n(run stopped)" in partial_titles[0]  # the ladder's tree slot
@@ -484,3 +484,152 @@ def test_the_readme_block_carries_both_records_partial_first(results):
     assert "(record `runs/new.json`, complete run; synthetic weights)" in block
     assert "![ladder](results/figures/ladder-gpu-27b-partial.png)" in block
     assert "![ladder](results/figures/ladder-gpu-27b.png)" in block
+
+
+# ------------------------------------------------------------------------------------------ where each path departs
+def departing(count: int, first: int | None, step: float = 1e-3) -> list[float]:
+    """Made-up per-state relative RMSE: 0 before `first` (all 0 when None), then step, 2 step, ... after it."""
+    if first is None:
+        return [0.0] * count
+    return [0.0 if i < first else step * (i - first + 1) for i in range(count)]
+
+
+def with_states(record: dict, stage: str, states: list[float], first: int | None) -> None:
+    """The per-state fields on the stage's headline measurement, as the runner writes them."""
+    _headline(record, stage).update(state_rel_rmse=states, first_departing_state=first)
+
+
+GPU_STATES = 66  # qwen3.8-27b: embedding, 64 layers, final norm
+
+
+def departures_record() -> dict:
+    """GPU plan (reference hf_fla): hf_torch departs at the embedding, merged at the final norm, tree nowhere,
+    fused gate red; the reference itself all zeros."""
+    medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": None, "tree": 40.0}
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
+    with_states(record, "hf_fla", departing(GPU_STATES, None), None)
+    with_states(record, "hf_torch", departing(GPU_STATES, 0), 0)
+    with_states(record, "merged", departing(GPU_STATES, 65, step=4e-4), 65)
+    with_states(record, "tree", departing(GPU_STATES, None), None)
+    _headline(record, "hf_torch")["max_abs_dp"] = 2.5e-3
+    return record
+
+
+def test_departures_table_names_the_first_departing_state_and_handles_zeros():
+    summary = figures.departures_summary(departures_record())
+    assert summary["measured"]
+    header, *rows = summary["table"]
+    assert header == ["stage", "first departing state", "rel RMSE layer 1", "rel RMSE layer 64",
+                      "rel RMSE final norm", "largest rel RMSE (state)", "max |dp| vs hf_fla"]  # fmt: skip
+    by_stage = {row[0]: row[1:] for row in rows}
+    assert list(by_stage) == ["hf_torch", "merged", "fused", "tree"]  # not the reference
+    assert by_stage["hf_torch"] == ["embedding", "2.00e-03", "6.50e-02", "6.60e-02", "6.60e-02 (final norm)",
+                                    "2.50e-03"]  # fmt: skip
+    assert by_stage["merged"] == ["final norm", "0", "0", "4.00e-04", "4.00e-04 (final norm)", "1.00e-03"]
+    assert by_stage["fused"] == ["not timed: gate red", *[figures.DASH] * 5]
+    assert by_stage["tree"] == ["none: bitwise", "0", "0", "0", "0", "1.00e-03"]
+    text = summary["text"]
+    assert text.startswith("Against hf_fla (the plan's reference), on the drone request")
+    assert "all 7 candidates (971 tokens)" in text and "after the k-th of 64 layers" in text
+    assert "Full-attention layers: 4, 8, 12," in text and "Synthetic weights." in text
+    assert "No per-state comparison" not in text
+
+
+def test_departures_layer_k_and_a_stage_without_the_fields():
+    cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0, "merged": 40.0,
+                                                                                "fused": 50.0})  # fmt: skip
+    peak = [0.0, 0.0, 0.0, 0.0, 3e-4, 9e-3, 2e-3, 2e-3, 2e-3, 2.2e-3]  # largest after layer 5, not at the end
+    with_states(cpu, "merged", peak, 4)
+    summary = figures.departures_summary(cpu)
+    by_stage = {row[0]: row[1:] for row in summary["table"][1:]}
+    assert by_stage["merged"] == ["layer 4", "0", "2.00e-03", "2.20e-03", "9.00e-03 (layer 5)", "1.00e-03"]
+    assert by_stage["fused"] == ["not measured", *[figures.DASH] * 4, "1.00e-03"]
+    assert summary["table"][0][-1] == "max |dp| vs hf_torch"
+    assert summary["text"].endswith("No per-state comparison for: fused.")
+    # fake_record's weights say qwen3.8-27b (64 layers): a pattern that does not fit 10 states is not shown
+    assert "Full-attention" not in summary["text"]
+    cpu["weights"]["shapes"] = "tiny"
+    assert "Full-attention layers: 4, 8; the others are Gated DeltaNet." in figures.departures_summary(cpu)["text"]
+    assert [figures.state_name(i, 10) for i in (0, 1, 8, 9)] == ["embedding", "layer 1", "layer 8", "final norm"]
+
+
+def test_a_record_without_the_fields_says_not_measured_and_still_gets_a_figure(results, monkeypatch):
+    texts = _titles(monkeypatch)
+    figures.main(["--results", str(results), "--plan", "cpu-tiny"])
+    (cpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
+    assert cpu["departures"] == {"measured": False, "text": f"{figures.NO_STATES} Synthetic weights.", "table": []}
+    assert cpu["figures"]["states"] == "/figures/states-cpu-tiny.png"
+    assert (results / "figures" / "states-cpu-tiny.png").read_bytes()[:8] == PNG_MAGIC
+    (states_text,) = [t for t in texts if "Where each path departs" in t]
+    assert "Not measured in this record:" in states_text
+
+
+def _drawn_figure(monkeypatch, record: dict, path: Path):
+    kept = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path, svg: kept.append(fig))
+    figures.states_figure(record, path, False)
+    (fig,) = kept
+    return fig
+
+
+def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure(monkeypatch, tmp_path):
+    record = departures_record()
+    fig = _drawn_figure(monkeypatch, record, tmp_path / "states.png")
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    torch_line = lines["hf_torch: departs at embedding"]
+    merged_line = lines["merged: departs at final norm"]
+    tree_line = lines["tree: bit-identical throughout"]
+    floor = min(tree_line.get_ydata())
+    assert 0 < floor < 2e-3 / 10  # below the smallest non-zero value, on a log axis
+    for line in (torch_line, merged_line, tree_line):
+        assert len(line.get_xdata()) == GPU_STATES  # every state drawn, zeros included
+    assert list(tree_line.get_ydata()) == [floor] * GPU_STATES
+    assert list(merged_line.get_ydata()) == [floor] * 65 + [4e-4]
+    assert list(torch_line.get_ydata()) == departing(GPU_STATES, 0)
+    stars = [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines() if line.get_marker() == "*"]
+    assert ([0], [1e-3]) in stars and ([65], [4e-4]) in stars and len(stars) == 3  # 2 departures + legend entry
+    assert "0: bit-identical" in [label.get_text() for label in ax.get_yticklabels()]
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] < floor
+    ticks = [label.get_text() for label in ax.get_xticklabels()]
+    assert ticks[:3] == ["embedding", "1", "4"] and ticks[-2:] == ["64", "final norm"]
+    shaded = [p for p in ax.patches if p.get_label() == "full-attention layer (others Gated DeltaNet)"]
+    assert len(shaded) == 1 and len(ax.patches) == 16 + 1  # 16 attention layers + the floor band
+    assert "Where each path departs from hf_fla" in ax.get_title() and "synthetic weights" in ax.get_title()
+
+
+def test_states_figure_is_written(tmp_path):
+    figures.states_figure(departures_record(), tmp_path / "states.png", False)
+    assert (tmp_path / "states.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_departures_section_in_the_report(results):
+    path = results / "runs" / "new.json"
+    record = json.loads(path.read_text())
+    stages = {s["name"]: s for s in record["stages"]}
+    stages["hf_fla"]["workloads"][0] |= {"state_rel_rmse": departing(GPU_STATES, None), "first_departing_state": None}
+    for name, first in (("hf_torch", 2), ("merged", 4)):
+        stages[name]["workloads"][0] |= {"state_rel_rmse": departing(GPU_STATES, first), "first_departing_state": first}
+    records.write_record(record, path)
+    figures.main(["--results", str(results)])
+    build.build(results)
+    (table,) = _query(results, "<departures-table>")
+    assert "layer 2" in json.dumps(table) and "layer 4" in json.dumps(table)
+    assert len(_query(results, "<departures-not-measured>")) == 2  # the partial GPU and the CPU record
+    summary_path = results / "figures" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    for plan in summary["plans"]:
+        del plan["departures"]  # a summary written before this section
+    summary_path.write_text(json.dumps(summary))
+    build.build(results)
+    missing = _query(results, "<departures-not-measured>")
+    assert len(missing) == 3 and "predates the per-state comparison" in json.dumps(missing)
+
+
+def test_paper_figures_imports_no_torch():
+    """The layer pattern comes from reference/shapes.py, which must stay free of torch for the report."""
+    import subprocess
+    import sys
+
+    code = "import sys, paper.figures; assert 'torch' not in sys.modules, 'paper.figures pulled in torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=figures.REPO)
