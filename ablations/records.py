@@ -251,14 +251,15 @@ def read_record(path: Path) -> dict:
     return record
 
 
+def all_records(runs_dir: Path) -> list[tuple[Path, dict]]:
+    """Every record under `runs_dir`, complete or partial, each validated; oldest first (by env.utc, then file name)."""
+    found = [(path, read_record(path)) for path in Path(runs_dir).glob("*.json")]
+    return sorted(found, key=lambda item: (item[1]["env"]["utc"], item[0].name))
+
+
 def complete_records(runs_dir: Path) -> list[tuple[Path, dict]]:
     """Every complete, valid record under `runs_dir`, oldest first (by env.utc, then file name)."""
-    found = []
-    for path in sorted(Path(runs_dir).glob("*.json")):
-        record = read_record(path)
-        if record["complete"]:
-            found.append((path, record))
-    return sorted(found, key=lambda item: (item[1]["env"]["utc"], item[0].name))
+    return [(path, record) for path, record in all_records(runs_dir) if record["complete"]]
 
 
 def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:

@@ -49,7 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 from matplotlib.ticker import NullLocator  # noqa: E402
 
-from ablations.records import read_record  # noqa: E402
+from ablations.records import all_records, read_record  # noqa: E402
 from reference.shapes import get_shapes  # noqa: E402  (dataclasses only: no torch)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -884,11 +884,9 @@ def _relative(path: Path, root: Path) -> str:
 def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
     """Per plan: the newest complete record, and the newest partial record when it is newer than that one (or the
     plan has no complete record). Every record is validated (a partial one too); newest by env.utc, then file name."""
-    found = sorted(((path, read_record(path)) for path in Path(runs_dir).glob("*.json")),
-                   key=lambda item: (item[1]["env"]["utc"], item[0].name))  # fmt: skip
     complete: dict[str, tuple[Path, dict]] = {}
     partial: dict[str, tuple[Path, dict]] = {}
-    for path, record in found:
+    for path, record in all_records(runs_dir):
         (partial if is_partial(record) else complete)[record["plan"]["name"]] = (path, record)
     chosen = list(complete.values())
     for name, (path, record) in partial.items():
