@@ -216,7 +216,9 @@ STAGE_LIST: tuple[Stage, ...] = (
         "merged (exp/log1p and the norms' summation order differ by a few fp32 ulps; on the GPU the prep kernel "
         "also L2-normalises q/k, which merged leaves to FLA); attention through one FlashAttention-2 varlen call per "
         "layer reading GQA natively (no k/v repeat, no mask; blockwise fp32 core on the CPU), so that a row's bits do "
-        "not depend on the other rows of its batch",
+        "not depend on the other rows of its batch; on the GPU the GDN core is FLA's forward kernels launched "
+        "directly (engine.gdn_core, bitwise to FLA's function, one zero fill of its solve buffer per forward "
+        "instead of one per layer)",
         builds_on="merged",
         exactness=Exactness("bounded", against="merged", metric="hidden_rel_rmse", bound=5e-2),
         gate="tests/test_engine.py::test_fused_close_to_merged_under_the_interpreter",

@@ -245,6 +245,10 @@ class Run:
         plan_info = plan.describe() | {"runs": self.runs, "warmup": self.warmup}
         plan_info["requested_stages"] = [s.name for s in stages]
         plan_info["requested_workloads"] = [w.id for w in workloads]
+        # the plan's workloads this run leaves out (--workloads): the record is complete for what it requested only
+        plan_info["omitted_workloads"] = [
+            w.id for w in resolve(plan.workloads) if w.id not in plan_info["requested_workloads"]
+        ]
         self.record: dict[str, Any] = {
             "schema": records.SCHEMA,
             "complete": False,

@@ -41,10 +41,13 @@ kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep
 attention gate); each kernel states its exactness against the op it replaces and is batch-invariant by design.
 
 GDN core (`gdn_core`, default by device):
-* `"fla"` (CUDA default): FLA 0.6.0 `chunk_gated_delta_rule` over all sequences of a call (`cu_seqlens`, chunks restart
-  at each sequence, precomputed `chunk_indices`: no host sync). Backend dispatch is pinned off (checked at
-  construction). q/k L2-normalised with FLA's `l2norm_fwd` numerics: inside FLA in `merged`, by the prep kernel in
+* `"fla"` (CUDA default of `merged`): FLA 0.6.0 `chunk_gated_delta_rule` over all sequences of a call (`cu_seqlens`,
+  chunks restart at each sequence, precomputed `chunk_indices`: no host sync). Backend dispatch is pinned off (checked
+  at construction). q/k L2-normalised with FLA's `l2norm_fwd` numerics: inside FLA in `merged`, by the prep kernel in
   `fused`. This is the `hf_fla` numerics.
+* `"fla_forward"` (CUDA default of `fused` and `tree`): the same FLA kernels launched directly
+  (`engine.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
+  buffer per batch forward instead of one per layer (48 fewer fills per forward).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -81,7 +84,6 @@ nothing else.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,15 +93,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
+from engine.gdn_core import FlaForwardCore, fla_chunk_function
 from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions
 from engine.tree import choose_gdn_mode, default_node_core, scatter_rows, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from reference import ops
 from reference.backbone import check_candidates
-from reference.model import fla_settings
 from reference.shapes import ModelShapes
 
-GDN_CORES = ("fla", "torch")
+GDN_CORES = ("fla", "fla_forward", "torch")
 ATTENTION_MODES = ("varlen", "mask")
 GDN_MODES = ("replicated", "handoff")
 MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA SDPA kernels want
@@ -185,24 +187,6 @@ class _Ranges:
 
     def __call__(self, name: str) -> contextlib.AbstractContextManager:
         return self._off if self._open is None else self._open(name)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# GDN core
-
-
-def _fla_chunk_function() -> Callable:
-    """FLA 0.6.0's Triton `chunk_gated_delta_rule`, with any backend-dispatch wrapper peeled off."""
-    settings = fla_settings()
-    dispatch_live = not settings["dispatch_disabled"]
-    if dispatch_live and (settings["FLA_FLASH_QLA"] != "0" or settings["FLA_INTRACARD_CP"] not in (None, "0")):
-        raise RuntimeError(
-            f"FLA backend dispatch could pick FlashQLA or intra-card CP ({settings}); set FLA_FLASH_QLA=0 and leave "
-            "FLA_INTRACARD_CP unset, or set FLA_DISABLE_BACKEND_DISPATCH=1 before anything imports fla"
-        )
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    return inspect.unwrap(chunk_gated_delta_rule)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -292,7 +276,7 @@ class _FusedOps:
     def __init__(self, shapes: ModelShapes, gdn_core: str):
         self.shapes = shapes
         # FLA takes q/k normalised by the prep kernel (its l2norm numerics); the torch core normalises in fp32 itself.
-        self.qk_normalised = gdn_core == "fla"
+        self.qk_normalised = gdn_core != "torch"
 
     def residual_rmsnorm(self, residual: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         return kernels.residual_rmsnorm(residual, delta, weight, self.shapes.rms_norm_eps)
@@ -396,18 +380,21 @@ class EngineBackbone:
         self.gdn_mode = gdn_mode
         base = ("tree" if fused else "merged_tree") if tree else ("fused" if fused else "merged")
         self.name = base if self.attention == default_attention else f"{base}_{self.attention}"
-        self.gdn_core = gdn_core or ("fla" if self.device.type == "cuda" else "torch")
+        cuda_core = "fla_forward" if fused or tree else "fla"
+        self.gdn_core = gdn_core or (cuda_core if self.device.type == "cuda" else "torch")
         if self.gdn_core not in GDN_CORES:
             raise ValueError(f"unknown gdn_core {self.gdn_core!r}; expected one of {GDN_CORES}")
-        if self.gdn_core == "fla" and self.device.type == "cpu":
+        if self.gdn_core != "torch" and self.device.type == "cpu":
             raise ValueError(
-                "gdn_core='fla' cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot wrongly "
-                "(reference-math.md §6); use gdn_core='torch' on the CPU"
+                f"gdn_core={self.gdn_core!r} cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot "
+                "wrongly (reference-math.md §6); use gdn_core='torch' on the CPU"
             )
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows
-        self._core = _fla_chunk_function() if self.gdn_core == "fla" else torch_chunk_core
+        self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
+            self.gdn_core
+        ]()
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)
         self._range = _Ranges(nvtx_ranges)
@@ -486,6 +473,10 @@ class EngineBackbone:
     def _forward_batch(self, batch: RowBatch, states: list[Tensor] | None) -> Tensor:
         """One batch's forward; appends every residual state to `states` when given. Returns [C_batch, hidden]."""
         w, ops_, rng = self.weights, self._ops, self._range
+        # FlaForwardCore: one zeroed solve buffer per GDN call layout of this batch, shared by its 48 GDN layers
+        core_options = {"use_qk_l2norm_in_kernel": not ops_.qk_normalised}
+        if self.gdn_core == "fla_forward":
+            core_options["workspace"] = {}
         with rng("embedding"):
             x = F.embedding(batch.plan.token_ids, w.embed)  # [N, H]
         with rng("norm"):
@@ -497,7 +488,7 @@ class EngineBackbone:
             with rng(f"layer {i:02d} {'gdn' if gdn else 'attn'}"):
                 with rng("in_proj"):
                     proj = F.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
-                mixed = self._gdn(proj, layer, batch) if gdn else self._attention(proj, layer, batch)
+                mixed = self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch)
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, mixed, layer.post_norm)
                 with rng("mlp"):
@@ -512,9 +503,8 @@ class EngineBackbone:
             states.append(normed)
         return normed.index_select(0, batch.plan.read_rows)  # [C_batch, H]
 
-    def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch) -> Tensor:
+    def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch, core_options: dict) -> Tensor:
         s, plan, rng = self.shapes, batch.plan, self._range
-        core_options = {"use_qk_l2norm_in_kernel": not self._ops.qk_normalised}
         if batch.gdn_mode == "replicated":
             with rng("gdn_prep"):
                 q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths)  # every path's rows [L, ...]

@@ -98,10 +98,12 @@ def is_partial(record: dict) -> bool:
 
 def completeness(record: dict) -> str:
     """What the record holds: a complete run, or (partial) how many workloads each pending stage timed."""
+    omitted = record["plan"].get("omitted_workloads") or []
+    without = f" (without {', '.join(omitted)}: not requested)" if omitted else ""
     if not is_partial(record):
-        return "complete run"
+        return "complete run" + without
     total = len(record["workloads"])
-    parts = ["partial run: stopped before completion"]
+    parts = ["partial run: stopped before completion" + without]
     for stage in record["stages"]:
         if stage["status"] == "pending":
             done = len(stage["workloads"])

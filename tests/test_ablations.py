@@ -876,3 +876,11 @@ def test_the_runner_compares_every_residual_state_of_the_headline(tmp_path):
     assert 0 < max(merged["state_rel_rmse"]) < 0.05
     assert run.headline_states == {}  # compared once, then dropped
     assert compare_states(run.reference_states, run.reference_states)["first_departing_state"] is None
+
+
+def test_the_record_names_the_plan_workloads_a_run_leaves_out(tmp_path):
+    run = _bit_identity_run(tmp_path, ["hf_torch"])
+    plan_ids = [w.id for w in resolve(load_plan("cpu-tiny").workloads)]
+    assert run.record["plan"]["requested_workloads"] == ["drone"]
+    assert run.record["plan"]["omitted_workloads"] == [i for i in plan_ids if i != "drone"]
+    assert "drone" in plan_ids and len(plan_ids) > 1

@@ -40,7 +40,9 @@ from reference.weights import synthetic_weights  # noqa: E402
 
 SEED = 5
 DRONE_LOGICAL_TOKENS = 971
-FLA_KERNELS_PER_CALL = 6  # FLA 0.6.0 chunk_gated_delta_rule forward: local cumsum, A fill, kkt+solve, w/u, h, o
+FLA_KERNELS_PER_CALL = 5  # FLA 0.6.0 GDN forward kernels: local cumsum, kkt+solve, w/u, h, o
+# + the zero fill of the solve buffer A: per call in FLA's function, once per call layout and batch forward in
+# engine.gdn_core.FlaForwardCore (the `fused` and `tree` core on CUDA)
 FLA_FINAL_STATE_FILL = 1  # + a zero fill of the final state when a call keeps it (handoff)
 
 
@@ -268,10 +270,14 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
         counts["triton"] += 1
         counter.total += 1
 
-    def gdn_core(q, k, v, g, beta, *, output_final_state=False, cu_seqlens=None, **kwargs):
+    def gdn_core(q, k, v, g, beta, *, output_final_state=False, cu_seqlens=None, chunk_indices=None, **kwargs):
         counts["gdn_calls"] += 1
         counts["gdn_final_states"] += bool(output_final_state)
         counter.total += FLA_KERNELS_PER_CALL + FLA_FINAL_STATE_FILL * bool(output_final_state)
+        workspace = kwargs["workspace"]  # FlaForwardCore's: one zeroed A per call layout, counted once per forward
+        if id(chunk_indices) not in workspace:
+            workspace[id(chunk_indices)] = None
+            counts["solve_fills"] += 1
         final = q.new_empty(len(cu_seqlens) - 1, v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
         return v.new_empty(v.shape), final if output_final_state else None
 
@@ -291,6 +297,7 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
 
     monkeypatch.setattr(InterpretedFunction, "run", skipped_launch)
     monkeypatch.setattr(engine, "_core", gdn_core)
+    monkeypatch.setattr(engine, "gdn_core", "fla_forward")  # the CUDA core of `fused` and `tree`, stubbed
     monkeypatch.setattr(engine, "_node_core", node_core)
     monkeypatch.setattr(engine, "_gdn", mixer(engine._gdn, "gdn_mixers"))
     monkeypatch.setattr(engine, "_attention", mixer(engine._attention, "attention_mixers"))
@@ -301,21 +308,22 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
 
 def predict_27b(counts: dict) -> dict:
     """Scale a tiny-twin count (6 GDN + 2 attention layers) to the 27B (48 + 16): per-layer launches outside the
-    mixer are uniform, and embedding, first norm and final row gather happen once."""
+    mixer are uniform; embedding, first norm, final row gather and the solve-buffer fills happen once."""
     gdn_tiny, attn_tiny = TINY.layer_types.count("linear_attention"), TINY.layer_types.count("full_attention")
     gdn_27b, attn_27b = QWEN38_27B.layer_types.count("linear_attention"), QWEN38_27B.layer_types.count("full_attention")
     per_gdn, per_attn = counts["gdn_mixers"] / gdn_tiny, counts["attention_mixers"] / attn_tiny
     once = 3  # embedding, layer 0's input norm, the read-row gather
+    fills = counts["solve_fills"]  # once per call layout and forward, whatever the layer count
     outside = counts["total"] - counts["gdn_mixers"] - counts["attention_mixers"] - once
     per_layer = outside / TINY.num_layers  # in_proj, post norm, gate_up, silu_mul, down, next norm
     assert per_layer == 6, f"{per_layer} launches per layer outside the mixer, expected 6"
     gemms = 4 * QWEN38_27B.num_layers
     return {
-        "total": once + per_layer * QWEN38_27B.num_layers + per_gdn * gdn_27b + per_attn * attn_27b,
+        "total": once + per_layer * QWEN38_27B.num_layers + per_gdn * gdn_27b + per_attn * attn_27b + fills,
         "per_gdn_layer": per_layer + per_gdn,
         "per_attention_layer": per_layer + per_attn,
         "gemms": gemms,
-        "fla": (counts["gdn_calls"] * FLA_KERNELS_PER_CALL + counts["gdn_final_states"]) / gdn_tiny * gdn_27b,
+        "fla": (counts["gdn_calls"] * FLA_KERNELS_PER_CALL + counts["gdn_final_states"]) / gdn_tiny * gdn_27b + fills,
         "attention": counts["attention_calls"] / attn_tiny * attn_27b,
     }
 
@@ -323,9 +331,10 @@ def predict_27b(counts: dict) -> dict:
 def test_launch_counts_per_forward(merged_weights, shared_dir, monkeypatch):
     """Drone, `fused` and `tree`: launches per forward, counted on the CPU and scaled to the 27B.
 
-    fused (flat plan): per GDN layer in_proj, prep, FLA (6), gated norm, out_proj, 2 norms, gate_up, silu, down = 15;
+    fused (flat plan): per GDN layer in_proj, prep, FLA (5), gated norm, out_proj, 2 norms, gate_up, silu, down = 14;
     per attention layer in_proj, prep, one varlen attention call, gate, o_proj + the same 5 = 10; plus embedding,
-    first norm, read-row gather: 3 + 48 x 15 + 16 x 10 = 883. No torch op besides the embedding gather, the GEMMs
+    first norm, read-row gather and one zero fill of FLA's solve buffer: 4 + 48 x 14 + 16 x 10 = 836 (883 with FLA's
+    function, which fills the buffer in every layer). No torch op besides the embedding gather, the GEMMs
     and the read-row gather (no copies, repeats or casts). tree (replicated GDN): + the projection gather along the
     paths and the output's row gather per GDN layer, + the key/value gather per attention layer.
     """
@@ -348,8 +357,8 @@ def test_launch_counts_per_forward(merged_weights, shared_dir, monkeypatch):
         )
     fused_counts, fused = results["fused"]
     assert dict(fused_counts["torch"]) == {"embedding": 1, "mm": 4 * TINY.num_layers, "index_select": 1}
-    assert (fused["per_gdn_layer"], fused["per_attention_layer"], fused["total"]) == (15, 10, 883)
+    assert (fused["per_gdn_layer"], fused["per_attention_layer"], fused["total"]) == (14, 10, 836)
     tree_counts, tree = results["tree"]
-    assert (tree["per_gdn_layer"], tree["per_attention_layer"]) == (17, 11)
+    assert (tree["per_gdn_layer"], tree["per_attention_layer"]) == (16, 11)
     gathers = 2 * TINY.layer_types.count("linear_attention") + TINY.layer_types.count("full_attention") + 1
     assert dict(tree_counts["torch"]) == {"embedding": 1, "mm": 4 * TINY.num_layers, "index_select": gathers}

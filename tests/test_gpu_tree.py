@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ablations import timing
 from engine.backbone import EngineBackbone
+from engine.gdn_core import FlaForwardCore
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
 from engine.tree import (
     choose_gdn_mode,
@@ -205,17 +206,20 @@ def test_gpu_conv_tree_bitwise(workload):
     assert (diff <= hf.float().abs() * 2**-7 + 1e-6).all()
 
 
+@pytest.mark.parametrize("tree_core", ["fla", "fla_forward"])
 @pytest.mark.parametrize("mode", ["replicated", "handoff"])
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_gpu_gdn_fla_tree_bitwise(workload, mode):
-    """Tree (FLA core over the plan's schedule) against FLA varlen over the unshared candidates: bitwise."""
+def test_gpu_gdn_fla_tree_bitwise(workload, mode, tree_core):
+    """Tree (FLA's function, or its kernels launched directly with one workspace as the engine does, over the plan's
+    schedule) against FLA's function over the unshared candidates: bitwise."""
     if importlib.util.find_spec("flash_qla") is not None:
         print("\nflash_qla is installed; FLA_FLASH_QLA =", os.environ.get("FLA_FLASH_QLA"))
     core = fla_core()
     tree, flat = plans(workload)
     q, k, v, g, beta = gdn_inputs(tree.num_rows, seed=2)
     poisoned = torch.full((tree.num_rows, *v.shape[1:]), float("nan"), dtype=v.dtype, device=DEVICE)
-    o_tree = tree_gdn_core(q, k, v, g, beta, tree, mode=mode, core=core, out=poisoned, use_qk_l2norm_in_kernel=True)
+    direct = {"core": FlaForwardCore(), "workspace": {}} if tree_core == "fla_forward" else {"core": core}
+    o_tree = tree_gdn_core(q, k, v, g, beta, tree, mode=mode, out=poisoned, use_qk_l2norm_in_kernel=True, **direct)
     per_path = [gather_paths(t, tree).unsqueeze(0) for t in (q, k, v, g, beta)]
     o_flat, _ = core(
         *per_path,
