@@ -28,8 +28,9 @@ Kernels per fused forward. The brief's target is 700. The CPU count of tests/tes
 drone: 256 GEMMs, 241 FLA (5 forward kernels x 48 layers, launched directly by engine.gdn_core.FlaForwardCore, + one
 zero fill of its solve buffer per forward; FLA's own function fills it in every layer: 883), 16 attention, 321 of
 ours, 2 torch gathers. The floor with FLA's kernels is about there: reaching 700 needs a GDN core in fewer launches
-(5 -> 2 would give 692) or norms and SiLU-mul folded into GEMM epilogues (later stages). Asserted: the kernels besides the GEMMs do not exceed
-the prediction (cuBLAS may add a split-K reduction kernel to a GEMM, so GEMMs are counted apart and printed).
+(5 -> 2 would give 692) or norms and SiLU-mul folded into GEMM epilogues (later stages). Asserted: the kernels
+besides the GEMMs do not exceed the prediction (cuBLAS may add a split-K reduction kernel to a GEMM, so GEMMs are
+counted apart and printed).
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ def checks() -> dict:
     release_cuda_memory()
 
     pairs = [("merged", "hf_fla"), ("merged", "hf_torch"), ("fused", "hf_fla"), ("fused", "hf_torch")]
-    pairs.append(("fused", "merged"))
-    return {
+    pairs += [("fused", "merged"), ("hf_torch", "hf_fla")]
+    checks = {
         "plan": plan,
         "peak_gib": {"hf": hf_peak, "engine": engine_peak},
         "comparisons": {f"{a} vs {b}": compare(paths[a], paths[b], plan, head) for a, b in pairs},
@@ -203,6 +204,10 @@ def checks() -> dict:
         "fla_forward_core_bitwise": core_equal,
         "fla_forward_core_first_departing_state": None if core_equal else core_states_equal.index(False),
     }
+    if os.environ.get("OUT"):
+        written = {k: v for k, v in checks.items() if k != "plan"} | {"workload": WORKLOAD, "synthetic_weights": True}
+        Path(os.environ["OUT"], "gpu_engine_checks.json").write_text(json.dumps(written, indent=1))
+    return checks
 
 
 @pytest.fixture(scope="module")
