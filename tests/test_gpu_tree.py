@@ -402,9 +402,8 @@ def test_gpu_gdn_handoff_time():
     def prefill():
         core(*ctx, cu_seqlens=cu, chunk_indices=chunk_indices, **options)
 
-    options = {"core": core, **options}
     calls = {
-        mode: lambda mode=mode: tree_gdn_core(q, k, v, g, beta, tree, mode=mode, **options)
+        mode: lambda mode=mode: tree_gdn_core(q, k, v, g, beta, tree, mode=mode, core=core, **options)
         for mode in ("replicated", "handoff")
     }
     t_prefill = cuda_time_ms(prefill)
