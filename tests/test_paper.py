@@ -149,6 +149,18 @@ def test_a_partial_record_older_than_the_newest_complete_one_is_ignored(tmp_path
     assert [path.name for path, _ in chosen] == ["complete.json"]
 
 
+def test_a_newer_record_without_the_headline_workload_is_not_chosen_and_omissions_are_labelled(tmp_path):
+    with_headline = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=GPU_MEDIANS)
+    with_headline["plan"]["omitted_workloads"] = ["synthetic-1024-choice-32"]
+    _write(tmp_path / "runs", "main.json", with_headline)
+    split = fake_record("gpu-27b", "2026-11-30T11:00:00Z", gpu=True, medians=GPU_MEDIANS)
+    split["plan"]["omitted_workloads"] = ["drone"]
+    _write(tmp_path / "runs", "split.json", split)
+    chosen = figures.select_records(tmp_path, None, [])
+    assert [path.name for path, _ in chosen] == ["main.json"]
+    assert figures.completeness(with_headline) == "complete run (without synthetic-1024-choice-32: not requested)"
+
+
 def test_a_plan_with_only_a_partial_record_gets_it_and_only_the_newest_partial(tmp_path):
     _write(tmp_path / "runs", "first.json", partial_record("2026-11-30T09:00:00Z"))
     _write(tmp_path / "runs", "second.json", partial_record("2026-11-30T09:30:00Z"))
@@ -261,7 +273,35 @@ def test_targets_met_missed_and_not_measured():
     rows = {row["id"]: row for row in figures.target_rows(record)}
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
-    assert set(figures.TARGETS) == set(rows) and {r["issue"] for r in rows.values()} == {4, 5}
+    assert set(figures.TARGETS) - {"tree_handoff_core_time"} == set(rows)  # that one comes from a GPU test file
+    assert {r["issue"] for r in rows.values()} == {4, 5}
+
+
+def test_the_handoff_target_comes_from_the_newest_gpu_test_file_with_kernel_time(tmp_path):
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0, "tree": 40.0})
+    assert "tree_handoff_core_time" not in {r["id"] for r in figures.plan_target_rows(record, tmp_path)}
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    wall_only = {"handoff_over_prefill": 1.7}  # an older file: wall time only, skipped
+    (gpu / "20261130T120000Z-nvidia-h200-aaaaaaa-gdn-handoff.json").write_text(json.dumps(wall_only))
+    assert figures.handoff_target(tmp_path) is None
+    timed = {"handoff_over_prefill": 1.67, "gpu_busy_handoff_over_prefill": 1.31,
+             "gpu_busy_ms": {"prefill": 0.4, "handoff": 0.524}}  # fmt: skip
+    (gpu / "20261130T130000Z-nvidia-h200-bbbbbbb-gdn-handoff.json").write_text(json.dumps(timed))
+    row = figures.plan_target_rows(record, tmp_path)[-1]
+    assert (row["id"], row["issue"], row["outcome"], row["measured"]) == (
+        "tree_handoff_core_time",
+        5,
+        "missed",
+        "1.31×",
+    )
+    assert row["note"].startswith("gpu/20261130T130000Z-nvidia-h200-bbbbbbb-gdn-handoff.json: kernel ms per call 0.524")
+    (gpu / "20261130T140000Z-nvidia-h200-ccccccc-gdn-handoff.json").write_text(
+        json.dumps(timed | {"gpu_busy_handoff_over_prefill": 1.3})
+    )
+    assert figures.handoff_target(tmp_path)["outcome"] == "met"  # the newest, at the limit
+    cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0})
+    assert "tree_handoff_core_time" not in {r["id"] for r in figures.plan_target_rows(cpu, tmp_path)}
 
 
 def test_targets_not_measured_and_the_token_count_fallback():
