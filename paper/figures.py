@@ -489,6 +489,19 @@ def _multiple_target(key: str, workload: dict | None, why: str, kind: str) -> di
     return _target(key, multiple, limit, shown, f"{limit:.2f}×", note)
 
 
+def _fidelity_tally(record: dict) -> str:
+    """ ", fused <= hf_torch on k of n workloads" over every workload where both have a max |dp|, or ""."""
+    fused, torch_stage = stage_by_name(record, "fused"), stage_by_name(record, "hf_torch")
+    if fused is None or torch_stage is None:
+        return ""
+    pairs = []
+    for w in fused["workloads"]:
+        t = measured(torch_stage, w["id"])
+        if t is not None and w.get("max_abs_dp") is not None and t.get("max_abs_dp") is not None:
+            pairs.append(w["max_abs_dp"] <= t["max_abs_dp"])
+    return f", fused <= hf_torch on {sum(pairs)} of {len(pairs)} workloads" if pairs else ""
+
+
 def target_rows(record: dict) -> list[dict[str, Any]]:
     """Each TARGETS entry on the headline workload: measured value, limit, met / missed / not measured, and a note."""
     fused, fused_why = _headline_of(record, "fused")
@@ -511,7 +524,7 @@ def target_rows(record: dict) -> list[dict[str, Any]]:
     else:
         note = fused_why or torch_why or ("" if dp is not None and torch_dp is not None else "max |dp| not recorded")
         if dp is not None and torch_dp is not None:
-            note = f"against {reference}; synthetic weights: fidelity only, not accuracy"
+            note = f"against {reference}{_fidelity_tally(record)}; synthetic weights: fidelity only, not accuracy"
     limit_shown = f"{sci(torch_dp)} (hf_torch)" if torch_dp is not None else DASH
     rows.append(_target("fused_fidelity", dp, torch_dp, sci(dp), limit_shown, note))
 

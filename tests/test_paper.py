@@ -271,6 +271,7 @@ def test_targets_met_missed_and_not_measured():
                                  "fused_fidelity": "missed", "tree_gemm_multiple": "met",
                                  "tree_rows_share": "missed"}  # fmt: skip
     rows = {row["id"]: row for row in figures.target_rows(record)}
+    assert rows["fused_fidelity"]["note"].startswith("against hf_fla, fused <= hf_torch on 1 of 2 workloads;")
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
     assert set(figures.TARGETS) - {"tree_handoff_core_time"} == set(rows)  # that one comes from a GPU test file
