@@ -79,6 +79,7 @@ def collect(device: str) -> dict[str, object]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "utc": utc_now(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),  # ":0:0": row-invariant GEMMs
         **git_state(),
     }
     if device == "cuda":

@@ -14,7 +14,8 @@ and the report read (nesting as shown; a record may hold more):
                       {id, rows, median_ms, p10_ms, p90_ms, samples_ms, kernels_per_forward, gpu_busy_ms,
                        floor_ms, weight_floor_ms, compute_floor_ms, max_abs_dp, hidden_rel_rmse, argmax_flips,
                        probabilities, top_kernels, kernel_families, core_ms, core_multiple, gemm_ms,
-                       gemm_multiple, host_median_ms, state_rel_rmse, first_departing_state, ...}]}]
+                       gemm_multiple, host_median_ms, state_rel_rmse, first_departing_state, vs_builds_on,
+                       ...}]}]
     attempts      the record of failed attempts (ablations/attempts.toml) as it stood at the run
     bit_identity  (only when the plan includes the fused stage) {workload, reference, layers: [{index, type}],
                   candidates, tokens, interpreter, note, error, seconds, rows: [
@@ -35,7 +36,9 @@ summed kernel time of GEMMs + GDN core + attention core per forward and `core_mu
 call returned (GPU only); `host_profile` (GPU, headline workload only) cProfile's top functions of one call.
 Headline workload only, once the reference states exist: `state_rel_rmse` (relative RMSE against the reference per
 residual state: embedding, each layer's output, final norm) and `first_departing_state` (index of the first state
-that is not bit-identical, null when none).
+that is not bit-identical, null when none). Every workload of a stage whose `builds_on` stage ran in the same record
+(absent in older records): `vs_builds_on` {stage, bitwise, max_abs_dp, hidden_rel_rmse, argmax_flips}: the stage
+against the one it replaces (`bitwise` null, and no figures, where the two lay rows out differently).
 """
 
 from __future__ import annotations

@@ -232,7 +232,10 @@ STAGE_LIST: tuple[Stage, ...] = (
         name="tree",
         switches="the two-level prefix tree: shared text computed once (root | one node per question | one leaf per "
         "candidate); GDN over replicated candidate paths or by fp32 state hand-off at 64-token chunk boundaries "
-        "(chosen by cost); attention per node over its ancestors with the same FlashAttention-2 core as fused",
+        "(chosen by cost); attention per node over its ancestors with the same FlashAttention-2 core as fused. "
+        "Bitwise needs row-count-invariant GEMMs: on the GPU the runner disables cuBLAS's workspace "
+        "(engine.backbone.use_row_invariant_gemms), without which the split-K down projection at 150-199 rows made "
+        "5 of 17 workloads of run 89aea6c differ from fused (max |dp| 4.0e-3)",
         builds_on="fused",
         exactness=Exactness("bitwise", against="fused"),
         gate="tests/test_engine_tree.py::test_tree_matches_flat_bitwise",

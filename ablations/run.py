@@ -185,6 +185,15 @@ def probabilities_of(decision_plan: Any, scores: list[float], temperature: float
     return result
 
 
+def compare_with_base(outputs: Outputs, base: Outputs, base_name: str) -> dict[str, Any]:
+    """A stage against the stage it builds on, on one workload: `bitwise` (same hidden bits and probabilities) and
+    `compare`'s figures (None where the two lay rows out differently, e.g. HF's padded batch)."""
+    if outputs.hidden.shape != base.hidden.shape:
+        return {"stage": base_name, "bitwise": None}
+    bitwise = torch.equal(outputs.hidden, base.hidden) and outputs.probabilities == base.probabilities
+    return {"stage": base_name, "bitwise": bitwise, **compare(outputs, base)}
+
+
 def compare(outputs: Outputs, reference: Outputs) -> dict[str, float | int]:
     """max |dp| over all probabilities, relative RMSE of the hidden states, questions whose argmax differs."""
     if outputs.hidden.shape != reference.hidden.shape:
@@ -479,6 +488,10 @@ class Run:
                 reference = self.reference_outputs.get(result["id"])
                 if reference is not None:
                     result.update(compare(self.outputs[(entry["name"], result["id"])], reference))
+                base = get_stage(entry["name"]).builds_on
+                if base is not None and (base, result["id"]) in self.outputs and "vs_builds_on" not in result:
+                    mine = self.outputs[(entry["name"], result["id"])]
+                    result["vs_builds_on"] = compare_with_base(mine, self.outputs[(base, result["id"])], base)
                 if result["id"] != self.plan.headline or self.reference_states is None or "state_rel_rmse" in result:
                     continue  # each stage's states are compared once (runs after every workload)
                 if entry["name"] == self.plan.reference:
@@ -636,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if plan.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports a Triton kernel
+    else:
+        from engine.backbone import use_row_invariant_gemms
+
+        use_row_invariant_gemms()  # before the first GEMM; the gates' pytest process inherits it
     stages = in_ladder_order(args.stages.split(",") if args.stages else plan.stages)
     workloads = resolve(args.workloads.split(",") if args.workloads else plan.workloads)
     if args.list:

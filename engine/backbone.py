@@ -72,8 +72,12 @@ Exactness.
 * `fused` vs `merged`: bounded (kernels: sum-of-squares order, interpreter exp/log1p; attention kernel).
 * `tree` vs `fused` (tree off, same kernels): every op but the GEMMs is batch- and prefix-invariant, so a row's bits do
   not depend on which rows share its batch: bitwise wherever the GEMMs are row-count invariant. Measured bitwise on the
-  CPU (tiny twin, bf16: tests/test_engine_tree.py); on the H200 cuBLAS may choose other kernels for N tree rows than
-  for the flat rows, so there it is bitwise or bounded by the measured figure of tests/test_gpu_tree.py.
+  CPU (tiny twin, bf16: tests/test_engine_tree.py). On the H200, cuBLAS's default heuristics pick a split-K kernel for
+  the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count: run 89aea6c had tree
+  and fused answers differ on 5 of 17 workloads (max |dp| 4.0e-3, no argmax change). Without a cuBLAS workspace
+  (`ROW_INVARIANT_CUBLAS`, set by `use_row_invariant_gemms`) all six GEMM shapes were row-count invariant at those row
+  counts, for 5-15 us more per small down GEMM (results/gpu/20261130T135022Z-nvidia-h200-b388a0d-gemm-rows.json,
+  tests/test_gpu_gemm_rows.py).
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if
@@ -85,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -102,10 +107,21 @@ from reference.backbone import check_candidates
 from reference.shapes import ModelShapes
 
 GDN_CORES = ("fla", "fla_forward", "torch")
+# cuBLAS without a workspace: no split-K GEMMs, whose reduction order follows the row count (module docstring)
+ROW_INVARIANT_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 ATTENTION_MODES = ("varlen", "mask")
 GDN_MODES = ("replicated", "handoff")
 MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA SDPA kernels want
 GATE_ROW_ALIGN = 32  # merged gates: rows padded so that rows x Hv is a multiple of torch's widest CPU vector (32 bf16)
+
+
+def use_row_invariant_gemms() -> dict[str, str]:
+    """Set `ROW_INVARIANT_CUBLAS` in the environment unless CUBLAS_WORKSPACE_CONFIG is already set; returns what is
+    in force. Call before the process's first CUDA GEMM (torch reads the variable once, when it first sizes a
+    cuBLAS workspace): the runner, the server and the GPU tests do."""
+    for name, value in ROW_INVARIANT_CUBLAS.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in ROW_INVARIANT_CUBLAS}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -442,6 +442,8 @@ TARGETS: dict[str, dict[str, Any]] = {
                            "what": "tree median <= 1.25 × its GEMM kernel time"},
     "tree_rows_share": {"issue": 5, "stage": "tree", "limit": 0.45,
                         "what": "tree rows <= 45 % of the unshared packed rows"},
+    "tree_bitwise_vs_fused": {"issue": 5, "stage": "tree", "limit": 0,
+                              "what": "tree answers bit-identical to fused (tree off) on every workload of the record"},
     "tree_handoff_core_time": {"issue": 5, "stage": "tree", "limit": 1.30,
                                "what": "GDN-core kernel time with state hand-off <= 1.3 × prefilling the context "
                                        "once (4k-token single question, 5 candidates; GPU test, not the run record)"},
@@ -502,6 +504,35 @@ def _fidelity_tally(record: dict) -> str:
     return f", fused <= hf_torch on {sum(pairs)} of {len(pairs)} workloads" if pairs else ""
 
 
+def _tree_identity_target(record: dict) -> dict[str, Any]:
+    """Workloads where tree's answers are not bit-identical to fused's: from `vs_builds_on` (hidden bits and
+    probabilities), or, in records older than it, from equal probabilities."""
+    tree, fused = stage_by_name(record, "tree"), stage_by_name(record, "fused")
+    compared, differing, worst, from_probabilities = 0, [], 0.0, False
+    for w in tree["workloads"] if tree else []:
+        base = measured(fused, w["id"]) if fused else None
+        versus = w.get("vs_builds_on")
+        if versus is not None and versus.get("bitwise") is not None:
+            same, dp = versus["bitwise"], versus["max_abs_dp"]
+        elif base is not None and w.get("probabilities") is not None and base.get("probabilities") is not None:
+            pairs = [(a, b) for mine, theirs in zip(w["probabilities"], base["probabilities"])
+                     for a, b in zip(mine, theirs)]  # fmt: skip
+            same, dp, from_probabilities = all(a == b for a, b in pairs), max(abs(a - b) for a, b in pairs), True
+        else:
+            continue
+        compared += 1
+        if not same:
+            differing.append(w["id"])
+            worst = max(worst, dp)
+    if not compared:
+        return _target("tree_bitwise_vs_fused", None, 0, DASH, "0 differing", "tree or fused not timed here")
+    shown = f"{compared - len(differing)} of {compared} workloads"
+    note = f"differ: {', '.join(differing)} (max |dp| {sci(worst)})" if differing else "every workload"
+    if from_probabilities:
+        note += "; from equal probabilities (record older than vs_builds_on)"
+    return _target("tree_bitwise_vs_fused", len(differing), 0, shown, "0 differing", note)
+
+
 def target_rows(record: dict) -> list[dict[str, Any]]:
     """Each TARGETS entry on the headline workload: measured value, limit, met / missed / not measured, and a note."""
     fused, fused_why = _headline_of(record, "fused")
@@ -545,6 +576,7 @@ def target_rows(record: dict) -> list[dict[str, Any]]:
     shown = DASH if share is None else f"{share:.1%} ({tree['rows']:,} of {unshared:,} rows)"
     note = tree_why or f"unshared rows: {basis}"
     rows.append(_target("tree_rows_share", share, limit, shown, f"{limit:.0%}", note))
+    rows.append(_tree_identity_target(record))
     return rows
 
 

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 # Triton kernels run through the interpreter where no GPU is present; it must be chosen before triton is imported.
+# With a GPU, the GEMMs run as the runner runs them: row-count invariant (engine.backbone.use_row_invariant_gemms).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # = engine.backbone.ROW_INVARIANT_CUBLAS
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))

@@ -884,3 +884,19 @@ def test_the_record_names_the_plan_workloads_a_run_leaves_out(tmp_path):
     assert run.record["plan"]["requested_workloads"] == ["drone"]
     assert run.record["plan"]["omitted_workloads"] == [i for i in plan_ids if i != "drone"]
     assert "drone" in plan_ids and len(plan_ids) > 1
+
+
+def test_a_stage_is_compared_with_the_stage_it_builds_on():
+    from ablations.run import Outputs, compare_with_base
+
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, 8, generator=generator)
+    base = Outputs(hidden, [[0.25, 0.75], [0.6, 0.4]])
+    same = compare_with_base(Outputs(hidden.clone(), [[0.25, 0.75], [0.6, 0.4]]), base, "fused")
+    assert same["stage"] == "fused" and same["bitwise"] is True and same["max_abs_dp"] == 0.0
+    nudged = hidden.clone()
+    nudged[1, 2] = torch.nextafter(nudged[1, 2], torch.tensor(float("inf")))
+    moved = compare_with_base(Outputs(nudged, [[0.25, 0.75], [0.4, 0.6]]), base, "fused")
+    assert moved["bitwise"] is False and moved["argmax_flips"] == 1 and moved["max_abs_dp"] == pytest.approx(0.2)
+    padded = compare_with_base(Outputs(torch.randn(5, 8, generator=generator), [[0.5, 0.5]]), base, "hf_fla")
+    assert padded == {"stage": "hf_fla", "bitwise": None}

@@ -263,13 +263,26 @@ def test_targets_met_missed_and_not_measured():
     _headline(record, "hf_torch")["max_abs_dp"] = 2e-3
     merged["rows"], tree["rows"] = 1000, 450  # 45.0 % of the packed rows: met
     assert _outcomes(record) == {"fused_kernels": "met", "fused_core_multiple": "missed", "fused_fidelity": "met",
-                                 "tree_gemm_multiple": "not measured", "tree_rows_share": "met"}  # fmt: skip
+                                 "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
+                                 "tree_bitwise_vs_fused": "not measured"}  # fmt: skip
+    tree_stage, fused_stage = figures.stage_by_name(record, "tree"), figures.stage_by_name(record, "fused")
+    for w in fused_stage["workloads"]:
+        w["probabilities"] = [[0.25, 0.75]]
+    for w in tree_stage["workloads"]:  # an older record: equal probabilities stand for equal bits
+        w["probabilities"] = [[0.25, 0.75]]
+    identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
+    assert (identity["outcome"], identity["measured"]) == ("met", "2 of 2 workloads")
+    assert identity["note"] == "every workload; from equal probabilities (record older than vs_builds_on)"
+    tree_stage["workloads"][1]["vs_builds_on"] = {"stage": "fused", "bitwise": False, "max_abs_dp": 3e-3}
+    identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
+    assert (identity["outcome"], identity["measured"]) == ("missed", "1 of 2 workloads")
+    assert identity["note"].startswith(f"differ: {tree_stage['workloads'][1]['id']} (max |dp| 3.00e-03)")
     add_families(tree, 32.0, 1.0, 1.0, 1.0, 1.0, 30.0)  # 40 / 32 = 1.25x: met
     fused |= {"kernels_per_forward": 701.0, "max_abs_dp": 2.5e-3}
     tree["rows"] = 451
     assert _outcomes(record) == {"fused_kernels": "missed", "fused_core_multiple": "missed",
                                  "fused_fidelity": "missed", "tree_gemm_multiple": "met",
-                                 "tree_rows_share": "missed"}  # fmt: skip
+                                 "tree_rows_share": "missed", "tree_bitwise_vs_fused": "missed"}  # fmt: skip
     rows = {row["id"]: row for row in figures.target_rows(record)}
     assert rows["fused_fidelity"]["note"].startswith("against hf_fla, fused <= hf_torch on 1 of 2 workloads;")
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
@@ -312,7 +325,8 @@ def test_targets_not_measured_and_the_token_count_fallback():
     rows = {row["id"]: row for row in figures.target_rows(record)}
     assert {k: r["outcome"] for k, r in rows.items()} == {
         "fused_kernels": "not measured", "fused_core_multiple": "not measured", "fused_fidelity": "not measured",
-        "tree_gemm_multiple": "not measured", "tree_rows_share": "met"}  # fmt: skip
+        "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
+        "tree_bitwise_vs_fused": "not measured"}  # fmt: skip
     assert rows["fused_kernels"]["note"] == "fused not timed on drone: gate red"
     assert rows["tree_rows_share"]["measured"] == "30.9% (300 of 971 rows)"  # the workload's 971 tokens
     assert rows["tree_rows_share"]["note"] == "unshared rows: the drone request's tokens"
