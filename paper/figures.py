@@ -491,6 +491,16 @@ def _multiple_target(key: str, workload: dict | None, why: str, kind: str) -> di
     return _target(key, multiple, limit, shown, f"{limit:.2f}×", note)
 
 
+def _state_tally(fused: dict | None, torch_w: dict | None) -> str:
+    """ ", hidden states: fused no farther than hf_torch at k of n residual states" from the headline's per-state
+    relative RMSE (records that have it), or ""."""
+    mine, theirs = _field(fused, "state_rel_rmse"), _field(torch_w, "state_rel_rmse")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return ""
+    closer = sum(a <= b for a, b in zip(mine, theirs))
+    return f", hidden states: fused no farther than hf_torch at {closer} of {len(mine)} residual states"
+
+
 def _fidelity_tally(record: dict) -> str:
     """ ", fused <= hf_torch on k of n workloads" over every workload where both have a max |dp|, or ""."""
     fused, torch_stage = stage_by_name(record, "fused"), stage_by_name(record, "hf_torch")
@@ -555,7 +565,10 @@ def target_rows(record: dict) -> list[dict[str, Any]]:
     else:
         note = fused_why or torch_why or ("" if dp is not None and torch_dp is not None else "max |dp| not recorded")
         if dp is not None and torch_dp is not None:
-            note = f"against {reference}{_fidelity_tally(record)}; synthetic weights: fidelity only, not accuracy"
+            note = (
+                f"against {reference}{_fidelity_tally(record)}{_state_tally(fused, torch_w)}; synthetic weights: "
+                "fidelity only, not accuracy"
+            )
     limit_shown = f"{sci(torch_dp)} (hf_torch)" if torch_dp is not None else DASH
     rows.append(_target("fused_fidelity", dp, torch_dp, sci(dp), limit_shown, note))
 
@@ -1024,6 +1037,15 @@ def readme_ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
         parts.append("|" + "---|" * len(table[0]))
         parts += ["| " + " | ".join(row) + " |" for row in table[1:]]
         parts.append("")
+        if plan["device"] == "cuda":
+            parts.append(
+                "Targets of issues 4 and 5 in this record (synthetic weights: |dp| is fidelity, not accuracy):\n"
+            )
+            table = targets_table(plan_target_rows(record, root))
+            parts.append("| " + " | ".join(table[0]) + " |")
+            parts.append("|" + "---|" * len(table[0]))
+            parts += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table[1:]]
+            parts.append("")
     return "\n".join(parts) if parts else "No run record yet.\n"
 
 

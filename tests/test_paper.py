@@ -285,6 +285,9 @@ def test_targets_met_missed_and_not_measured():
                                  "tree_rows_share": "missed", "tree_bitwise_vs_fused": "missed"}  # fmt: skip
     rows = {row["id"]: row for row in figures.target_rows(record)}
     assert rows["fused_fidelity"]["note"].startswith("against hf_fla, fused <= hf_torch on 1 of 2 workloads;")
+    fused["state_rel_rmse"], _headline(record, "hf_torch")["state_rel_rmse"] = [0.0, 1e-3, 3e-2], [0.0, 2e-3, 2e-2]
+    note = {row["id"]: row for row in figures.target_rows(record)}["fused_fidelity"]["note"]
+    assert ", hidden states: fused no farther than hf_torch at 2 of 3 residual states;" in note
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
     assert set(figures.TARGETS) - {"tree_handoff_core_time"} == set(rows)  # that one comes from a GPU test file
