@@ -25,9 +25,10 @@ return normed[read rows]                               [C, H]
 ```
 
 GDN layer over a plan, by the batch's GDN mode (`engine.tree.choose_gdn_mode`, or forced with `gdn_mode`):
-* `replicated`: the conv input is every candidate's path (`plan.conv_paths`: for `fused` the projection gathered along
-  the paths, none for a flat plan), the core runs once over all paths (one varlen call, the plan's `replicated`
-  schedule), and each packed row takes its representative path's output (`scatter_rows`).
+* `replicated`: the conv input is every candidate's path (`plan.conv_paths`: for `fused` the prep kernel reads the
+  projection through the paths' row index, no gather; identity for a flat plan), the core runs once over all paths
+  (one varlen call, the plan's `replicated` schedule), and each packed row takes its representative path's output
+  (`plan.row_slot`, read through by the gated norm kernel).
 * `handoff`: the conv input is each node after its 3 history rows (`plan.conv_segments`), compacted to the packed
   rows, and `engine.tree.tree_gdn_core` runs the plan's `handoff` schedule (root once, fp32 states handed to the
   branches at 64-row chunk boundaries).
@@ -100,7 +101,7 @@ from torch import Tensor
 import kernels
 from engine.gdn_core import FlaForwardCore, fla_chunk_function
 from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions
-from engine.tree import choose_gdn_mode, default_node_core, scatter_rows, torch_chunk_core, tree_gdn_core
+from engine.tree import choose_gdn_mode, default_node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from reference import ops
 from reference.backbone import check_candidates
@@ -213,7 +214,8 @@ class _Ranges:
 #   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput) -> q, k [n, Hk, K], v [n, Hv, V] bf16; g fp32,
 #       beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA numerics) iff
 #       `qk_normalised`
-#   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V]) -> [N, Hv V]
+#   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V], o_rows [N] | None) -> [N, Hv V]; with o_rows,
+#       o is [L, Hv, V] and row r is normalised from o's row o_rows[r] (a tree's packed rows from their paths)
 #   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
 #       -> q, k, v (q/k normed and roped), gate (whatever attention_gate takes); rows first: q [N, Hq, D], k, v
 #       [K, Hkv, D] gathered at key_rows (or [N, Hkv, D] when None); heads first (the masked SDPA; key_rows unused):
@@ -252,7 +254,8 @@ class _ReferenceOps:
         k = k.reshape(n, s.linear_num_key_heads, s.linear_key_head_dim)
         return q, k, v.reshape(n, hv, s.linear_value_head_dim), g, beta
 
-    def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor) -> Tensor:
+    def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor, o_rows: Tensor | None) -> Tensor:
+        o = o if o_rows is None else o.index_select(0, o_rows)
         return ops.gated_rmsnorm(o, z.view(o.shape), weight, self.shapes.rms_norm_eps).flatten(1)
 
     def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
@@ -301,12 +304,12 @@ class _FusedOps:
         return kernels.silu_mul(gate_up)
 
     def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput):
-        """The prep kernel over the conv input (the projection gathered into it unless it is the packed rows), then
-        the kept rows (none dropped for the paths, the history rows dropped for the node segments)."""
+        """The prep kernel over the conv input (the projection read through the conv input's row index unless it is
+        the packed rows), then the kept rows (none dropped for the paths, the history rows dropped for the node
+        segments)."""
         s = self.shapes
-        source = proj if conv.rows_are_packed else proj.index_select(0, conv.rows)  # [M, gdn_in_width]
         out = kernels.gdn_prep(
-            source,
+            proj,
             layer.conv_weight,
             layer.A_log,
             layer.dt_bias,
@@ -316,13 +319,14 @@ class _FusedOps:
             head_k_dim=s.linear_key_head_dim,
             head_v_dim=s.linear_value_head_dim,
             qk_l2norm=self.qk_normalised,
+            rows=None if conv.rows_are_packed else conv.rows,  # [M] proj rows of the conv input
         )
         if conv.keep_all:
             return tuple(t[0] for t in out)
         return tuple(t[0].index_select(0, conv.keep) for t in out)
 
-    def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor) -> Tensor:
-        return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps)
+    def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor, o_rows: Tensor | None) -> Tensor:
+        return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps, o_rows=o_rows)
 
     def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
         """One prep launch; k and v land in one [2, N, Hkv, D] buffer so that the key gather is one launch too."""
@@ -537,15 +541,17 @@ class EngineBackbone:
                     chunk_indices=call.chunk_indices,
                     **core_options,
                 )
-                o = scatter_rows(o[0], plan)  # [N, Hv, V]: each row from its representative path
+                o = o[0]  # [L, Hv, V] over the paths; each packed row reads its representative path's row
+                o_rows = None if plan.kind == "flat" else plan.row_slot
         else:
+            o_rows = None
             with rng("gdn_prep"):
                 q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_segments)  # packed rows [N, ...]
             with rng("gdn_core"):
                 o = tree_gdn_core(q, k, v, g, beta, plan, mode="handoff", core=self._core, **core_options)
         with rng("gated_norm"):
             z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
-            y = self._ops.gated_rmsnorm(o, z, layer.out_norm)  # [N, Hv V]
+            y = self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]
         with rng("out_proj"):
             return F.linear(y, layer.w_out)
 

@@ -40,11 +40,15 @@ Batch invariance: BLOCK_T is fixed (16 rows on GPU, 256 interpreted), never deri
 equals per-sequence calls bit for bit (tested).
 
 Version history:
-* v1 (this file): grid (row block of BLOCK_T rows, head slot); head slots are the Hk q heads, the Hk k heads, the
+* v1: grid (row block of BLOCK_T rows, head slot); head slots are the Hk q heads, the Hk k heads, the
   Hv v heads and one slot for all of beta/g. Each row finds its sequence start by a binary search in cu_seqlens
   (log2(N) loads, no host sync), and loads its W taps directly from proj (masked before the sequence start).
   On the H200, 971 rows at the 27B widths: 33.8 us (29% of the copy rate); 8-64 rows per block with 4 or 8 warps
   were all slower, 35.1-50.7 us (attempt `fused-kernel-tile-retune`).
+* v2 (this file): v1 plus an optional row index (`rows`): the prefix tree's candidate paths are read through it
+  instead of being gathered by a separate index_select first (one launch and one [paths, proj width] copy less per
+  GDN layer). Not yet compiled on the GPU when written (2026-11-30); tests/test_kernels.py checks it bitwise
+  against the gathered call under the interpreter.
 * v0 reused names (`x`, `out_offset`) with other shapes in the conv and the gate branch of the runtime `if`: the
   interpreter ran it, the sm_90 compile failed ("Mismatched type for out_offset between then block and else
   block"); Triton merges same-named variables across runtime branches.
@@ -96,6 +100,7 @@ def _gdn_prep_kernel(
     a_log_ptr,  # [Hv] bf16 or fp32
     dt_bias_ptr,  # [Hv] bf16 or fp32
     cu_seqlens_ptr,  # [N + 1] int32 or int64
+    rows_ptr,  # [T] int32 or int64: the proj row of each conv-input row (unused without HAS_ROWS)
     q_ptr,  # [T, Hk, K] bf16 contiguous
     k_ptr,  # [T, Hk, K] bf16 contiguous
     v_ptr,  # [T, Hv, V] bf16 contiguous
@@ -112,6 +117,7 @@ def _gdn_prep_kernel(
     WIDTH: tl.constexpr,  # conv kernel width W
     SEARCH_STEPS: tl.constexpr,
     QK_L2NORM: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
@@ -132,6 +138,8 @@ def _gdn_prep_kernel(
         for tap in tl.static_range(WIDTH):
             source = token - (WIDTH - 1) + tap  # oldest tap first
             source_ok = token_ok & (source >= start)
+            if HAS_ROWS:  # the conv input's row `source` is proj's row rows[source]
+                source = tl.load(rows_ptr + source, mask=source_ok, other=0).to(tl.int64)
             x = to_f32(
                 tl.load(
                     proj_ptr + source[:, None] * proj_sr + channel[None, :],
@@ -163,7 +171,11 @@ def _gdn_prep_kernel(
         head_ok = head < VALUE_HEADS
         gate_mask = token_ok[:, None] & head_ok[None, :]
         b_column = 2 * KEY_HEADS * KEY_DIM + 2 * VALUE_HEADS * VALUE_DIM  # b follows q | k | v | z
-        row_offset = token[:, None] * proj_sr + head[None, :]
+        if HAS_ROWS:
+            proj_row = tl.load(rows_ptr + token, mask=token_ok, other=0).to(tl.int64)
+        else:
+            proj_row = token
+        row_offset = proj_row[:, None] * proj_sr + head[None, :]
         b = to_f32(tl.load(proj_ptr + row_offset + b_column, mask=gate_mask, other=0.0))
         a = to_f32(tl.load(proj_ptr + row_offset + b_column + VALUE_HEADS, mask=gate_mask, other=0.0))
         beta = sigmoid_f32(b, TORCH_CPU)  # b.sigmoid(): bf16↓ at the store
@@ -191,6 +203,7 @@ def gdn_prep(
     head_v_dim: int,
     qk_l2norm: bool = True,
     eps: float = 1e-6,
+    rows: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
@@ -200,6 +213,9 @@ def gdn_prep(
     dt_bias [Hv] bf16 or fp32. cu_seqlens [N + 1] int32/int64 on proj's device, cu_seqlens[0] = 0,
     cu_seqlens[N] = T, non-decreasing (not checked: that would need a device sync). qk_l2norm: apply FLA's l2norm
     to q and k here (then call FLA with `use_qk_l2norm_in_kernel=False`); eps is that l2norm's eps.
+    rows: optional [T] int32/int64 on proj's device: the conv input is `proj.index_select(0, rows)`, read through
+    the index instead of gathered first (bitwise the same; the prefix tree's candidate paths). Values in
+    [0, proj rows) are not checked (a device sync).
     out: optional (q, k, v, g, beta) tensors of the output shapes below, written in place.
     Returns q, k [1, T, Hk, K] bf16; v [1, T, Hv, V] bf16; g [1, T, Hv] fp32; beta [1, T, Hv] bf16.
     """
@@ -207,16 +223,19 @@ def gdn_prep(
         raise ValueError(
             f"gdn_prep: proj must be [T, P] and conv_weight [C, W], got {tuple(proj.shape)}, {tuple(conv_weight.shape)}"
         )
-    tokens, device = proj.shape[0], proj.device
+    device = proj.device
+    tokens = proj.shape[0] if rows is None else rows.shape[0]
     conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
     width = conv_weight.shape[1]
     check_tensor(
         "gdn_prep: proj",
         proj,
         dtype=torch.bfloat16,
-        shape=(tokens, conv_dim + num_v_heads * head_v_dim + 2 * num_v_heads),
+        shape=(None, conv_dim + num_v_heads * head_v_dim + 2 * num_v_heads),
         device=device,
     )
+    if rows is not None:
+        check_tensor("gdn_prep: rows", rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
     check_tensor(
         "gdn_prep: conv_weight (bf16 only: an fp32 weight makes HF convolve in fp32)",
         conv_weight,
@@ -262,6 +281,7 @@ def gdn_prep(
             A_log,
             dt_bias,
             cu_seqlens,
+            cu_seqlens if rows is None else rows,
             q,
             k,
             v,
@@ -278,6 +298,7 @@ def gdn_prep(
             WIDTH=width,
             SEARCH_STEPS=(num_seqs - 1).bit_length(),
             QK_L2NORM=qk_l2norm,
+            HAS_ROWS=rows is not None,
             BLOCK_T=block_t,
             BLOCK_D=triton.next_power_of_2(max(head_k_dim, head_v_dim)),
             BLOCK_HV=triton.next_power_of_2(num_v_heads),

@@ -36,10 +36,14 @@ Batch invariance: tile shapes come from the widths only (`activations.tile_eleme
 a row's bits do not depend on the other rows of a call (tested); the prefix tree relies on that.
 
 Version history:
-* v1 (this file): a program normalises BLOCK_R rows of the full width at once (BLOCK_R = 1 for hidden 5120 on GPU);
+* v1: a program normalises BLOCK_R rows of the full width at once (BLOCK_R = 1 for hidden 5120 on GPU);
   gated_rmsnorm flattens (row, value head) pairs so that one program covers many heads. On the H200, 971 rows of
   5120: 18.8 us (51% of the copy rate); 8 or 4 warps instead of 16 take 17.5-17.7 us but change 2e-6 of the normed
   bits (another reduction tree), 2-4 rows per program 17.9-19.5 us: not taken (attempt `fused-kernel-tile-retune`).
+* v2 (this file): gated_rmsnorm takes an optional row index into o (`o_rows`), so the prefix tree's packed rows read
+  their representative path's GDN output directly instead of after an index_select (one launch and one copy less
+  per GDN layer). Not yet compiled on the GPU when written (2026-11-30); bitwise against the gathered call under the
+  interpreter (tests/test_kernels.py).
 * v0 sized BLOCK_R from the row count as well; replaced before it was measured, because a different tile shape can
   change Triton's per-row reduction tree and so make a row's bits depend on its batch.
 """
@@ -195,7 +199,8 @@ def rmsnorm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.
 
 @triton.jit
 def _gated_rmsnorm_kernel(
-    o_ptr,  # [R·Hv, V] bf16 contiguous (the GDN output [R, Hv, V])
+    o_ptr,  # [L·Hv, V] bf16 contiguous (the GDN output [L, Hv, V]; L = R without HAS_O_ROWS)
+    o_rows_ptr,  # [R] int32 or int64: the o row of each output row (unused without HAS_O_ROWS)
     z_ptr,  # [R, Hv·V] bf16, row stride z_sr
     weight_ptr,  # [V] bf16 or fp32 (plain scale)
     out_ptr,  # [R·Hv, V] bf16 contiguous (= [R, Hv·V])
@@ -208,6 +213,7 @@ def _gated_rmsnorm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     W_BF16: tl.constexpr,
+    HAS_O_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
     head_row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (row, head) pairs
@@ -215,7 +221,11 @@ def _gated_rmsnorm_kernel(
     dim_ok = dim < HEAD_DIM
     mask = (head_row < head_rows)[:, None] & dim_ok[None, :]
     row, head = head_row // HEADS, head_row % HEADS
-    o = to_f32(tl.load(o_ptr + head_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0))
+    if HAS_O_ROWS:  # output row `row` normalises o's row o_rows[row]
+        o_head_row = tl.load(o_rows_ptr + row, mask=head_row < head_rows, other=0).to(tl.int64) * HEADS + head
+    else:
+        o_head_row = head_row
+    o = to_f32(tl.load(o_ptr + o_head_row[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0))
     z_offset = row[:, None] * z_sr + (head * HEAD_DIM)[:, None] + dim[None, :]
     z = to_f32(tl.load(z_ptr + z_offset, mask=mask, other=0.0))
     weight = to_f32(tl.load(weight_ptr + dim, mask=dim_ok, other=0.0))
@@ -228,13 +238,22 @@ def _gated_rmsnorm_kernel(
 
 
 def gated_rmsnorm(
-    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    o: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    o_rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GDN output norm gated by silu(z), per value head: returns [R, Hv·V] bf16, ready for out_proj.
 
     o: the GDN core output, contiguous bf16 [R, Hv, V] (or FLA's [1, R, Hv, V]); z: [R, Hv·V] bf16 with any row
     stride and unit column stride, e.g. `gdn_proj[:, conv_dim : conv_dim + Hv·V]` of the merged projection;
     weight [V] bf16 or fp32 (plain scale). `out` (contiguous [R, Hv·V] bf16) is written in place when given.
+    o_rows: optional [R] int32/int64 on o's device; then o is [L, Hv, V] (any L) and output row r normalises o's row
+    o_rows[r], as `gated_rmsnorm(o.index_select(0, o_rows), ...)` would, bit for bit, without the gathered copy (the
+    prefix tree's packed rows from their representative paths). Values in [0, L) are not checked (a device sync).
     Exactness: bitwise except the fp32 sum-of-squares order (module docstring), against
     `reference.ops.gated_rmsnorm(o, z.view(R, Hv, V), weight, eps)`.
     """
@@ -249,8 +268,12 @@ def gated_rmsnorm(
     check_tensor(
         "gated_rmsnorm: weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(head_dim,), device=device
     )
-    if o.shape[-3:] != (rows, heads, head_dim) or o.numel() != rows * heads * head_dim:
-        raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)} must be [R, Hv, V] = [{rows}, {heads}, {head_dim}]")
+    o_len = rows if o_rows is None else (o.shape[-3] if o.ndim >= 3 else -1)  # L: o's rows
+    if o.shape[-3:] != (o_len, heads, head_dim) or o.numel() != o_len * heads * head_dim:
+        want = f"[{rows}, {heads}, {head_dim}]" if o_rows is None else f"[L, {heads}, {head_dim}]"
+        raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)} must be [R or L, Hv, V] = {want}")
+    if o_rows is not None:
+        check_tensor("gated_rmsnorm: o_rows", o_rows, dtype=(torch.int32, torch.int64), shape=(rows,), device=device)
     check_tensor("gated_rmsnorm: o", o, dtype=torch.bfloat16, shape=tuple(o.shape), device=device, contiguous=True)
     out = output_tensor("gated_rmsnorm: out", out, (rows, heads * head_dim), torch.bfloat16, device)
     if rows == 0:
@@ -261,6 +284,7 @@ def gated_rmsnorm(
     with ieee_quiet(torch_cpu):
         _gated_rmsnorm_kernel[(triton.cdiv(rows * heads, block_r),)](
             o,
+            o if o_rows is None else o_rows,
             z,
             weight,
             out,
@@ -273,6 +297,7 @@ def gated_rmsnorm(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             W_BF16=weight.dtype == torch.bfloat16,
+            HAS_O_ROWS=o_rows is not None,
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,

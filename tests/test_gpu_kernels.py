@@ -121,6 +121,34 @@ def test_gpu_bit_identity_27b(rows: int) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_row_indexed_kernels_27b() -> None:
+    """gdn_prep through `rows` and gated_rmsnorm through `o_rows` (the tree's paths, read without a gather) equal
+    the calls on gathered copies bit for bit at the 27B shapes, every output written (NaN-poisoned)."""
+    _require_compiled_kernels()
+    import kernels
+
+    s = QWEN38_27B
+    act = random_activations(s, [400], "cuda", seed=8)
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    rows = torch.randint(0, 400, (971,), generator=generator, device="cuda")  # longer than the source, repeats
+    cu_seqlens = torch.tensor([0, 300, 301, 578, 971], dtype=torch.int32, device="cuda")
+    dims = {"num_k_heads": s.linear_num_key_heads, "num_v_heads": s.linear_num_value_heads,
+            "head_k_dim": s.linear_key_head_dim, "head_v_dim": s.linear_value_head_dim}  # fmt: skip
+    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
+    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **dims)
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
+    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **dims)
+    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
+        assert not got.isnan().any() and torch.equal(got, want), name
+    o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [400, Hv, V]
+    z = act["gdn_proj"][:337, s.conv_dim : s.conv_dim + s.linear_value_dim]
+    o_rows = torch.randint(0, 400, (337,), generator=generator, device="cuda")
+    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, s.rms_norm_eps)
+    got = kernels.gated_rmsnorm(o, z, weight, s.rms_norm_eps, o_rows=o_rows, out=torch.full_like(want, float("nan")))
+    assert not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_packed_sequences_27b() -> None:
     """gdn_prep over packed sequences (an empty one included) restarts the conv history at every sequence start."""
     _require_compiled_kernels()

@@ -89,6 +89,32 @@ def test_gdn_prep_packed_sequences_tiny() -> None:
             assert torch.equal(got[:, start:end], want), (start, end)
 
 
+def test_row_indexed_gdn_prep_and_gated_rmsnorm_equal_the_gathered_calls_tiny() -> None:
+    """The tree's row indices (repeats, any order, fewer or more rows than the source): gdn_prep reading proj through
+    `rows` and gated_rmsnorm reading o through `o_rows` equal the calls on index_select-gathered copies, bit for
+    bit, with every output written (NaN-poisoned `out`)."""
+    act = random_activations(TINY, [40], "cpu", seed=3)
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 40, (57,), generator=generator)  # a gathered layout longer than the source, repeats
+    cu_seqlens = torch.tensor([0, 5, 5, 30, 57], dtype=torch.int32)  # with an empty sequence
+    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
+    dims = _gdn_dims(TINY)
+    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **dims)
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
+    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows.to(torch.int32), out=poisoned, **dims)
+    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
+        assert not got.isnan().any() and torch.equal(got, want), name
+
+    o, z, weight = act["gdn_core_out"], act["gdn_proj"], act["gdn_norm_weight"]  # o [40, Hv, V]
+    heads, dim = o.shape[1], o.shape[2]
+    z = z[:29, TINY.conv_dim : TINY.conv_dim + heads * dim]  # 29 output rows, a row-strided slice
+    o_rows = torch.randint(0, 40, (29,), generator=generator)
+    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, TINY.rms_norm_eps)
+    out = torch.full_like(want, float("nan"))
+    got = kernels.gated_rmsnorm(o, z, weight, TINY.rms_norm_eps, o_rows=o_rows, out=out)
+    assert got is out and not got.isnan().any() and torch.equal(got, want)
+
+
 def test_gdn_prep_without_l2norm_tiny() -> None:
     """qk_l2norm=False leaves q and k as the conv + SiLU outputs (for FLA's in-kernel l2norm), bitwise."""
     act = random_activations(TINY, [63], "cpu", seed=2)
@@ -224,6 +250,34 @@ def test_round_to_bf16_matches_torch() -> None:
                 torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 12).bfloat16(), torch.ones(4, dtype=torch.float16), 1e-6
             ),
             "dtype torch.float16",
+        ),
+        (
+            lambda: kernels.gated_rmsnorm(
+                torch.randn(5, 3, 4).bfloat16(),
+                torch.randn(2, 12).bfloat16(),
+                torch.ones(4),
+                1e-6,
+                o_rows=torch.tensor([0, 4, 1]),
+            ),
+            r"o_rows: shape \(3,\)",
+        ),
+        (
+            lambda: kernels.gated_rmsnorm(
+                torch.randn(5, 3, 4).bfloat16(), torch.randn(2, 12).bfloat16(), torch.ones(4), 1e-6
+            ),
+            r"must be \[R or L, Hv, V\] = \[2, 3, 4\]",
+        ),
+        (
+            lambda: kernels.gdn_prep(
+                torch.randn(5, TINY.gdn_in_width).bfloat16(),
+                torch.randn(TINY.conv_dim, 4).bfloat16(),
+                torch.zeros(6),
+                torch.zeros(6),
+                torch.tensor([0, 3]),
+                rows=torch.tensor([0.0, 1.0, 2.0]),
+                **_gdn_dims(TINY),
+            ),
+            "rows: dtype torch.float32",
         ),
         (
             lambda: kernels.attention_gate(torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 3, 5).bfloat16()),
