@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -613,6 +614,59 @@ def handoff_target(root: Path) -> dict[str, Any] | None:
     return _target("tree_handoff_core_time", ratio, limit, f"{ratio:.2f}×", f"{limit:.2f}×", note)
 
 
+def _newest_gpu_file(root: Path, suffix: str) -> tuple[Path, dict] | None:
+    files = sorted((root / "gpu").glob(f"*-{suffix}.json"))
+    return (files[-1], json.loads(files[-1].read_text())) if files else None
+
+
+def gpu_test_tables(root: Path) -> list[dict[str, Any]]:
+    """The newest result of each GPU test that writes one under `gpu/` and that the run record does not hold: the
+    engine's whole-model checks, cuBLAS row-count invariance, the kernel tile sweep. Each: title, source, table."""
+    tables = []
+    found = _newest_gpu_file(root, "engine-checks")
+    if found:
+        path, data = found
+        table = [["comparison (drone)", "first departing state", "last-token rel RMSE", "max |dp|"]]
+        for name, c in data["comparisons"].items():
+            first = "none" if c["first_departing_state"] is None else str(c["first_departing_state"])
+            table.append([name, first, sci(c["last_rel_rmse"]), sci(c["max_dp"])])
+        core = "bit-identical" if data["fla_forward_core_bitwise"] else "NOT bit-identical"
+        text = (
+            f"`fused` with FLA's kernels launched directly against `fused` on FLA's function: {core} at every state; "
+            f"NVTX ranges on: {'bit-identical' if data['nvtx_ranges_bitwise'] else 'NOT bit-identical'}; peak GPU "
+            f"memory {data['peak_gib']['engine']:.1f} GiB (engine phase). Synthetic weights."
+        )
+        tables.append({"title": "Whole-model checks of the engine", "source": f"gpu/{path.name}", "text": text,
+                       "table": table})  # fmt: skip
+    found = _newest_gpu_file(root, "gemm-rows")
+    if found:
+        path, data = found
+        table = [["GEMM (out × in)", "row pairs", "row-invariant (default)", "row-invariant (no workspace)",
+                  "small-call µs default → no workspace"]]  # fmt: skip
+        for name in dict.fromkeys(c["gemm"] for c in data["default"]):
+            default = [c for c in data["default"] if c["gemm"] == name]
+            bare = [c for c in data["no_workspace"] if c["gemm"] == name]
+            share = [sum(c["equal_row_share"] == 1.0 for c in cases) for cases in (default, bare)]
+            timing = f"{statistics.median(c['tree_us'] for c in default):.1f} → " + (
+                f"{statistics.median(c['tree_us'] for c in bare):.1f}"
+            )
+            table.append([f"{name} ({default[0]['n']} × {default[0]['k']})", str(len(default)),
+                          f"{share[0]} of {len(default)}", f"{share[1]} of {len(bare)}", timing])  # fmt: skip
+        text = "Each row pair: a GEMM over the tree's row count inside one over the flat row count (medians of µs)."
+        tables.append({"title": "cuBLAS row-count invariance (27B GEMM shapes)", "source": f"gpu/{path.name}",
+                       "text": text, "table": table})  # fmt: skip
+    found = _newest_gpu_file(root, "kernel-tiles")
+    if found:
+        path, data = found
+        table = [["kernel", "tile", "µs", "TB/s", "bit-equal to the shipped tile"]]
+        for c in data["cases"]:
+            table.append([c["kernel"], c["tile"], f"{c['us']:.1f}", f"{c['tbps']:.2f}", f"{c['equal_share']:.6f}"])
+        text = f"{data['rows']} rows at the 27B widths; the first row of each kernel is the shipped tile."
+        tables.append({"title": "Tile shapes of the costliest fused kernels", "source": f"gpu/{path.name}",
+                       "text": text, "table": table})  # fmt: skip
+    return tables
+
+
 def plan_target_rows(record: dict, root: Path) -> list[dict[str, Any]]:
     """`target_rows` of the record, and on a GPU plan the hand-off target of the newest GPU test file."""
     rows = target_rows(record)
@@ -1009,6 +1063,7 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
         "schema": SUMMARY_SCHEMA,
         "plans": [plan_summary(record, path, root, svg) for path, record in chosen],
         "attempts": attempt_table(records),
+        "gpu_tests": gpu_test_tables(root),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),
     }

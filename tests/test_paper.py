@@ -20,7 +20,8 @@ from paper import build, figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
-            "Correctness", "Where each path departs", "Stages", "Failed attempts", "Limits"]  # fmt: skip
+            "Correctness", "Where each path departs", "GPU tests beside the run records", "Stages", "Failed attempts",
+            "Limits"]  # fmt: skip
 PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
 
 
@@ -411,6 +412,7 @@ def test_report_builds_a_pdf_with_every_section_and_the_synthetic_statement(resu
     assert any(h == "gpu-27b on NVIDIA H200 — partial run" for h in plan_headings)
     assert len(_query(results, "<targets-table>")) == 3
     assert len(_query(results, "<time-table>")) == 1 and len(_query(results, "<time-not-measured>")) == 2
+    assert len(_query(results, "<gpu-tests-none>")) == 1  # the fixture's results hold no gpu/ folder
 
 
 def test_report_without_records_says_so(tmp_path):
@@ -691,3 +693,25 @@ def test_paper_figures_imports_no_torch():
 
     code = "import sys, paper.figures; assert 'torch' not in sys.modules, 'paper.figures pulled in torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=figures.REPO)
+
+
+def test_gpu_test_tables_read_the_newest_file_of_each_kind(tmp_path):
+    assert figures.gpu_test_tables(tmp_path) == []
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    comparison = {"first_departing_state": 1, "per_state_rel_rmse": [0.0, 1e-3], "last_rel_rmse": 3e-2, "max_dp": 5e-3}
+    checks = {"peak_gib": {"hf": 49.7, "engine": 49.6}, "comparisons": {"fused vs hf_fla": comparison},
+              "nvtx_ranges_bitwise": True, "fla_forward_core_bitwise": False}  # fmt: skip
+    (gpu / "20261130T130000Z-nvidia-h200-aaaaaaa-engine-checks.json").write_text(json.dumps(checks))
+    case = {"gemm": "down", "n": 5120, "k": 17408, "flat_rows": 359, "tree_rows": 199, "flat_us": 100.0}
+    rows = {"default": [case | {"equal_row_share": 0.0, "tree_us": 68.0}],
+            "no_workspace": [case | {"equal_row_share": 1.0, "tree_us": 75.0}]}  # fmt: skip
+    (gpu / "20261130T130000Z-nvidia-h200-aaaaaaa-gemm-rows.json").write_text(json.dumps(rows))
+    tables = {t["title"]: t for t in figures.gpu_test_tables(tmp_path)}
+    engine = tables["Whole-model checks of the engine"]
+    assert engine["table"][1] == ["fused vs hf_fla", "1", "3.00e-02", "5.00e-03"]
+    assert "NOT bit-identical at every state" in engine["text"]
+    gemm = tables["cuBLAS row-count invariance (27B GEMM shapes)"]
+    assert gemm["table"][1] == ["down (5120 × 17408)", "1", "0 of 1", "1 of 1", "68.0 → 75.0"]
+    assert gemm["source"] == "gpu/20261130T130000Z-nvidia-h200-aaaaaaa-gemm-rows.json"
+    assert "Tile shapes of the costliest fused kernels" not in tables
