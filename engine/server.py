@@ -66,7 +66,8 @@ DEFAULT_QUEUE_SIZE = 64
 SOCKET_TIMEOUT_S = 30.0
 POST_PATHS = ("/v1/systemone", "/v1/inference", "/api/jev")
 RELEASE_DATE = "2026-09-19"
-BACKENDS = ("hf_torch", "hf_fla")
+ENGINE_BACKENDS = ("merged", "fused", "tree")  # the engine's stages (engine/backbone.py)
+BACKENDS = ("hf_torch", "hf_fla", *ENGINE_BACKENDS)
 
 # After a response sent before the body was read, the rest of the body is read and dropped (at most this many bytes,
 # for at most this long) before the socket closes, so the client reads the response instead of a connection reset.
@@ -548,17 +549,30 @@ def build_decision_model(
     seed: int = 0,
 ) -> DecisionModel:
     """A `DecisionModel` on the chosen backbone: a real Open-Jev package when `checkpoint` and `base` are given,
-    else seeded synthetic weights of `shapes_name` (true numerics path, meaningless probabilities)."""
+    else seeded synthetic weights of `shapes_name` (true numerics path, meaningless probabilities). The engine
+    backends (`merged`, `fused`, `tree`) merge the weights into their own layout (held once) and, on CUDA, run cuBLAS
+    without a workspace (row-count-invariant GEMMs: what makes `tree` answer as `fused` does)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     if (checkpoint is None) != (base is None):
         raise ValueError("--checkpoint and --base go together (the package and the HF base model it adapts)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if backend in ENGINE_BACKENDS and device.type == "cuda":
+        from engine.backbone import use_row_invariant_gemms
+
+        use_row_invariant_gemms()  # before this process's first GEMM
     if checkpoint is not None:
         weights = load_package(checkpoint, base, device=device)
     else:
         weights = synthetic_weights(get_shapes(shapes_name), seed=seed, device=device)
-    backbone = HFBackbone(weights, backend.removeprefix("hf_"))
+    if backend in ENGINE_BACKENDS:
+        from engine.backbone import EngineBackbone
+        from engine.weights import MergedWeights
+
+        merged = MergedWeights.from_decision_weights(weights)
+        backbone = EngineBackbone(merged, fused=backend != "merged", tree=backend == "tree")
+    else:
+        backbone = HFBackbone(weights, backend.removeprefix("hf_"))
     return DecisionModel(backbone, weights, max_length=max_length)
 
 
@@ -566,7 +580,7 @@ def add_model_arguments(
     parser: argparse.ArgumentParser,
     *,
     backend_option: str = "--backend",
-    backend_help: str = "default: hf_fla on CUDA, else hf_torch",
+    backend_help: str = "default: hf_fla on CUDA, else hf_torch; merged, fused, tree: the engine's stages",
 ) -> None:
     """The flags that choose the model; shared by the server and the in-process JevBench run (which names the
     backend flag its own way)."""

@@ -618,6 +618,43 @@ def test_command_line_server_prints_ready_line_and_stops_on_sigterm():
                 process.wait(TIMEOUT_S)
 
 
+# ---------------------------------------------------------------- the engine backends
+
+
+def two_question_request() -> dict:
+    """Two questions over one context (a shared root, two question nodes, leaves of 1 and 3 candidates)."""
+    return {
+        "state": "The parcel was left at the neighbour's door two days after the promised date.",
+        "questions": {
+            "late": {"type": "noul", "instructions": "Was the parcel late?"},
+            "place": {
+                "type": "choice",
+                "instructions": "Where was it left?",
+                "criteria": {"door": "at a door", "box": "in a parcel box", "office": "at the post office"},
+            },
+        },
+    }
+
+
+def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
+    """`--backend fused` / `tree` (tiny twin, Triton interpreter): HTTP answers are exactly `decide`'s in the same
+    process, and tree's answers are fused's bit for bit (the prefix tree changes no bit on the CPU). Synthetic
+    weights: the numbers say nothing about the decisions' quality."""
+    answers = {}
+    for backend in ("fused", "tree"):
+        model = build_decision_model(backend, "tiny", seed=3)
+        with DecisionServer(model, port=0, access_log=io.StringIO()) as engine_server:
+            engine_server.start()
+            status, _, body = post(engine_server, two_question_request())
+            assert status == 200 and body["metadata"]["backend"] == backend
+            assert without_timing(body) == without_timing(model.decide(two_question_request()))
+            assert post(engine_server, INVALID_SCHEMA)[0] == 422
+        answers[backend] = body["answers"]  # probabilities, noul scores, choices and confidences as JSON floats
+    assert answers["tree"] == answers["fused"]
+    with pytest.raises(ValueError, match="unknown backend 'graphs'"):
+        build_decision_model("graphs", "tiny")
+
+
 # ---------------------------------------------------------------- the 27B reference backend (H200)
 
 
@@ -633,6 +670,24 @@ def test_gpu_27b_reference_server_answers_as_decide(drone):
             status, _, body = post(gpu_server, drone)
             assert status == 200 and body["model"] == "Qwen/Qwen3.8-27B"
             assert body["metadata"]["backend"] == "hf_fla" and body["metadata"]["synthetic_weights"] is True
+            assert without_timing(body) == without_timing(model.decide(drone))
+            assert post(gpu_server, short_request(0))[0] == 200
+    finally:
+        del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_27b_tree_server_answers_as_decide(drone):
+    """The `tree` engine on the 27B shapes behind the server: HTTP gives exactly what `decide` gives."""
+    import torch
+
+    model = build_decision_model("tree", "qwen3.8-27b")
+    try:
+        with DecisionServer(model, port=0) as gpu_server:
+            gpu_server.start()
+            status, _, body = post(gpu_server, drone)
+            assert status == 200 and body["metadata"]["backend"] == "tree"
             assert without_timing(body) == without_timing(model.decide(drone))
             assert post(gpu_server, short_request(0))[0] == 200
     finally:
