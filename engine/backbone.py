@@ -55,8 +55,9 @@ GDN core (`gdn_core`, default by device):
 
 Attention (`attention`):
 * `"varlen"` (default of `fused` and `tree`): one varlen causal call per layer over the plan's nodes
-  (`plan.attention`: a node's rows as queries, its path as keys; a flat plan's nodes are the candidates, so no key
-  gather), GQA read natively, no mask. CUDA: FlashAttention-2's varlen forward (`engine.tree.flash_node_core`);
+  (`plan.attention`: a node's rows as queries, its path as keys, which the `fused` prep kernel writes in that key
+  layout directly; a flat plan's nodes are the candidates, whose keys are the rows), GQA read natively, no mask.
+  CUDA: FlashAttention-2's varlen forward (`engine.tree.flash_node_core`);
   CPU: `engine.tree.blockwise_node_core` (fp32, fixed 64-key blocks). Both are prefix-invariant (a row's result
   depends only on its path up to itself), which is what makes `tree` bitwise against `fused`.
 * `"mask"` (default of `merged`): one `scaled_dot_product_attention` call over all rows of a batch with an additive
@@ -218,7 +219,7 @@ class _Ranges:
 #       o is [L, Hv, V] and row r is normalised from o's row o_rows[r] (a tree's packed rows from their paths)
 #   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
 #       -> q, k, v (q/k normed and roped), gate (whatever attention_gate takes); rows first: q [N, Hq, D], k, v
-#       [K, Hkv, D] gathered at key_rows (or [N, Hkv, D] when None); heads first (the masked SDPA; key_rows unused):
+#       [K, Hkv, D] at key_rows (or [N, Hkv, D] when None); heads first (the masked SDPA; key_rows unused):
 #       q [Hq, N, D], k, v [Hkv, N, D]
 #   attention_gate(attn [N, Hq, D], gate) -> [N, Hq D]
 
@@ -329,33 +330,15 @@ class _FusedOps:
         return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps, o_rows=o_rows)
 
     def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
-        """One prep launch; k and v land in one [2, N, Hkv, D] buffer so that the key gather is one launch too."""
+        """One prep launch; with key rows (a tree's node paths) k and v are prepared straight in the key layout."""
         s = self.shapes
-        t, hq, hkv, d = proj.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        dims = dict(num_heads=hq, head_dim=d)
-        if heads_first:
-            q, k, v = kernels.attn_prep(
-                proj, layer.q_norm, layer.k_norm, cos, sin, s.rms_norm_eps, num_kv_heads=hkv, layout="htd", **dims
-            )
-        else:
-            q = torch.empty(t, hq, d, dtype=proj.dtype, device=proj.device)
-            kv = torch.empty(2, t, hkv, d, dtype=proj.dtype, device=proj.device)
-            kernels.attn_prep(
-                proj,
-                layer.q_norm,
-                layer.k_norm,
-                cos,
-                sin,
-                s.rms_norm_eps,
-                num_kv_heads=hkv,
-                layout="thd",
-                out=(q, kv[0], kv[1]),
-                **dims,
-            )
-            if key_rows is not None:
-                kv = kv.index_select(1, key_rows)  # [2, K, Hkv, D]
-            k, v = kv[0], kv[1]
-        return q, k, v, kernels.attention_gate_view(proj, **dims)
+        dims = dict(num_heads=s.num_attention_heads, head_dim=s.head_dim, num_kv_heads=s.num_key_value_heads)
+        layout = "htd" if heads_first else "thd"
+        key_rows = None if heads_first else key_rows
+        q, k, v = kernels.attn_prep(
+            proj, layer.q_norm, layer.k_norm, cos, sin, s.rms_norm_eps, layout=layout, key_rows=key_rows, **dims
+        )
+        return q, k, v, kernels.attention_gate_view(proj, num_heads=dims["num_heads"], head_dim=dims["head_dim"])
 
     def attention_gate(self, attn: Tensor, gate: Tensor) -> Tensor:
         return kernels.attention_gate(attn, gate)

@@ -34,8 +34,12 @@ element itself: this reading is consistent with them, and nothing in them points
 Batch invariance: BLOCK_T comes from the head width only, never from the row count (tested).
 
 Version history:
-* v1 (this file): grid (row block, head slot), slots = H query heads, Hkv key heads, Hkv value heads; the norm
-  weight of a slot is picked by a scalar pointer select, so q and k norm weights must share a dtype.
+* v1: grid (row block, head slot), slots = H query heads, Hkv key heads, Hkv value heads; the norm weight of a
+  slot is picked by a scalar pointer select, so q and k norm weights must share a dtype.
+* v2 (this file): v1 plus optional key rows: the key and value slots prepare the rows of the prefix tree's key
+  layout (each node's path) straight from proj, instead of a gather of k and v after the launch (one launch and one
+  copy less per attention layer). Not yet compiled on the GPU when written (2026-11-30); bitwise against the
+  gathered outputs under the interpreter (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ def _attn_prep_kernel(
     cos_ptr,  # [T, r] bf16, row stride cos_sr
     sin_ptr,  # [T, r] bf16, row stride sin_sr
     q_ptr,  # q [T, H, D] or [H, T, D] bf16
-    k_ptr,  # k [T, Hkv, D] or [Hkv, T, D] bf16
+    k_ptr,  # k [T, Hkv, D] or [Hkv, T, D] bf16 ([K, Hkv, D] with HAS_KEY_ROWS)
     v_ptr,  # v like k
+    key_rows_ptr,  # [K] int32 or int64: the proj row of each key row (unused without HAS_KEY_ROWS)
     tokens,
+    keys,  # K (unused without HAS_KEY_ROWS)
     proj_sr,
     cos_sr,
     sin_sr,
@@ -86,14 +92,25 @@ def _attn_prep_kernel(
     ROTARY_DIM: tl.constexpr,  # r
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_KEY_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
     slot = tl.program_id(1)
-    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
+    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
     dim = tl.arange(0, BLOCK_D)
-    token_ok = token < tokens
+    if HAS_KEY_ROWS:  # key and value slots: output row j is proj row key_rows[j] (query slots: the rows themselves)
+        gathered = tl.load(key_rows_ptr + token, mask=token < keys, other=0).to(tl.int64)
+        if slot >= HEADS:
+            token_ok = token < keys
+            source = gathered  # [BLOCK_T]: input row (proj, cos, sin)
+        else:
+            token_ok = token < tokens
+            source = token
+    else:
+        token_ok = token < tokens
+        source = token
     mask = token_ok[:, None] & (dim < HEAD_DIM)[None, :]
-    row_base = proj_ptr + token[:, None] * proj_sr
+    row_base = proj_ptr + source[:, None] * proj_sr
     if slot < HEADS + KV_HEADS:
         # query head (slot < H) or key head: norm + partial RoPE
         is_query = slot < HEADS
@@ -111,8 +128,8 @@ def _attn_prep_kernel(
         scale_partner = 1.0 + to_f32(tl.load(weight_ptr + partner, mask=rotary, other=0.0))
         normed_partner = round_to_bf16((x_partner * inverse) * scale_partner[None, :])
         rotated = tl.where((dim < half)[None, :], -normed_partner, normed_partner)  # rotate_half(n)
-        cos = to_f32(tl.load(cos_ptr + token[:, None] * cos_sr + dim[None, :], mask=rope_mask, other=0.0))
-        sin = to_f32(tl.load(sin_ptr + token[:, None] * sin_sr + dim[None, :], mask=rope_mask, other=0.0))
+        cos = to_f32(tl.load(cos_ptr + source[:, None] * cos_sr + dim[None, :], mask=rope_mask, other=0.0))
+        sin = to_f32(tl.load(sin_ptr + source[:, None] * sin_sr + dim[None, :], mask=rope_mask, other=0.0))
         roped = round_to_bf16(round_to_bf16(normed * cos) + round_to_bf16(rotated * sin))  # n·cos + rot·sin
         out = to_bf16(tl.where(rotary[None, :], roped, normed))
         if is_query:
@@ -139,6 +156,7 @@ def attn_prep(
     num_kv_heads: int,
     head_dim: int,
     layout: str = "thd",
+    key_rows: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k RMSNorm(1 + w) + partial RoPE + layout for attention, from the merged attention projection.
@@ -146,8 +164,11 @@ def attn_prep(
     proj [T, 2·H·D + 2·Hkv·D] bf16 (any row stride, unit column stride); q_norm_weight, k_norm_weight [D] bf16 or
     fp32 (offsets of 1 + w); cos, sin [T, r] bf16 (r even, r <= D; any row stride). layout "thd" returns q [T, H, D],
     k, v [T, Hkv, D]; "htd" returns q [H, T, D], k, v [Hkv, T, D]; all contiguous bf16. out: optional (q, k, v) of
-    those shapes, written in place. Exactness: v bitwise; q, k bitwise except the fp32 sum-of-squares order of the
-    norm (module docstring), against `reference.ops.apply_partial_rope(reference.ops.rmsnorm_1p(...))`.
+    those shapes, written in place. key_rows: optional [K] int32/int64 on proj's device ("thd" only): k and v are
+    [K, Hkv, D], row j prepared from proj row key_rows[j], bit for bit what gathering the [T, ...] k and v would
+    give (the prefix tree's keys: each node's path; values in [0, T) are not checked, a device sync).
+    Exactness: v bitwise; q, k bitwise except the fp32 sum-of-squares order of the norm (module docstring), against
+    `reference.ops.apply_partial_rope(reference.ops.rmsnorm_1p(...))`.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"attn_prep: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -169,8 +190,13 @@ def attn_prep(
         )
     for name, table in (("cos", cos), ("sin", sin)):
         check_tensor(f"attn_prep: {name}", table, dtype=torch.bfloat16, shape=(tokens, rotary_dim), device=device)
+    if key_rows is not None:
+        if layout != "thd":
+            raise ValueError("attn_prep: key_rows needs layout 'thd'")
+        check_tensor("attn_prep: key_rows", key_rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+    keys = tokens if key_rows is None else key_rows.shape[0]
     if layout == "thd":
-        shapes = ((tokens, num_heads, head_dim), (tokens, num_kv_heads, head_dim), (tokens, num_kv_heads, head_dim))
+        shapes = ((tokens, num_heads, head_dim), (keys, num_kv_heads, head_dim), (keys, num_kv_heads, head_dim))
     else:
         shapes = ((num_heads, tokens, head_dim), (num_kv_heads, tokens, head_dim), (num_kv_heads, tokens, head_dim))
     if out is not None and len(out) != 3:
@@ -179,13 +205,13 @@ def attn_prep(
         output_tensor(f"attn_prep: out {name}", None if out is None else out[i], shape, torch.bfloat16, device)
         for i, (name, shape) in enumerate(zip("qkv", shapes))
     )
-    if tokens == 0:
+    if tokens == 0 and keys == 0:
         return q, k, v
     torch_cpu = kernel_mode(_attn_prep_kernel, device)
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, tile_elements(torch_cpu) // (2 * block_d))  # from the width only: batch-invariant bits
     with ieee_quiet(torch_cpu):
-        _attn_prep_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
+        _attn_prep_kernel[(triton.cdiv(max(tokens, keys), block_t), num_heads + 2 * num_kv_heads)](
             proj,
             q_norm_weight,
             k_norm_weight,
@@ -194,7 +220,9 @@ def attn_prep(
             q,
             k,
             v,
+            q if key_rows is None else key_rows,
             tokens,
+            keys,
             proj.stride(0),
             cos.stride(0),
             sin.stride(0),
@@ -208,6 +236,7 @@ def attn_prep(
             ROTARY_DIM=rotary_dim,
             BLOCK_T=block_t,
             BLOCK_D=block_d,
+            HAS_KEY_ROWS=key_rows is not None,
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,

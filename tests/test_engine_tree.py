@@ -336,8 +336,8 @@ def test_launch_counts_per_forward(merged_weights, shared_dir, monkeypatch):
     first norm, read-row gather and one zero fill of FLA's solve buffer: 4 + 48 x 14 + 16 x 10 = 836 (883 with FLA's
     function, which fills the buffer in every layer). No torch op besides the embedding gather, the GEMMs
     and the read-row gather (no copies, repeats or casts). tree (replicated GDN): the prep kernel reads the paths and
-    the gated norm the representative rows through row indices (no gather), + the key/value gather per attention
-    layer: 4 + 48 x 14 + 16 x 11 = 852.
+    the gated norm the representative rows through row indices, and the attention prep writes k and v in the key
+    layout (no gather anywhere): the same 836 launches as fused.
     """
     if isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
         pytest.skip("kernels were compiled, not interpreted: this count patches the interpreter")
@@ -360,6 +360,5 @@ def test_launch_counts_per_forward(merged_weights, shared_dir, monkeypatch):
     assert dict(fused_counts["torch"]) == {"embedding": 1, "mm": 4 * TINY.num_layers, "index_select": 1}
     assert (fused["per_gdn_layer"], fused["per_attention_layer"], fused["total"]) == (14, 10, 836)
     tree_counts, tree = results["tree"]
-    assert (tree["per_gdn_layer"], tree["per_attention_layer"], tree["total"]) == (14, 11, 852)
-    gathers = TINY.layer_types.count("full_attention") + 1  # the key/value gathers and the read rows
-    assert dict(tree_counts["torch"]) == {"embedding": 1, "mm": 4 * TINY.num_layers, "index_select": gathers}
+    assert (tree["per_gdn_layer"], tree["per_attention_layer"], tree["total"]) == (14, 10, 836)  # fused's count
+    assert dict(tree_counts["torch"]) == {"embedding": 1, "mm": 4 * TINY.num_layers, "index_select": 1}  # read rows

@@ -122,8 +122,9 @@ def test_gpu_bit_identity_27b(rows: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_row_indexed_kernels_27b() -> None:
-    """gdn_prep through `rows` and gated_rmsnorm through `o_rows` (the tree's paths, read without a gather) equal
-    the calls on gathered copies bit for bit at the 27B shapes, every output written (NaN-poisoned)."""
+    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the tree's paths,
+    read without a gather) equal the calls on gathered copies bit for bit at the 27B shapes, every output written
+    (NaN-poisoned where the test passes `out`)."""
     _require_compiled_kernels()
     import kernels
 
@@ -146,6 +147,12 @@ def test_gpu_row_indexed_kernels_27b() -> None:
     want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, s.rms_norm_eps)
     got = kernels.gated_rmsnorm(o, z, weight, s.rms_norm_eps, o_rows=o_rows, out=torch.full_like(want, float("nan")))
     assert not got.isnan().any() and torch.equal(got, want)
+    key_rows = torch.randint(0, 400, (1300,), generator=generator, device="cuda")  # node-path keys, repeats
+    prep_args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"])
+    prep_dims = dict(num_heads=s.num_attention_heads, num_kv_heads=s.num_key_value_heads, head_dim=s.head_dim)
+    q_full, k_full, v_full = kernels.attn_prep(*prep_args, s.rms_norm_eps, **prep_dims)
+    q, k, v = kernels.attn_prep(*prep_args, s.rms_norm_eps, key_rows=key_rows, **prep_dims)
+    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
 
 
 @pytest.mark.gpu

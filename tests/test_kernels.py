@@ -91,8 +91,8 @@ def test_gdn_prep_packed_sequences_tiny() -> None:
 
 def test_row_indexed_gdn_prep_and_gated_rmsnorm_equal_the_gathered_calls_tiny() -> None:
     """The tree's row indices (repeats, any order, fewer or more rows than the source): gdn_prep reading proj through
-    `rows` and gated_rmsnorm reading o through `o_rows` equal the calls on index_select-gathered copies, bit for
-    bit, with every output written (NaN-poisoned `out`)."""
+    `rows`, gated_rmsnorm reading o through `o_rows` and attn_prep preparing k and v at `key_rows` equal the calls on
+    gathered copies, bit for bit, with every output written (NaN-poisoned `out`)."""
     act = random_activations(TINY, [40], "cpu", seed=3)
     generator = torch.Generator().manual_seed(3)
     rows = torch.randint(0, 40, (57,), generator=generator)  # a gathered layout longer than the source, repeats
@@ -113,6 +113,17 @@ def test_row_indexed_gdn_prep_and_gated_rmsnorm_equal_the_gathered_calls_tiny() 
     out = torch.full_like(want, float("nan"))
     got = kernels.gated_rmsnorm(o, z, weight, TINY.rms_norm_eps, o_rows=o_rows, out=out)
     assert got is out and not got.isnan().any() and torch.equal(got, want)
+
+    attn = random_activations(TINY, [40], "cpu", seed=4)
+    key_rows = torch.randint(0, 40, (57,), generator=generator)  # a node-path key layout with repeats
+    prep_args = (attn["attn_proj"], attn["q_norm_weight"], attn["k_norm_weight"], attn["cos"], attn["sin"])
+    prep_dims = dict(num_heads=TINY.num_attention_heads, num_kv_heads=TINY.num_key_value_heads, head_dim=TINY.head_dim)
+    q_full, k_full, v_full = kernels.attn_prep(*prep_args, TINY.rms_norm_eps, **prep_dims)
+    shapes = (q_full.shape, (len(key_rows), *k_full.shape[1:]), (len(key_rows), *v_full.shape[1:]))
+    poisoned = tuple(torch.full(shape, float("nan"), dtype=torch.bfloat16) for shape in shapes)
+    q, k, v = kernels.attn_prep(*prep_args, TINY.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
+    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
+    assert not any(t.isnan().any() for t in (q, k, v))
 
 
 def test_gdn_prep_without_l2norm_tiny() -> None:
@@ -319,6 +330,22 @@ def test_round_to_bf16_matches_torch() -> None:
                 layout="bhtd",
             ),
             "layout",
+        ),
+        (
+            lambda: kernels.attn_prep(
+                torch.randn(4, TINY.attn_in_width).bfloat16(),
+                torch.zeros(64),
+                torch.zeros(64),
+                torch.randn(4, 16).bfloat16(),
+                torch.randn(4, 16).bfloat16(),
+                1e-6,
+                num_heads=6,
+                num_kv_heads=1,
+                head_dim=64,
+                layout="htd",
+                key_rows=torch.tensor([0, 3]),
+            ),
+            "key_rows needs layout 'thd'",
         ),
         (
             lambda: kernels.attn_prep(
