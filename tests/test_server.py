@@ -659,35 +659,19 @@ def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
 
 
 @pytest.mark.gpu
-def test_gpu_27b_reference_server_answers_as_decide(drone):
-    """hf_fla on the 27B shapes (synthetic weights): HTTP gives exactly what `decide` gives, in the same process."""
+@pytest.mark.parametrize("backend", ["hf_fla", "tree"])
+def test_gpu_27b_server_answers_as_decide(drone, backend):
+    """The original (hf_fla) and the engine's tree stage on the 27B shapes (synthetic weights) behind the server:
+    HTTP gives exactly what `decide` gives, in the same process."""
     import torch
 
-    model = build_decision_model("hf_fla", "qwen3.8-27b")
+    model = build_decision_model(backend, "qwen3.8-27b")
     try:
         with DecisionServer(model, port=0) as gpu_server:
             gpu_server.start()
             status, _, body = post(gpu_server, drone)
             assert status == 200 and body["model"] == "Qwen/Qwen3.8-27B"
-            assert body["metadata"]["backend"] == "hf_fla" and body["metadata"]["synthetic_weights"] is True
-            assert without_timing(body) == without_timing(model.decide(drone))
-            assert post(gpu_server, short_request(0))[0] == 200
-    finally:
-        del model
-        torch.cuda.empty_cache()
-
-
-@pytest.mark.gpu
-def test_gpu_27b_tree_server_answers_as_decide(drone):
-    """The `tree` engine on the 27B shapes behind the server: HTTP gives exactly what `decide` gives."""
-    import torch
-
-    model = build_decision_model("tree", "qwen3.8-27b")
-    try:
-        with DecisionServer(model, port=0) as gpu_server:
-            gpu_server.start()
-            status, _, body = post(gpu_server, drone)
-            assert status == 200 and body["metadata"]["backend"] == "tree"
+            assert body["metadata"]["backend"] == backend and body["metadata"]["synthetic_weights"] is True
             assert without_timing(body) == without_timing(model.decide(drone))
             assert post(gpu_server, short_request(0))[0] == 200
     finally:
