@@ -17,6 +17,7 @@ Synthetic data and weights: the shares say nothing about model accuracy, only ab
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -41,6 +42,8 @@ from reference.shapes import QWEN38_27B, ModelShapes
 
 __all__ = [  # the names tests/test_kernels.py imports from here
     "BITWISE",
+    "check_row_indexed_kernels",
+    "gdn_dims",
     "ONE_ULP_MIN_SHARE",
     "bit_identity_table",
     "check_rows",
@@ -100,6 +103,68 @@ def random_activations(
 # GPU tests
 
 
+def gdn_dims(shapes: ModelShapes) -> dict[str, int]:
+    """The head counts and sizes `kernels.gdn_prep` takes, of a model's shapes."""
+    return {
+        "num_k_heads": shapes.linear_num_key_heads,
+        "num_v_heads": shapes.linear_num_value_heads,
+        "head_k_dim": shapes.linear_key_head_dim,
+        "head_v_dim": shapes.linear_value_head_dim,
+    }
+
+
+def check_row_indexed_kernels(
+    shapes: ModelShapes,
+    device: str,
+    *,
+    source_rows: int,
+    path_lens: Sequence[int],
+    out_rows: int,
+    keys: int,
+    seed: int,
+    index_dtype: torch.dtype,
+) -> None:
+    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the prefix tree's
+    paths, read without a gather) against the same kernels on index_select-gathered copies: bit for bit, every output
+    written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an empty one allowed)
+    and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
+    import kernels
+
+    act = random_activations(shapes, [source_rows], device, seed=seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def index(count: int) -> torch.Tensor:
+        return torch.randint(0, source_rows, (count,), generator=generator, device=device).to(index_dtype)
+
+    rows = index(sum(path_lens))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(path_lens)], dtype=torch.int32, device=device)
+    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
+    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **gdn_dims(shapes))
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
+    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **gdn_dims(shapes))
+    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
+        assert not got.isnan().any() and torch.equal(got, want), name
+
+    o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [source_rows, Hv, V]
+    z = act["gdn_proj"][:out_rows, shapes.conv_dim : shapes.conv_dim + shapes.linear_value_dim]  # row-strided slice
+    o_rows = index(out_rows)
+    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, shapes.rms_norm_eps)
+    out = torch.full_like(want, float("nan"))
+    got = kernels.gated_rmsnorm(o, z, weight, shapes.rms_norm_eps, o_rows=o_rows, out=out)
+    assert got is out and not got.isnan().any() and torch.equal(got, want)
+
+    key_rows = index(keys)
+    prep_args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"])
+    heads = {"num_heads": shapes.num_attention_heads, "num_kv_heads": shapes.num_key_value_heads}
+    prep_dims = heads | {"head_dim": shapes.head_dim}
+    q_full, k_full, v_full = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, **prep_dims)
+    sizes = (q_full.shape, (keys, *k_full.shape[1:]), (keys, *v_full.shape[1:]))
+    poisoned = tuple(torch.full(size, float("nan"), dtype=torch.bfloat16, device=device) for size in sizes)
+    q, k, v = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
+    assert not any(t.isnan().any() for t in (q, k, v))
+    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
+
+
 def _require_compiled_kernels() -> None:
     import triton
 
@@ -122,37 +187,12 @@ def test_gpu_bit_identity_27b(rows: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_row_indexed_kernels_27b() -> None:
-    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the tree's paths,
-    read without a gather) equal the calls on gathered copies bit for bit at the 27B shapes, every output written
-    (NaN-poisoned where the test passes `out`)."""
+    """`check_row_indexed_kernels` at the 27B shapes: drone-like path (971 rows), output (337) and key (1300) counts."""
     _require_compiled_kernels()
-    import kernels
-
-    s = QWEN38_27B
-    act = random_activations(s, [400], "cuda", seed=8)
-    generator = torch.Generator(device="cuda").manual_seed(8)
-    rows = torch.randint(0, 400, (971,), generator=generator, device="cuda")  # longer than the source, repeats
-    cu_seqlens = torch.tensor([0, 300, 301, 578, 971], dtype=torch.int32, device="cuda")
-    dims = {"num_k_heads": s.linear_num_key_heads, "num_v_heads": s.linear_num_value_heads,
-            "head_k_dim": s.linear_key_head_dim, "head_v_dim": s.linear_value_head_dim}  # fmt: skip
-    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
-    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **dims)
-    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
-    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **dims)
-    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
-        assert not got.isnan().any() and torch.equal(got, want), name
-    o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [400, Hv, V]
-    z = act["gdn_proj"][:337, s.conv_dim : s.conv_dim + s.linear_value_dim]
-    o_rows = torch.randint(0, 400, (337,), generator=generator, device="cuda")
-    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, s.rms_norm_eps)
-    got = kernels.gated_rmsnorm(o, z, weight, s.rms_norm_eps, o_rows=o_rows, out=torch.full_like(want, float("nan")))
-    assert not got.isnan().any() and torch.equal(got, want)
-    key_rows = torch.randint(0, 400, (1300,), generator=generator, device="cuda")  # node-path keys, repeats
-    prep_args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"])
-    prep_dims = dict(num_heads=s.num_attention_heads, num_kv_heads=s.num_key_value_heads, head_dim=s.head_dim)
-    q_full, k_full, v_full = kernels.attn_prep(*prep_args, s.rms_norm_eps, **prep_dims)
-    q, k, v = kernels.attn_prep(*prep_args, s.rms_norm_eps, key_rows=key_rows, **prep_dims)
-    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
+    check_row_indexed_kernels(
+        QWEN38_27B, "cuda", source_rows=400, path_lens=[300, 1, 277, 393], out_rows=337, keys=1300, seed=8,
+        index_dtype=torch.int64,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu

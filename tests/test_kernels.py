@@ -31,9 +31,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from test_gpu_kernels import (  # noqa: E402
     bit_identity_table,
+    check_row_indexed_kernels,
     check_rows,
     compare,
     format_table,
+    gdn_dims,
     random_activations,
     reference_gdn_prep,
 )
@@ -77,7 +79,7 @@ def test_gdn_prep_packed_sequences_tiny() -> None:
     _report(f"tiny gdn_prep, packed {lens}", table)
     check_rows(table, relaxed=CPU_RELAXED)
 
-    dims = _gdn_dims(TINY)
+    dims = gdn_dims(TINY)
     args = (act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"])
     packed = kernels.gdn_prep(*args, act["gdn_cu_seqlens"], **dims)
     offsets = act["gdn_cu_seqlens"].tolist()
@@ -89,41 +91,12 @@ def test_gdn_prep_packed_sequences_tiny() -> None:
             assert torch.equal(got[:, start:end], want), (start, end)
 
 
-def test_row_indexed_gdn_prep_and_gated_rmsnorm_equal_the_gathered_calls_tiny() -> None:
-    """The tree's row indices (repeats, any order, fewer or more rows than the source): gdn_prep reading proj through
-    `rows`, gated_rmsnorm reading o through `o_rows` and attn_prep preparing k and v at `key_rows` equal the calls on
-    gathered copies, bit for bit, with every output written (NaN-poisoned `out`)."""
-    act = random_activations(TINY, [40], "cpu", seed=3)
-    generator = torch.Generator().manual_seed(3)
-    rows = torch.randint(0, 40, (57,), generator=generator)  # a gathered layout longer than the source, repeats
-    cu_seqlens = torch.tensor([0, 5, 5, 30, 57], dtype=torch.int32)  # with an empty sequence
-    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
-    dims = _gdn_dims(TINY)
-    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **dims)
-    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
-    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows.to(torch.int32), out=poisoned, **dims)
-    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
-        assert not got.isnan().any() and torch.equal(got, want), name
-
-    o, z, weight = act["gdn_core_out"], act["gdn_proj"], act["gdn_norm_weight"]  # o [40, Hv, V]
-    heads, dim = o.shape[1], o.shape[2]
-    z = z[:29, TINY.conv_dim : TINY.conv_dim + heads * dim]  # 29 output rows, a row-strided slice
-    o_rows = torch.randint(0, 40, (29,), generator=generator)
-    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, TINY.rms_norm_eps)
-    out = torch.full_like(want, float("nan"))
-    got = kernels.gated_rmsnorm(o, z, weight, TINY.rms_norm_eps, o_rows=o_rows, out=out)
-    assert got is out and not got.isnan().any() and torch.equal(got, want)
-
-    attn = random_activations(TINY, [40], "cpu", seed=4)
-    key_rows = torch.randint(0, 40, (57,), generator=generator)  # a node-path key layout with repeats
-    prep_args = (attn["attn_proj"], attn["q_norm_weight"], attn["k_norm_weight"], attn["cos"], attn["sin"])
-    prep_dims = dict(num_heads=TINY.num_attention_heads, num_kv_heads=TINY.num_key_value_heads, head_dim=TINY.head_dim)
-    q_full, k_full, v_full = kernels.attn_prep(*prep_args, TINY.rms_norm_eps, **prep_dims)
-    shapes = (q_full.shape, (len(key_rows), *k_full.shape[1:]), (len(key_rows), *v_full.shape[1:]))
-    poisoned = tuple(torch.full(shape, float("nan"), dtype=torch.bfloat16) for shape in shapes)
-    q, k, v = kernels.attn_prep(*prep_args, TINY.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
-    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
-    assert not any(t.isnan().any() for t in (q, k, v))
+def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
+    """`check_row_indexed_kernels` on the tiny twin: 57 path rows (an empty path) over 40 source rows, 29 output
+    rows, 57 keys; int32 indices (the GPU test uses int64)."""
+    check_row_indexed_kernels(
+        TINY, "cpu", source_rows=40, path_lens=[5, 0, 25, 27], out_rows=29, keys=57, seed=3, index_dtype=torch.int32
+    )
 
 
 def test_gdn_prep_without_l2norm_tiny() -> None:
@@ -136,7 +109,7 @@ def test_gdn_prep_without_l2norm_tiny() -> None:
         act["dt_bias"],
         act["gdn_cu_seqlens"],
         qk_l2norm=False,
-        **_gdn_dims(TINY),
+        **gdn_dims(TINY),
     )
     want = reference_gdn_prep(
         act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"], act["gdn_cu_seqlens"], TINY, qk_l2norm=False
@@ -286,7 +259,7 @@ def test_round_to_bf16_matches_torch() -> None:
                 torch.zeros(6),
                 torch.tensor([0, 3]),
                 rows=torch.tensor([0.0, 1.0, 2.0]),
-                **_gdn_dims(TINY),
+                **gdn_dims(TINY),
             ),
             "rows: dtype torch.float32",
         ),
@@ -301,7 +274,7 @@ def test_round_to_bf16_matches_torch() -> None:
                 torch.zeros(6),
                 torch.zeros(6),
                 torch.tensor([0, 5]),
-                **_gdn_dims(TINY),
+                **gdn_dims(TINY),
             ),
             "bf16 only",
         ),
@@ -312,7 +285,7 @@ def test_round_to_bf16_matches_torch() -> None:
                 torch.zeros(6),
                 torch.zeros(6),
                 torch.tensor([0.0, 5.0]),
-                **_gdn_dims(TINY),
+                **gdn_dims(TINY),
             ),
             "cu_seqlens: dtype",
         ),
@@ -366,12 +339,3 @@ def test_round_to_bf16_matches_torch() -> None:
 def test_launchers_reject_bad_inputs(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
-
-
-def _gdn_dims(shapes) -> dict[str, int]:
-    return {
-        "num_k_heads": shapes.linear_num_key_heads,
-        "num_v_heads": shapes.linear_num_value_heads,
-        "head_k_dim": shapes.linear_key_head_dim,
-        "head_v_dim": shapes.linear_value_head_dim,
-    }
