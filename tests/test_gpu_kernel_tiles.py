@@ -36,6 +36,8 @@ def equal_share(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def silu_mul_cases() -> list[dict]:
+    import triton
+
     from kernels.activations import LAUNCH_OPTIONS, _silu_mul_kernel
     from reference.shapes import QWEN38_27B as S
 
@@ -47,7 +49,7 @@ def silu_mul_cases() -> list[dict]:
     for block_r, block_n, warps in [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (16, 1024, 8), (2, 2048, 4),
                                     (4, 2048, 8), (1, 4096, 4), (2, 4096, 8), (16, 512, 4), (32, 512, 8)]:  # fmt: skip
         out = torch.full((ROWS, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grid = (triton_cdiv(ROWS, block_r), triton_cdiv(inter, block_n))
+        grid = (triton.cdiv(ROWS, block_r), triton.cdiv(inter, block_n))
 
         def launch(out=out, block_r=block_r, block_n=block_n, warps=warps, grid=grid):
             _silu_mul_kernel[grid](gate_up, out, ROWS, gate_up.stride(0), INTER=inter, BLOCK_R=block_r,
@@ -141,10 +143,6 @@ def gdn_prep_cases() -> list[dict]:
                         "tbps": nbytes / us / 1e6, "equal_share": share,
                         "nan_free": not any(t.isnan().any().item() for t in outs)})  # fmt: skip
     return results
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def test_gpu_kernel_tile_sweep_27b():
