@@ -13,7 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # = engine.backbone.ROW_INVARIANT_CUBLAS
+    from engine.backbone import use_row_invariant_gemms  # imports FLA through reference/model.py, in its order
+
+    use_row_invariant_gemms()
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-ROW_INVARIANT_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}  # engine.backbone's (not imported: __main__ needs no path)
 ROW_PAIRS = [(359, 199), (330, 190), (347, 179), (277, 160), (294, 150), (971, 337)]  # last: drone (bitwise there)
 
 
@@ -69,6 +68,8 @@ def measure() -> list[dict]:
 
 @pytest.mark.gpu
 def test_gpu_gemm_row_count_invariance_27b():
+    from engine.backbone import ROW_INVARIANT_CUBLAS
+
     runs = {}
     default_env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}  # conftest sets it
     for label, env in (("default", default_env), ("no_workspace", default_env | ROW_INVARIANT_CUBLAS)):
