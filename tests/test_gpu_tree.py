@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ablations import timing
 from engine.backbone import EngineBackbone
-from engine.gdn_core import FlaForwardCore
+from engine.gdn_core import FlaForwardCore, fla_chunk_function
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
 from engine.tree import (
     choose_gdn_mode,
@@ -90,12 +90,6 @@ def long_single_question(seed: int = 0) -> tuple[list[list[int]], list[int]]:
 def plans(workload: str) -> tuple[TreePlan, TreePlan]:
     candidates, groups = long_single_question() if workload == "long4k" else open_jev_candidates(workload)
     return plan_tree(candidates, groups, device=DEVICE), plan_flat(candidates, groups, device=DEVICE)
-
-
-def fla_core():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule
 
 
 def gdn_inputs(num_rows: int, seed: int):
@@ -214,7 +208,7 @@ def test_gpu_gdn_fla_tree_bitwise(workload, mode, tree_core):
     schedule) against FLA's function over the unshared candidates: bitwise."""
     if importlib.util.find_spec("flash_qla") is not None:
         print("\nflash_qla is installed; FLA_FLASH_QLA =", os.environ.get("FLA_FLASH_QLA"))
-    core = fla_core()
+    core = fla_chunk_function()  # FLA's public function, as `merged` and the flat reference call it
     tree, flat = plans(workload)
     q, k, v, g, beta = gdn_inputs(tree.num_rows, seed=2)
     poisoned = torch.full((tree.num_rows, *v.shape[1:]), float("nan"), dtype=v.dtype, device=DEVICE)
