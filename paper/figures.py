@@ -594,14 +594,17 @@ def target_rows(record: dict) -> list[dict[str, Any]]:
     return rows
 
 
+def _gpu_results(root: Path, suffix: str) -> list[tuple[Path, dict]]:
+    """Every `gpu/*-<suffix>.json` a GPU test wrote, with its data, oldest first (the names start with UTC time)."""
+    return [(path, json.loads(path.read_text())) for path in sorted((root / "gpu").glob(f"*-{suffix}.json"))]
+
+
 def handoff_target(root: Path) -> dict[str, Any] | None:
     """Issue 5's hand-off target from the newest `gpu/*-gdn-handoff.json` (tests/test_gpu_tree.py) that records GPU
     kernel time, or None when there is none."""
-    found = []
-    for path in sorted((root / "gpu").glob("*-gdn-handoff.json")):
-        data = json.loads(path.read_text())
-        if "gpu_busy_handoff_over_prefill" in data:
-            found.append((path, data))
+    found = [
+        (path, data) for path, data in _gpu_results(root, "gdn-handoff") if "gpu_busy_handoff_over_prefill" in data
+    ]
     if not found:
         return None
     path, data = found[-1]
@@ -615,8 +618,8 @@ def handoff_target(root: Path) -> dict[str, Any] | None:
 
 
 def _newest_gpu_file(root: Path, suffix: str) -> tuple[Path, dict] | None:
-    files = sorted((root / "gpu").glob(f"*-{suffix}.json"))
-    return (files[-1], json.loads(files[-1].read_text())) if files else None
+    results = _gpu_results(root, suffix)
+    return results[-1] if results else None
 
 
 def gpu_test_tables(root: Path) -> list[dict[str, Any]]:
@@ -1087,21 +1090,19 @@ def readme_ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
         )
         figure = figure_path(root, "ladder", record).name
         parts.append(f"![ladder](results/figures/{figure})\n")
-        table = ladder_table(record)
-        parts.append("| " + " | ".join(table[0]) + " |")
-        parts.append("|" + "---|" * len(table[0]))
-        parts += ["| " + " | ".join(row) + " |" for row in table[1:]]
-        parts.append("")
+        parts += [_markdown_table(ladder_table(record)), ""]
         if plan["device"] == "cuda":
             parts.append(
                 "Targets of issues 4 and 5 in this record (synthetic weights: |dp| is fidelity, not accuracy):\n"
             )
-            table = targets_table(plan_target_rows(record, root))
-            parts.append("| " + " | ".join(table[0]) + " |")
-            parts.append("|" + "---|" * len(table[0]))
-            parts += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table[1:]]
-            parts.append("")
+            parts += [_markdown_table(targets_table(plan_target_rows(record, root))), ""]
     return "\n".join(parts) if parts else "No run record yet.\n"
+
+
+def _markdown_table(table: list[list[str]]) -> str:
+    """A header row and data rows as a Markdown table (a `|` inside a cell escaped)."""
+    lines = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table]
+    return "\n".join([lines[0], "|" + "---|" * len(table[0]), *lines[1:]])
 
 
 def replace_between_markers(text: str, block: str) -> str:
