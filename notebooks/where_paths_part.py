@@ -113,7 +113,8 @@ if gemm_files:
     runs = json.loads(gemm_files[-1].read_text())
     print(f"GPU test: {gemm_files[-1].name}")
     frames = []
-    for setting, cases in runs.items():
+    for setting in ("default", "no_workspace"):
+        cases = runs[setting]
         frame = pd.DataFrame(cases)
         frame["setting"] = setting
         frames.append(frame)

@@ -205,7 +205,10 @@ def checks() -> dict:
         "fla_forward_core_first_departing_state": None if core_equal else core_states_equal.index(False),
     }
     if os.environ.get("OUT"):
+        from ablations import envinfo
+
         written = {k: v for k, v in checks.items() if k != "plan"} | {"workload": WORKLOAD, "synthetic_weights": True}
+        written["env"] = envinfo.collect("cuda")  # commit, GPU, versions, time
         Path(os.environ["OUT"], "gpu_engine_checks.json").write_text(json.dumps(written, indent=1))
     return checks
 

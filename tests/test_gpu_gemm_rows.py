@@ -86,7 +86,10 @@ def test_gpu_gemm_row_count_invariance_27b():
         lines.append(f"{case['gemm']:<9} {case['flat_rows']:>4}>{case['tree_rows']:<4}   " + "   ".join(cells))
     print("\n".join(lines))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_gemm_rows.json").write_text(json.dumps(runs, indent=1))
+        from ablations import envinfo
+
+        written = runs | {"env": envinfo.collect("cuda")}  # commit, GPU, versions, time
+        Path(os.environ["OUT"], "gpu_gemm_rows.json").write_text(json.dumps(written, indent=1))
     expected = len(gemm_shapes()) * len(ROW_PAIRS)
     assert all(len(cases) == expected for cases in runs.values())
     assert all(c["equal_row_share"] == 1.0 for c in runs["no_workspace"])

@@ -153,7 +153,10 @@ def test_gpu_kernel_tile_sweep_27b():
                      f"{r['tbps'] / COPY_TBPS:8.0%} {r['equal_share']:10.6f}")  # fmt: skip
     print("\n".join(lines) + "\n(first row of each kernel: the shipped tile; synthetic random inputs)")
     if os.environ.get("OUT"):
+        from ablations import envinfo
+
         out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": ROWS, "cases": rows}
+        out["env"] = envinfo.collect("cuda")  # commit, GPU, versions, time
         Path(os.environ["OUT"], "gpu_kernel_tiles.json").write_text(json.dumps(out, indent=1))
     assert all(r["nan_free"] for r in rows), [r for r in rows if not r["nan_free"]]  # every output element written
     assert all(r["equal_share"] == 1.0 for r in rows if r["kernel"] == "silu_mul")

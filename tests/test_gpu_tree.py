@@ -43,7 +43,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ablations import timing
+from ablations import envinfo, timing
 from engine.backbone import EngineBackbone
 from engine.gdn_core import FlaForwardCore, fla_chunk_function
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
@@ -428,6 +428,7 @@ def test_gpu_gdn_handoff_time():
             "timer": "cuda_time_ms (tests/test_gpu_tree.py)",
             "core_options": ENGINE_CORE_OPTIONS,
         }
+        out["env"] = envinfo.collect("cuda")  # commit, GPU, versions, time
         Path(os.environ["OUT"], "gpu_gdn_handoff.json").write_text(json.dumps(out, indent=1))
     assert choose_gdn_mode(tree) == "handoff"
     assert busy["handoff"] <= 1.3 * busy["prefill"]
