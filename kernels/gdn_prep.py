@@ -45,10 +45,17 @@ Version history:
   (log2(N) loads, no host sync), and loads its W taps directly from proj (masked before the sequence start).
   On the H200, 971 rows at the 27B widths: 33.8 us (29% of the copy rate); 8-64 rows per block with 4 or 8 warps
   were all slower, 35.1-50.7 us (attempt `fused-kernel-tile-retune`).
-* v2 (this file): v1 plus an optional row index (`rows`): the prefix tree's candidate paths are read through it
-  instead of being gathered by a separate index_select first (one launch and one [paths, proj width] copy less per
-  GDN layer). Not yet compiled on the GPU when written (2026-11-30); tests/test_kernels.py checks it bitwise
-  against the gathered call under the interpreter.
+* v3 (this file): the row-index load is masked by the row's validity alone, at a clamped index, instead of by the
+  tap's `source_ok` (which comes from the binary search): the loaded index is still used only where `source_ok`
+  holds, so the bits are v2's. v2's mask made Triton 3.6 fail to compile the row-indexed kernel when the search takes
+  4 or 5 steps (9-32 packed sequences): in the H200 ladder at commit e0c0b5d, `tree` errored on
+  context-512-choice-8 (10 node segments) and ran on the 15 other workloads. Reproduced and checked without a GPU by
+  `python -m kernels.compile_check` (tests/test_kernels.py runs it).
+* v2: v1 plus an optional row index (`rows`): the prefix tree's candidate paths are read through it instead of being
+  gathered by a separate index_select first (one launch and one [paths, proj width] copy less per GDN layer). In the
+  H200 ladder at e0c0b5d the tree forward launched 839 kernels per drone request (952 with the gathers, run 89aea6c).
+  tests/test_kernels.py checks it bitwise against the gathered call under the interpreter, tests/test_gpu_kernels.py
+  on the H200.
 * v0 reused names (`x`, `out_offset`) with other shapes in the conv and the gate branch of the runtime `if`: the
   interpreter ran it, the sm_90 compile failed ("Mismatched type for out_offset between then block and else
   block"); Triton merges same-named variables across runtime branches.
@@ -139,7 +146,7 @@ def _gdn_prep_kernel(
             source = token - (WIDTH - 1) + tap  # oldest tap first
             source_ok = token_ok & (source >= start)
             if HAS_ROWS:  # the conv input's row `source` is proj's row rows[source]
-                source = tl.load(rows_ptr + source, mask=source_ok, other=0).to(tl.int64)
+                source = tl.load(rows_ptr + tl.maximum(source, 0), mask=token_ok, other=0).to(tl.int64)
             x = to_f32(
                 tl.load(
                     proj_ptr + source[:, None] * proj_sr + channel[None, :],

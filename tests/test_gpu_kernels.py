@@ -186,11 +186,18 @@ def test_gpu_bit_identity_27b(rows: int) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_row_indexed_kernels_27b() -> None:
-    """`check_row_indexed_kernels` at the 27B shapes: drone-like path (971 rows), output (337) and key (1300) counts."""
+@pytest.mark.parametrize(
+    "path_lens",
+    [[300, 1, 277, 393], [64, 0, 3, 129, 70, 1, 65, 200, 31, 90], [4] * 255],
+    ids=["4-paths", "10-paths", "255-paths"],
+)
+def test_gpu_row_indexed_kernels_27b(path_lens: list[int]) -> None:
+    """`check_row_indexed_kernels` at the 27B shapes: drone-like output (337) and key (1300) counts; 4, 10 and 255
+    paths, so gdn_prep's binary search over the sequence starts takes 2, 4 and 8 steps (Triton 3.6 failed to compile
+    the row-indexed kernel from 4 steps on before gdn_prep v3)."""
     _require_compiled_kernels()
     check_row_indexed_kernels(
-        QWEN38_27B, "cuda", source_rows=400, path_lens=[300, 1, 277, 393], out_rows=337, keys=1300, seed=8,
+        QWEN38_27B, "cuda", source_rows=400, path_lens=path_lens, out_rows=337, keys=1300, seed=8,
         index_dtype=torch.int64,
     )  # fmt: skip
 

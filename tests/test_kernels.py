@@ -20,6 +20,7 @@ Every test prints its bit-identity table (`pytest -s` shows it).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,29 @@ def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
     check_row_indexed_kernels(
         TINY, "cpu", source_rows=40, path_lens=[5, 0, 25, 27], out_rows=29, keys=57, seed=3, index_dtype=torch.int32
     )
+
+
+def test_gdn_prep_compiles_for_sm90() -> None:
+    """`python -m kernels.compile_check`: gdn_prep compiles for sm_90 with the installed Triton at every binary-search
+    depth, with and without a row index (the interpreter never runs Triton's compiler passes, kernels/compile_check.py).
+    A subprocess, because this process defined the kernels under TRITON_INTERPRET=1."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check"],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(done.stdout)
+    lines = [line for line in done.stdout.splitlines() if "SEARCH_STEPS=" in line]
+    assert done.returncode == 0 and len(lines) == 14, done.stdout + done.stderr[-3000:]
+    assert all(line.endswith(" ok") for line in lines), done.stdout
 
 
 def test_gdn_prep_without_l2norm_tiny() -> None:
