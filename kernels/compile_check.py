@@ -4,8 +4,8 @@ interpret the kernels.
     python -m kernels.compile_check            # gdn_prep at every specialisation the engine can launch, for sm_90
 
 The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still fail
-to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 or more packed
-sequences (SEARCH_STEPS >= 4) the pass TritonGPURemoveLayoutConversions failed ("'tt.load' op failed to verify that mask
+to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 to 32 packed
+sequences (SEARCH_STEPS 4 or 5) TritonGPURemoveLayoutConversions failed ("'tt.load' op failed to verify that mask
 type matches ptr type"), in the H200 ladder run at commit e0c0b5d (tree, context-512-choice-8). This module reproduced
 it on a CPU-only machine with Triton 3.6.0 (SEARCH_STEPS 4 and 5 failed; 0-3, 8 and 12 compiled; Triton 3.9 compiled
 all), and shows v3 compiling everywhere with both. `triton.compile` runs the whole pipeline down to a cubin with
