@@ -23,15 +23,28 @@ concatenated in candidate order), the inputs each kernel takes, in the kernels' 
 `bit_identity_table(activations, shapes)` runs every kernel whose inputs are present on NaN-poisoned outputs,
 computes the same outputs with `reference.ops` on the same device, and returns one row per output:
     {"kernel", "output", "layer", "elements", "bit_identical", "share", "max_ulp", "max_abs_diff", "unwritten"}
-(ulp = distance in representable values of the output dtype, bf16 or fp32; `unwritten` counts NaNs left in the
-kernel's output where the reference has none; `max_abs_diff` is None when such a NaN makes it undefined).
-Extra keys are ignored; a group with a missing key is skipped. eps is `shapes.rms_norm_eps` (1e-6 for the GDN
-l2norm, as FLA).
+and, for the FLIP_MODEL outputs, "unexplained" (below) (ulp = distance in representable values of the output
+dtype, bf16 or fp32; `unwritten` counts NaNs left in the kernel's output where the reference has none;
+`max_abs_diff` is None when such a NaN makes it undefined). Extra keys are ignored; a group with a missing key is
+skipped. eps is `shapes.rms_norm_eps` (1e-6 for the GDN l2norm, as FLA).
 
-Expected exactness (reasons in each kernel module's docstring; `check_rows` asserts it):
+Expected exactness (reasons in each kernel module's docstring; `check_rows` asserts it). The one rounding point the
+kernels do not reproduce is the order of the fp32 sum of squares (Triton sums in another order than torch): it moves
+the row's rsqrt by about one fp32 ulp, so the normalised value n = bf16↓(x · rsqrt · ...) can be one bf16 ulp off.
 * bitwise: silu_mul, attention_gate, the new residual, gdn_prep v / beta / g, attn_prep v;
-* one bf16 ulp at most, in at most 1e-4 of the elements: everything after a sum of squares (the normed residual,
-  the gated norm, gdn_prep q / k, attn_prep q / k), because Triton sums in another order than torch.
+* one bf16 ulp at most, in at most 1e-4 of the elements, where n is the output: the normed residual, gdn_prep q / k;
+* flip model, in at most 1e-4 of the elements (FLIP_MODEL: the gated norm, attn_prep q / k): these apply more
+  rounded arithmetic after n, where a 1-ulp flip of n can become several output ulps (a cancelling RoPE sum, the
+  gated norm's t and y roundings), so no ulp bound is asserted. Instead every element that differs from the
+  reference must equal the reference's own chain after n evaluated on n moved by one ulp (`ulp_step`): gated
+  norm t / y on n ± 1 ulp (`gated_rmsnorm_flips`); RoPE with the element's n and its rotate_half partner each moved
+  by −1, 0 or +1 ulp, 8 combinations besides the reference (`rope_flips`; a pass-through dim is its own n ± 1 ulp).
+  The row's "unexplained" counts the differing elements that match none of these (an unwritten NaN among them) and
+  must be 0. max_ulp and max_abs_diff stay in the row for the tables. Rows without "unexplained" (records written
+  before the flip model) are held to the one-ulp bound they were written under. Why: on the H200 (random inputs,
+  tests/test_gpu_kernels.py) the gated norm reached 2 ulps (1000 rows: 99.9995 % bit-identical) and attn_prep q 4
+  ulps (1000 rows: 99.9997 %), failing the one-ulp bound then declared for them. The flip model has not yet been run
+  on the GPU (it will be in the next GPU session); the CPU interpreter tests exercise it.
 Under the Triton interpreter (CPU) the kernels use numpy's exp / log1p / rsqrt instead of libdevice, so g (fp32,
 never rounded) may be a few fp32 ulps off (`CPU_RELAXED`); CPU tables describe the interpreter, not the GPU.
 Synthetic weights: the shares say nothing about model accuracy, only about fidelity to the reference ops.
@@ -39,7 +52,8 @@ Synthetic weights: the shares say nothing about model accuracy, only about fidel
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,6 +64,7 @@ from reference.shapes import ModelShapes
 
 KERNELS = ("silu_mul", "residual_rmsnorm", "gdn_prep", "gated_rmsnorm", "attn_prep", "attention_gate")
 ONE_ULP_MIN_SHARE = 0.9999  # at most 1e-4 of the elements one ulp off (analysis: ~2^-15 per element of a row)
+FLIP_MODEL = {("gated_rmsnorm", "out"), ("attn_prep", "q"), ("attn_prep", "k")}  # module docstring
 BITWISE = {
     ("silu_mul", "out"),
     ("attention_gate", "out"),
@@ -92,21 +107,59 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -magnitude, magnitude)
 
 
-def compare(kernel: str, output: str, got: torch.Tensor, want: torch.Tensor, *, layer: int | None = None) -> dict:
+def ulp_step(t: torch.Tensor, steps: int) -> torch.Tensor:
+    """bf16 `t` moved by `steps` representable values in `_ordered`'s order: +1 is the next value up, -1 the next
+    one down; ±0 both count as 0 (one step from either is ± the smallest subnormal) and a result of 0 is +0."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"ulp_step: bf16 expected, got {t.dtype}")
+    moved = _ordered(t) + steps
+    bits = torch.where(moved < 0, -moved - 0x8000, moved)  # a negative value: sign bit | magnitude, as int16
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def gated_rmsnorm_flips(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> Iterator[torch.Tensor]:
+    """`ops.gated_rmsnorm(o, z, weight, eps)` with its n moved by -1 and by +1 ulp (the reference's own tail, so t
+    is rounded exactly when the weight is bf16): the other values a kernel that misses n by one ulp gives."""
+    normed = ops.rms_normalize(o, eps)
+    for steps in (-1, 1):
+        yield ops.gated_rmsnorm_tail(ulp_step(normed, steps), z, weight)
+
+
+def rope_flips(normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`ops.apply_partial_rope(normed, cos, sin)` with each element's n and its rotate_half partner moved by -1, 0 or
+    +1 ulp independently: the 8 combinations other than the reference's own (a pass-through dim reads only its own
+    n, so it takes n ± 1 ulp)."""
+    for own, partner in itertools.product((-1, 0, 1), repeat=2):
+        if own or partner:
+            yield ops.rope_with_partner(ulp_step(normed, own), ulp_step(normed, partner), cos, sin)
+
+
+def compare(
+    kernel: str,
+    output: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    *,
+    layer: int | None = None,
+    flips: Iterable[torch.Tensor] | None = None,
+) -> dict:
     """One row of the table: bit-identical share, max ulp and max |diff| of `got` against `want` (same shape, dtype).
-    A NaN left in `got` (an unwritten poisoned element) counts as not identical, with a huge ulp distance."""
+    A NaN left in `got` (an unwritten poisoned element) counts as not identical, with a huge ulp distance.
+    With `flips` (the reference's values on a moved n, each of want's shape: `gated_rmsnorm_flips`, `rope_flips`),
+    the row also counts as "unexplained" the elements that differ from `want` and equal none of them."""
     if got.shape != want.shape or got.dtype != want.dtype:
         raise ValueError(
             f"{kernel}.{output}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
         )
     got_bits, want_bits = _ordered(got.contiguous()), _ordered(want.contiguous())
-    identical = int((got_bits == want_bits).sum())
+    explained = got_bits == want_bits
+    identical = int(explained.sum())
     elements = want.numel()
     ulps = (got_bits - want_bits).abs()
     diff = (got.float() - want.float()).abs()
     unwritten = int((got.isnan() & ~want.isnan()).sum())
     max_diff = float(diff.nan_to_num(float("inf")).max()) if elements else 0.0
-    return {
+    row = {
         "kernel": kernel,
         "output": output,
         "layer": layer,
@@ -117,25 +170,33 @@ def compare(kernel: str, output: str, got: torch.Tensor, want: torch.Tensor, *, 
         "max_abs_diff": max_diff if max_diff != float("inf") else None,
         "unwritten": unwritten,
     }
+    if flips is not None:
+        for flip in flips:
+            if flip.shape != want.shape or flip.dtype != want.dtype:
+                raise ValueError(f"{kernel}.{output}: flip {tuple(flip.shape)} {flip.dtype} is not want's")
+            explained |= _ordered(flip.contiguous()) == got_bits
+        row["unexplained"] = int((~explained).sum())
+    return row
 
 
 def format_table(rows: Sequence[dict]) -> str:
     head = f"{'layer':>5} {'kernel':<18} {'output':<13} {'elements':>10} {'bit-identical':>14} {'max ulp':>8}"
-    lines = [head + f" {'max |diff|':>11}"]
+    lines = [head + f" {'max |diff|':>11} {'unexplained':>11}"]
     for r in rows:
         layer = "-" if r.get("layer") is None else str(r["layer"])
         diff = "NaN left" if r["max_abs_diff"] is None else format(r["max_abs_diff"], ".3g")
         lines.append(
             f"{layer:>5} {r['kernel']:<18} {r['output']:<13} {r['elements']:>10} {100 * r['share']:>13.4f}% "
-            f"{r['max_ulp']:>8} {diff:>11}"
+            f"{r['max_ulp']:>8} {diff:>11} {r.get('unexplained', '-'):>11}"
         )
     return "\n".join(lines)
 
 
 def meets_expectation(row: Mapping[str, Any], relaxed: Mapping[tuple[str, str], int] | None = None) -> bool:
-    """Whether a row meets its output's expected exactness: nothing left unwritten, and bitwise for BITWISE outputs,
-    else <= 1 ulp with share >= ONE_ULP_MIN_SHARE. `relaxed` maps (kernel, output) to a max ulp that replaces the
-    expectation (CPU-only departures)."""
+    """Whether a row meets its output's expected exactness: nothing left unwritten, and bitwise for BITWISE outputs;
+    for FLIP_MODEL outputs no unexplained element and share >= ONE_ULP_MIN_SHARE; else <= 1 ulp with share >=
+    ONE_ULP_MIN_SHARE. `relaxed` maps (kernel, output) to a max ulp that replaces the expectation (CPU-only
+    departures)."""
     key = (row["kernel"], row["output"])
     if row["unwritten"]:
         return False
@@ -143,6 +204,10 @@ def meets_expectation(row: Mapping[str, Any], relaxed: Mapping[tuple[str, str], 
         return row["max_ulp"] <= relaxed[key]
     if key in BITWISE:
         return row["bit_identical"] == row["elements"]
+    if key in FLIP_MODEL and "unexplained" in row:
+        return row["unexplained"] == 0 and row["share"] >= ONE_ULP_MIN_SHARE
+    # n is the output, or a FLIP_MODEL row without "unexplained" (a record written before the flip model, which
+    # cannot tell a flip from another difference): the one-ulp bound it was written under
     return row["max_ulp"] <= 1 and row["share"] >= ONE_ULP_MIN_SHARE
 
 
@@ -150,16 +215,25 @@ def expectation(kernel: str, output: str, relaxed: Mapping[tuple[str, str], int]
     """The expected exactness of one output, in words (the one `meets_expectation` checks)."""
     if relaxed and (kernel, output) in relaxed:
         return f"<= {relaxed[(kernel, output)]} ulp (interpreter)"
-    return "bitwise" if (kernel, output) in BITWISE else f"<= 1 ulp in >= {100 * ONE_ULP_MIN_SHARE:g} %"
+    if (kernel, output) in BITWISE:
+        return "bitwise"
+    if (kernel, output) in FLIP_MODEL:
+        return f"1-ulp flips of n only, in >= {100 * ONE_ULP_MIN_SHARE:g} %"
+    return f"<= 1 ulp in >= {100 * ONE_ULP_MIN_SHARE:g} %"
 
 
 def check_rows(rows: Sequence[dict], *, relaxed: Mapping[tuple[str, str], int] | None = None) -> None:
-    """Assert `meets_expectation` for every row, naming the first row that misses it."""
+    """Assert `meets_expectation` for every row, naming the first row that misses it. The rows are new ones, so a
+    FLIP_MODEL row must carry "unexplained" (the one-ulp fallback of `meets_expectation` is for old records)."""
     for r in rows:
+        if (r["kernel"], r["output"]) in FLIP_MODEL and "unexplained" not in r:
+            raise ValueError(f"{r['kernel']}.{r['output']}: no 'unexplained' count (compare(..., flips=...))")
         where = "" if r.get("layer") is None else f"layer {r['layer']} "
         label = f"{where}{r['kernel']}.{r['output']}: {100 * r['share']:.4f}% bit-identical, max {r['max_ulp']} ulp"
         if r["unwritten"]:
             label += f", {r['unwritten']} elements left unwritten"
+        if r.get("unexplained"):
+            label += f", {r['unexplained']} elements not explained by a 1-ulp flip of n"
         assert meets_expectation(r, relaxed), f"{label}; expected {expectation(r['kernel'], r['output'], relaxed)}"
 
 
@@ -208,15 +282,16 @@ def reference_attn_prep(
     sin: torch.Tensor,
     shapes: ModelShapes,
 ) -> dict[str, torch.Tensor]:
-    """q [T, H, D], k, v [T, Hkv, D] and gate [T, H·D] as `reference.ops.attention_mixer` forms them."""
+    """q [T, H, D], k, v [T, Hkv, D] and gate [T, H·D] as `reference.ops.attention_mixer` forms them, and
+    q_normed, k_normed: q and k before RoPE (the n of `rope_flips`)."""
     rows, heads, kv_heads, dim = proj.shape[0], shapes.num_attention_heads, shapes.num_key_value_heads, shapes.head_dim
     eps = shapes.rms_norm_eps
     query, gate = torch.chunk(proj[:, : 2 * heads * dim].reshape(rows, heads, 2 * dim), 2, dim=-1)
     k = proj[:, 2 * heads * dim : (2 * heads + kv_heads) * dim].reshape(rows, kv_heads, dim)
     v = proj[:, (2 * heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
-    q = ops.apply_partial_rope(ops.rmsnorm_1p(query, q_norm_weight, eps), cos, sin)
-    k = ops.apply_partial_rope(ops.rmsnorm_1p(k, k_norm_weight, eps), cos, sin)
-    return {"q": q, "k": k, "v": v, "gate": gate.reshape(rows, heads * dim)}
+    q_normed, k_normed = ops.rmsnorm_1p(query, q_norm_weight, eps), ops.rmsnorm_1p(k, k_norm_weight, eps)
+    q, k = ops.apply_partial_rope(q_normed, cos, sin), ops.apply_partial_rope(k_normed, cos, sin)
+    return {"q": q, "k": k, "v": v, "gate": gate.reshape(rows, heads * dim), "q_normed": q_normed, "k_normed": k_normed}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -252,8 +327,8 @@ def bit_identity_table(
     rows: list[dict] = []
     act = activations
 
-    def row(kernel: str, output: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        rows.append(compare(kernel, output, got, want, layer=layer))
+    def row(kernel: str, output: str, got: torch.Tensor, want: torch.Tensor, flips: Iterable | None = None) -> None:
+        rows.append(compare(kernel, output, got, want, layer=layer, flips=flips))
 
     if run("silu_mul", "mlp_gate_up"):
         gate_up = act["mlp_gate_up"]
@@ -310,7 +385,8 @@ def bit_identity_table(
         z = act["gdn_proj"][:, shapes.conv_dim : shapes.conv_dim + hv * dv]
         out = fused.gated_rmsnorm(o, z, weight, eps, out=_nan((tokens, hv * dv), torch.bfloat16, o.device))
         want = ops.gated_rmsnorm(o, z.reshape(tokens, hv, dv), weight, eps).reshape(tokens, hv * dv)
-        row("gated_rmsnorm", "out", out, want)
+        flips = gated_rmsnorm_flips(o, z.reshape(tokens, hv, dv), weight, eps)
+        row("gated_rmsnorm", "out", out, want, (flip.reshape(tokens, hv * dv) for flip in flips))
 
     if run("attn_prep", "attn_proj", "q_norm_weight", "k_norm_weight", "cos", "sin"):
         proj = act["attn_proj"]
@@ -334,8 +410,10 @@ def bit_identity_table(
             out=poisoned,
         )
         want = reference_attn_prep(proj, act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"], shapes)
-        for name, tensor in zip("qkv", (q, k, v)):
-            row("attn_prep", name, tensor, want[name])
+        cos, sin = act["cos"], act["sin"]
+        row("attn_prep", "q", q, want["q"], rope_flips(want["q_normed"], cos, sin))
+        row("attn_prep", "k", k, want["k"], rope_flips(want["k_normed"], cos, sin))
+        row("attn_prep", "v", v, want["v"])
 
     if run("attention_gate", "attn_core_out", "attn_proj"):
         attn, proj = act["attn_core_out"], act["attn_proj"]

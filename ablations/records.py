@@ -20,7 +20,8 @@ and the report read (nesting as shown; a record may hold more):
     bit_identity  (only when the plan includes the fused stage) {workload, reference, layers: [{index, type}],
                   candidates, tokens, interpreter, note, error, seconds, rows: [
                       {layer, kernel, output, elements, bit_identical, share, max_ulp, max_abs_diff, unwritten,
-                       expected, as_expected}]}: every fused kernel against its reference composition on activations
+                       expected, as_expected, and for the flip-model outputs unexplained (absent in older
+                       records)}]}: every fused kernel against its reference composition on activations
                   captured from the reference forward (ablations/bit_identity.py); `error` (and no rows) when that
                   step failed; `interpreter` true on the CPU (Triton interpreter numerics, explained in `note`)
 
@@ -200,6 +201,8 @@ def _check_bit_identity(result: Any, problems: list[str]) -> None:
         at = f"{where}.rows[{i}]"
         if not _check_fields(row, BIT_ROW, at, problems):
             continue
+        if "unexplained" in row and not (_is(row["unexplained"], INT) and row["unexplained"] >= 0):
+            problems.append(f"{at}.unexplained: expected an int >= 0, got {row['unexplained']!r:.80}")
         if not all(_is(row.get(k), kind) for k, kind in (("elements", INT), ("bit_identical", INT), ("share", NUM))):
             continue
         if row.get("layer") not in layers:

@@ -42,6 +42,7 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -254,12 +255,14 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
         text += f" NOT as declared ({len(missed)}, marked NO below): {', '.join(missed)}."
     if result["interpreter"]:
         text += f" {result['note']}."
-    table = [["layer", "kernel", "output", "elements", "bit-identical", "max ulp", "max |diff|", "expected", "met"]]
+    table = [["layer", "kernel", "output", "elements", "bit-identical", "max ulp", "max |diff|", "unexplained",
+              "expected", "met"]]  # fmt: skip
     for r in rows:
         diff = "NaN left" if r["max_abs_diff"] is None else sci(r["max_abs_diff"])
+        unexplained = DASH if r.get("unexplained") is None else f"{r['unexplained']:,}"  # flip-model outputs only
         table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
-                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, r["expected"],
-                      "yes" if r["as_expected"] else "NO"])  # fmt: skip
+                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, unexplained,
+                      r["expected"], "yes" if r["as_expected"] else "NO"])  # fmt: skip
     return {"measured": True, "text": text, "table": table}
 
 
@@ -486,7 +489,11 @@ def _multiple_target(key: str, workload: dict | None, why: str, kind: str) -> di
     note = why or ("" if multiple is not None else NO_FAMILIES_SHORT)
     if multiple is not None:
         label = "core kernels" if kind == "core" else "GEMM kernels"
-        note = f"median {ms(workload['median_ms'])} ms, {label} {ms(workload[f'{kind}_ms'])} ms"
+        kernel_ms = workload[f"{kind}_ms"]
+        note = f"median {ms(workload['median_ms'])} ms, {label} {ms(kernel_ms)} ms"
+        busy = workload.get("gpu_busy_ms")
+        if busy is not None and kernel_ms:  # what the multiple would be with no host time in the way
+            note += f"; GPU busy {ms(busy)} ms = {busy / kernel_ms:.2f}× (the multiple if launches cost nothing)"
     limit = TARGETS[key]["limit"]
     shown = DASH if multiple is None else f"{multiple:.2f}×"
     return _target(key, multiple, limit, shown, f"{limit:.2f}×", note)
@@ -515,9 +522,22 @@ def _fidelity_tally(record: dict) -> str:
     return f", fused <= hf_torch on {sum(pairs)} of {len(pairs)} workloads" if pairs else ""
 
 
-def _tree_identity_target(record: dict) -> dict[str, Any]:
+def _followup_comparison(followups: Sequence[tuple[Path, dict]], workload_id: str) -> tuple[Path, dict] | None:
+    """The first follow-up record whose tree stage compared `workload_id` with fused: (its path, vs_builds_on)."""
+    for path, other in followups:
+        tree = stage_by_name(other, "tree")
+        for w in tree["workloads"] if tree else []:
+            versus = w.get("vs_builds_on") or {}
+            if w["id"] == workload_id and versus.get("bitwise") is not None:
+                return path, versus
+    return None
+
+
+def _tree_identity_target(record: dict, followups: Sequence[tuple[Path, dict]] = ()) -> dict[str, Any]:
     """Workloads where tree's answers are not bit-identical to fused's: from `vs_builds_on` (hidden bits and
-    probabilities), or, in records older than it, from equal probabilities."""
+    probabilities), or, in records older than it, from equal probabilities. A workload on which tree errored in this
+    record is taken from the first of `followups` (newer records of the plan, e.g. a rerun of the fixed stage) that
+    compares it, and named in the note; without one it counts as not bit-identical."""
     tree, fused = stage_by_name(record, "tree"), stage_by_name(record, "fused")
     compared, differing, worst, from_probabilities = 0, [], 0.0, False
     for w in tree["workloads"] if tree else []:
@@ -535,16 +555,32 @@ def _tree_identity_target(record: dict) -> dict[str, Any]:
         if not same:
             differing.append(w["id"])
             worst = max(worst, dp)
-    if not compared:
+    errored, errored_notes = 0, []
+    for error in tree.get("workload_errors", []) if tree else []:
+        later = _followup_comparison(followups, error["id"])
+        if later is None:
+            errored += 1
+            errored_notes.append(f"tree errored on {error['id']} ({error['error']}), not compared")
+            continue
+        path, versus = later
+        compared += 1
+        if versus["bitwise"]:
+            errored_notes.append(f"tree errored on {error['id']} here ({error['error']}); bitwise in runs/{path.name}")
+        else:
+            differing.append(error["id"])
+            worst = max(worst, versus["max_abs_dp"])
+            errored_notes.append(f"tree errored on {error['id']} here ({error['error']}); compared in runs/{path.name}")
+    if not compared and not errored:
         return _target("tree_bitwise_vs_fused", None, 0, DASH, "0 differing", "tree or fused not timed here")
-    shown = f"{compared - len(differing)} of {compared} workloads"
-    note = f"differ: {', '.join(differing)} (max |dp| {sci(worst)})" if differing else "every workload"
+    shown = f"{compared - len(differing)} of {compared + errored} workloads"
+    note = f"differ: {', '.join(differing)} (max |dp| {sci(worst)})" if differing else "every workload compared"
     if from_probabilities:
         note += "; from equal probabilities (record older than vs_builds_on)"
-    return _target("tree_bitwise_vs_fused", len(differing), 0, shown, "0 differing", note)
+    note = "; ".join([note, *errored_notes])
+    return _target("tree_bitwise_vs_fused", len(differing) + errored, 0, shown, "0 differing", note)
 
 
-def target_rows(record: dict) -> list[dict[str, Any]]:
+def target_rows(record: dict, followups: Sequence[tuple[Path, dict]] = ()) -> list[dict[str, Any]]:
     """Each TARGETS entry on the headline workload: measured value, limit, met / missed / not measured, and a note."""
     fused, fused_why = _headline_of(record, "fused")
     tree, tree_why = _headline_of(record, "tree")
@@ -590,7 +626,7 @@ def target_rows(record: dict) -> list[dict[str, Any]]:
     shown = DASH if share is None else f"{share:.1%} ({tree['rows']:,} of {unshared:,} rows)"
     note = tree_why or f"unshared rows: {basis}"
     rows.append(_target("tree_rows_share", share, limit, shown, f"{limit:.0%}", note))
-    rows.append(_tree_identity_target(record))
+    rows.append(_tree_identity_target(record, followups))
     return rows
 
 
@@ -671,8 +707,14 @@ def gpu_test_tables(root: Path) -> list[dict[str, Any]]:
 
 
 def plan_target_rows(record: dict, root: Path) -> list[dict[str, Any]]:
-    """`target_rows` of the record, and on a GPU plan the hand-off target of the newest GPU test file."""
-    rows = target_rows(record)
+    """`target_rows` of the record (with the plan's newer records under root/runs as follow-ups), and on a GPU plan
+    the hand-off target of the newest GPU test file."""
+    followups = [
+        (path, other)
+        for path, other in all_records(root / "runs")
+        if other["plan"]["name"] == record["plan"]["name"] and other["env"]["utc"] > record["env"]["utc"]
+    ]
+    rows = target_rows(record, followups)
     handoff = handoff_target(root) if record["plan"]["device"] == "cuda" else None
     return rows + ([handoff] if handoff else [])
 
@@ -1030,15 +1072,22 @@ def _relative(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
 
+def left_out_no_stage(plan: dict) -> bool:
+    """Whether a run took every stage of its plan (older records, without `requested_stages`, did)."""
+    return set(plan.get("requested_stages", plan.get("stages", []))) >= set(plan.get("stages", []))
+
+
 def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
     """Per plan: the newest complete record, and the newest partial record when it is newer than that one (or the
     plan has no complete record). Every record is validated (a partial one too); newest by env.utc, then file name.
-    Records of runs that left the plan's headline workload out (`--workloads`) are not chosen: every figure leads with
-    the headline."""
+    Records of runs that left the plan's headline workload out (`--workloads`) or some of its stages (`--stages`) are
+    not chosen: every figure leads with the headline and shows the whole ladder. Such records stay in results/runs/
+    and are cited where they are used (the report's targets)."""
     complete: dict[str, tuple[Path, dict]] = {}
     partial: dict[str, tuple[Path, dict]] = {}
     for path, record in all_records(runs_dir):
-        if record["plan"]["headline"] in record["plan"].get("omitted_workloads", []):
+        plan = record["plan"]
+        if plan["headline"] in plan.get("omitted_workloads", []) or not left_out_no_stage(plan):
             continue
         (partial if is_partial(record) else complete)[record["plan"]["name"]] = (path, record)
     chosen = list(complete.values())

@@ -77,14 +77,26 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     t = w · n: bf16↓ when w is bf16 (round 2); fp32 when w is fp32 (exact promotion)
     y = bf16↓( t_f · silu(z_f) )                          round 3 (silu of fp32 z, in fp32)
     FLA's FusedRMSNormGated rounds once instead, so it differs from this by about one bf16 ulp.
+    Round 1 is `rms_normalize`, rounds 2 and 3 `gated_rmsnorm_tail` (ablations/bit_identity.py reruns the tail on
+    an n moved by one ulp).
     """
     _check_last_dim(o, weight, "gated_rmsnorm")
     if z.shape != o.shape:
         raise ValueError(f"gated_rmsnorm: z {tuple(z.shape)} must have o's shape {tuple(o.shape)}")
+    return gated_rmsnorm_tail(rms_normalize(o, eps), z, weight)
+
+
+def rms_normalize(o: torch.Tensor, eps: float) -> torch.Tensor:
+    """Round 1 of `gated_rmsnorm`: n = bf16↓( o_f · rsqrt(mean(o_f²) + eps) ), [..., V] in o's dtype."""
     o_f = o.float()
-    normed = o_f * torch.rsqrt(o_f.pow(2).mean(-1, keepdim=True) + eps)
-    scaled = weight * normed.to(o.dtype)
-    return (scaled * F.silu(z.float())).to(o.dtype)
+    return (o_f * torch.rsqrt(o_f.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
+
+
+def gated_rmsnorm_tail(normed: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rounds 2 and 3 of `gated_rmsnorm` on its n [..., V]: y = bf16↓( t · silu(z_f) ), t = w · n (bf16↓ when w is
+    bf16, fp32 when w is fp32); y in n's dtype."""
+    scaled = weight * normed
+    return (scaled * F.silu(z.float())).to(normed.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,13 +252,23 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     x [T, H, D] bf16; cos, sin [T, r] bf16. out[..., :r] = bf16↓( bf16↓(x_r·cos) + bf16↓(rotate_half(x_r)·sin) ),
     with rotate_half(x_r) = [−x_r[r/2:], x_r[:r/2]]; out[..., r:] = x[..., r:] unchanged.
     """
+    return rope_with_partner(x, x, cos, sin)
+
+
+def rope_with_partner(x: torch.Tensor, partner: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_partial_rope` with rotate_half read from `partner` (x's shape) instead of x:
+    out[..., :r] = bf16↓( bf16↓(x_r·cos) + bf16↓(rotate_half(partner_r)·sin) ), out[..., r:] = x[..., r:].
+    apply_partial_rope(x) is rope_with_partner(x, x); ablations/bit_identity.py moves x and partner apart by one ulp.
+    """
     rotary_dim = cos.shape[-1]
     if x.ndim != 3 or cos.shape != (x.shape[0], rotary_dim) or sin.shape != cos.shape or rotary_dim > x.shape[-1]:
         raise ValueError(f"apply_partial_rope: x {x.shape} must be [T, H, D] and cos, sin [T, r <= D]")
+    if partner.shape != x.shape:
+        raise ValueError(f"rope_with_partner: partner {partner.shape} must have x's shape {x.shape}")
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, r]
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    rotated = torch.cat((-partner[..., half:rotary_dim], partner[..., :half]), dim=-1)
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 

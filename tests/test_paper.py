@@ -162,6 +162,38 @@ def test_a_newer_record_without_the_headline_workload_is_not_chosen_and_omission
     assert figures.completeness(with_headline) == "complete run (without synthetic-1024-choice-32: not requested)"
 
 
+def test_a_newer_record_of_some_stages_is_not_chosen_but_settles_an_errored_tree_workload(tmp_path):
+    """A rerun of two stages (`--stages fused,tree`) is not the ladder; the targets take from it the tree-vs-fused
+    comparison of a workload on which tree errored in the ladder, and name both records."""
+    medians = {"hf_fla": 100.0, "fused": 60.0, "tree": 40.0}
+    ladder = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
+    ladder["plan"]["stages"] = list(medians)
+    tree = figures.stage_by_name(ladder, "tree")
+    errored = tree["workloads"].pop(1)
+    tree["workload_errors"] = [{"id": errored["id"], "error": "RuntimeError: PassManager::run failed"}]
+    tree["workloads"][0]["vs_builds_on"] = {"stage": "fused", "bitwise": True, "max_abs_dp": 0.0}
+    rerun = fake_record("gpu-27b", "2026-11-30T11:00:00Z", gpu=True, medians={"fused": 60.0, "tree": 40.0})
+    rerun["plan"] |= {"stages": list(medians), "requested_stages": ["fused", "tree"]}
+    _write(tmp_path / "runs", "ladder.json", ladder)
+    _write(tmp_path / "runs", "rerun.json", rerun)
+    assert [path.name for path, _ in figures.select_records(tmp_path, None, [])] == ["ladder.json"]
+
+    def identity() -> dict:
+        rows = figures.plan_target_rows(ladder, tmp_path)
+        return next(row for row in rows if row["id"] == "tree_bitwise_vs_fused")
+
+    row = identity()  # the rerun's tree has no vs_builds_on for it: not compared, so not met
+    assert (row["outcome"], row["measured"]) == ("missed", "1 of 2 workloads")
+    assert f"tree errored on {errored['id']} (RuntimeError: PassManager::run failed), not compared" in row["note"]
+    for w in figures.stage_by_name(rerun, "tree")["workloads"]:
+        w["vs_builds_on"] = {"stage": "fused", "bitwise": True, "max_abs_dp": 0.0}
+    _write(tmp_path / "runs", "rerun.json", rerun)
+    row = identity()
+    assert (row["outcome"], row["measured"]) == ("met", "2 of 2 workloads")
+    assert row["note"].endswith(f"tree errored on {errored['id']} here (RuntimeError: PassManager::run failed); "
+                                "bitwise in runs/rerun.json")  # fmt: skip
+
+
 def test_a_plan_with_only_a_partial_record_gets_it_and_only_the_newest_partial(tmp_path):
     _write(tmp_path / "runs", "first.json", partial_record("2026-11-30T09:00:00Z"))
     _write(tmp_path / "runs", "second.json", partial_record("2026-11-30T09:30:00Z"))
@@ -273,7 +305,7 @@ def test_targets_met_missed_and_not_measured():
         w["probabilities"] = [[0.25, 0.75]]
     identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
     assert (identity["outcome"], identity["measured"]) == ("met", "2 of 2 workloads")
-    assert identity["note"] == "every workload; from equal probabilities (record older than vs_builds_on)"
+    assert identity["note"] == "every workload compared; from equal probabilities (record older than vs_builds_on)"
     tree_stage["workloads"][1]["vs_builds_on"] = {"stage": "fused", "bitwise": False, "max_abs_dp": 3e-3}
     identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
     assert (identity["outcome"], identity["measured"]) == ("missed", "1 of 2 workloads")
@@ -289,6 +321,11 @@ def test_targets_met_missed_and_not_measured():
     fused["state_rel_rmse"], _headline(record, "hf_torch")["state_rel_rmse"] = [0.0, 1e-3, 3e-2], [0.0, 2e-3, 2e-2]
     note = {row["id"]: row for row in figures.target_rows(record)}["fused_fidelity"]["note"]
     assert ", hidden states: fused no farther than hf_torch at 2 of 3 residual states;" in note
+    busy = tree["gpu_busy_ms"]
+    assert rows["tree_gemm_multiple"]["note"] == (
+        f"median 40.00 ms, GEMM kernels 32.00 ms; GPU busy {figures.ms(busy)} ms = {busy / 32.0:.2f}× (the multiple if "
+        "launches cost nothing)"
+    )
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
     assert set(figures.TARGETS) - {"tree_handoff_core_time"} == set(rows)  # that one comes from a GPU test file
