@@ -1,90 +1,198 @@
-"""Compile kernels for a CUDA target without a GPU: catches Triton compiler failures on machines (CI) that can only
-interpret the kernels.
+"""Compile every kernel for a CUDA target without a GPU, as the engine launches it: catches Triton compiler failures on
+machines (CI) that can only interpret the kernels.
 
-    python -m kernels.compile_check            # gdn_prep at every specialisation the engine can launch, for sm_90
+    python -m kernels.compile_check            # every launch of engine_launches(), for sm_90, with the installed Triton
 
-The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still fail
-to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 to 32 packed
-sequences (SEARCH_STEPS 4 or 5) TritonGPURemoveLayoutConversions failed ("'tt.load' op failed to verify that mask
-type matches ptr type"), in the H200 ladder run at commit e0c0b5d (tree, context-512-choice-8). This module reproduced
-it on a CPU-only machine with Triton 3.6.0 (SEARCH_STEPS 4 and 5 failed; 0-3, 8 and 12 compiled; Triton 3.9 compiled
-all), and shows v3 compiling everywhere with both. `triton.compile` runs the whole pipeline down to a cubin with
-Triton's bundled ptxas; nothing is launched. Must run without TRITON_INTERPRET (the kernels must be JITFunctions): tests
-run it in a subprocess (tests/test_kernels.py).
+How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
+at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
+it (argument types, constexprs, num_warps, fp options) is exactly what the wrapper would launch on a GPU. The captured
+launch is then compiled by `triton.compile` for sm_90, down to a cubin with Triton's bundled ptxas, twice: with every
+pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and with none
+(unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does. Nothing
+runs.
+
+Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
+fail to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 to 128
+packed sequences TritonGPURemoveLayoutConversions failed ("'tt.load' op failed to verify that mask type matches ptr
+type"), in the H200 ladder run at commit e0c0b5d (tree, context-512-choice-8). This check reproduces it on a CPU-only
+machine with Triton 3.6.0: v2 fails at 9, 17, 33 and 65 sequences (binary-search depths 4 to 7) with aligned pointers
+and compiles at every other launch here; Triton 3.9 compiles all of v2; v3 compiles everywhere with both. A failure that
+only one Triton version shows needs that version. Must run without TRITON_INTERPRET (the kernels must be JITFunctions):
+tests run it in a subprocess (tests/test_kernels.py).
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 SM90 = 90
-SEARCH_STEPS = (0, 1, 2, 3, 4, 8, 12)  # binary-search steps: (sequences - 1).bit_length(), up to 4,097 sequences
+META = torch.device("meta")
+SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
+OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
-def compile_gdn_prep(search_steps: int, has_rows: bool, *, capability: int = SM90, qk_l2norm: bool = True) -> None:
-    """Compile `_gdn_prep_kernel` at the 27B widths (as `kernels.gdn_prep` launches it) for `capability`; raises the
-    compiler's error on failure."""
+@dataclass
+class Launch:
+    """One captured kernel launch: the JITFunction, its bound arguments by name and its launch options."""
+
+    kernel: Any
+    arguments: dict[str, Any]
+    options: dict[str, Any]
+
+
+@contextlib.contextmanager
+def captured_launches() -> Iterator[list[Launch]]:
+    """Within: the wrappers see GPU mode (`kernel_mode` False) and every `kernel[grid](...)` is recorded, not run."""
+    import importlib
+
+    import triton
+
+    # the modules, not the same-named functions that `kernels` re-exports
+    modules = [importlib.import_module(f"kernels.{name}") for name in ("activations", "attn_prep", "gdn_prep", "norms")]
+    launches: list[Launch] = []
+
+    def capture(self, *args, grid=None, warmup=False, **kwargs):
+        options = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+        arguments = dict(zip(self.arg_names, args)) | kwargs
+        launches.append(Launch(self, arguments, options))
+
+    saved_run = triton.runtime.JITFunction.run
+    saved_modes = [module.kernel_mode for module in modules]
+    triton.runtime.JITFunction.run = capture
+    for module in modules:
+        module.kernel_mode = lambda kernel, device: False
+    try:
+        yield launches
+    finally:
+        triton.runtime.JITFunction.run = saved_run
+        for module, mode in zip(modules, saved_modes):
+            module.kernel_mode = mode
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
+
+
+def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
+    """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts)."""
+    import kernels
+    from reference.shapes import QWEN38_27B as s
+
+    rows, keys = 337, 1300
+    hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
+    gdn = {
+        "num_k_heads": s.linear_num_key_heads,
+        "num_v_heads": hv,
+        "head_k_dim": s.linear_key_head_dim,
+        "head_v_dim": dv,
+    }
+    attn = {"num_heads": s.num_attention_heads, "num_kv_heads": s.num_key_value_heads, "head_dim": s.head_dim}
+    gdn_proj, attn_proj = _meta(rows, s.gdn_in_width), _meta(rows, s.attn_in_width)
+    z = gdn_proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
+    hidden, weight = _meta(rows, s.hidden_size), _meta(s.hidden_size)
+    cos_sin = (_meta(rows, s.rotary_dim), _meta(rows, s.rotary_dim))
+    head_weights = (_meta(s.head_dim), _meta(s.head_dim))
+    gdn_weights = (_meta(s.conv_dim, s.linear_conv_kernel_dim), _meta(hv, dtype=torch.float32), _meta(hv))
+    o, o_rows, key_rows = _meta(rows, hv, dv), _meta(rows, dtype=torch.int64), _meta(keys, dtype=torch.int64)
+    eps = s.rms_norm_eps
+    launches = [
+        ("silu_mul", lambda: kernels.silu_mul(_meta(rows, 2 * s.intermediate_size))),
+        ("residual_rmsnorm", lambda: kernels.residual_rmsnorm(hidden, hidden, weight, eps)),
+        ("rmsnorm_1p", lambda: kernels.rmsnorm_1p(hidden, weight, eps)),
+        ("gated_rmsnorm fp32 w", lambda: kernels.gated_rmsnorm(o, z, _meta(dv, dtype=torch.float32), eps)),
+        ("gated_rmsnorm bf16 w", lambda: kernels.gated_rmsnorm(o, z, _meta(dv), eps)),
+        ("gated_rmsnorm o_rows", lambda: kernels.gated_rmsnorm(o, z, _meta(dv), eps, o_rows=o_rows)),
+        ("attn_prep thd", lambda: kernels.attn_prep(attn_proj, *head_weights, *cos_sin, eps, **attn)),
+        ("attn_prep htd", lambda: kernels.attn_prep(attn_proj, *head_weights, *cos_sin, eps, layout="htd", **attn)),
+        (
+            "attn_prep key_rows",
+            lambda: kernels.attn_prep(attn_proj, *head_weights, *cos_sin, eps, key_rows=key_rows, **attn),
+        ),
+        (
+            "attention_gate",
+            lambda: kernels.attention_gate(
+                _meta(rows, s.num_attention_heads, s.head_dim),
+                kernels.attention_gate_view(attn_proj, num_heads=s.num_attention_heads, head_dim=s.head_dim),
+            ),
+        ),
+    ]
+    for sequences in SEQUENCE_COUNTS:
+        cu_seqlens = _meta(sequences + 1, dtype=torch.int32)
+        for with_rows in (False, True):
+            for l2norm in (True, False) if sequences == 1 and not with_rows else (True,):
+                label = f"gdn_prep {sequences} seqs{' rows' if with_rows else ''}{'' if l2norm else ' no-l2norm'}"
+                index = _meta(rows, dtype=torch.int64) if with_rows else None
+
+                def call(cu_seqlens=cu_seqlens, index=index, l2norm=l2norm):
+                    return kernels.gdn_prep(gdn_proj, *gdn_weights, cu_seqlens, rows=index, qk_l2norm=l2norm, **gdn)
+
+                launches.append((label, call))
+    return launches
+
+
+def compile_launch(launch: Launch, *, aligned: bool, capability: int = SM90) -> None:
+    """Compile one captured launch for `capability` (Triton's own specialisation rules: pointers and integers that
+    are multiples of 16 marked divisible when `aligned`, integers equal to 1 made constants); raises on failure."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.gdn_prep import _gdn_prep_kernel
+    kernel = launch.kernel
+    signature, constants, attributes = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = launch.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + DTYPES[value.dtype]
+            if aligned:
+                attributes[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and not param.do_not_specialize:
+                signature[param.name], constants[param.name] = "constexpr", 1
+                continue
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if aligned and value % 16 == 0:
+                attributes[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"compile_check: {kernel.__name__}.{param.name} = {value!r} has no Triton type here")
+    source = ASTSource(kernel, signature, constants, attributes)
+    triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
 
-    if not isinstance(_gdn_prep_kernel, triton.runtime.JITFunction):
+
+def check(capability: int = SM90) -> list[tuple[str, str, bool, str | None]]:
+    """(label, kernel name, aligned, None or the compiler's last error line) for every launch of `engine_launches`."""
+    import triton
+
+    from kernels import activations
+
+    if not isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
         raise RuntimeError("compile_check: the kernels were defined under TRITON_INTERPRET=1; run without it")
-    types = {
-        "proj_ptr": "*bf16",
-        "conv_weight_ptr": "*bf16",
-        "a_log_ptr": "*fp32",
-        "dt_bias_ptr": "*bf16",
-        "cu_seqlens_ptr": "*i32",
-        "rows_ptr": "*i64",
-        "q_ptr": "*bf16",
-        "k_ptr": "*bf16",
-        "v_ptr": "*bf16",
-        "g_ptr": "*fp32",
-        "beta_ptr": "*bf16",
-        "tokens": "i32",
-        "num_seqs": "i32",
-        "proj_sr": "i32",
-        "eps": "fp32",
-    }
-    constants = {
-        "KEY_HEADS": 16,
-        "VALUE_HEADS": 48,
-        "KEY_DIM": 128,
-        "VALUE_DIM": 128,
-        "WIDTH": 4,
-        "SEARCH_STEPS": search_steps,
-        "QK_L2NORM": qk_l2norm,
-        "HAS_ROWS": has_rows,
-        "BLOCK_T": 16,
-        "BLOCK_D": 128,
-        "BLOCK_HV": 64,
-        "TORCH_CPU": False,
-    }
-    names = _gdn_prep_kernel.arg_names
-    signature = {name: types.get(name, "constexpr") for name in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr")}
-    source = ASTSource(_gdn_prep_kernel, signature, constants, aligned)
-    triton.compile(
-        source,
-        target=GPUTarget("cuda", capability, 32),
-        options={"num_warps": 4, "enable_fp_fusion": False},
-    )
-
-
-def check_gdn_prep(capability: int = SM90) -> list[tuple[int, bool, str | None]]:
-    """(search_steps, has_rows, None or the first line of the error) for every specialisation in SEARCH_STEPS."""
     results = []
-    for steps, has_rows in itertools.product(SEARCH_STEPS, (False, True)):
-        try:
-            compile_gdn_prep(steps, has_rows, capability=capability)
-            results.append((steps, has_rows, None))
-        except Exception as error:  # the compiler raises RuntimeError / CompilationError; report either
-            results.append((steps, has_rows, (str(error).strip().splitlines() or [repr(error)])[-1]))
+    for label, call in engine_launches():
+        with captured_launches() as launches:
+            call()
+        if len(launches) != 1:
+            raise RuntimeError(f"compile_check: {label} launched {len(launches)} kernels, expected 1")
+        for aligned in (True, False):
+            try:
+                compile_launch(launches[0], aligned=aligned, capability=capability)
+                error = None
+            except Exception as failure:  # CompilationError, RuntimeError from the pass manager: report either
+                error = (str(failure).strip().splitlines() or [repr(failure)])[-1]
+            results.append((label, launches[0].kernel.__name__, aligned, error))
     return results
 
 
@@ -94,11 +202,13 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
-    results = check_gdn_prep()
-    print(f"gdn_prep for sm_{SM90}, Triton {triton.__version__}")
-    for steps, has_rows, error in results:
-        print(f"  SEARCH_STEPS={steps:<2} rows={'yes' if has_rows else 'no ':<3} {'ok' if error is None else error}")
-    return 0 if all(error is None for *_, error in results) else 1
+    results = check()
+    print(f"kernels for sm_{SM90}, Triton {triton.__version__}: {len(results)} compiles")
+    for label, name, aligned, error in results:
+        print(f"  {label:<34} {name:<26} {'aligned' if aligned else 'unaligned':<9} {error or 'ok'}")
+    failed = sum(error is not None for *_, error in results)
+    print(f"{len(results) - failed} compiled, {failed} failed")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ Version history:
 * v3 (this file): the row-index load is masked by the row's validity alone, at a clamped index, instead of by the
   tap's `source_ok` (which comes from the binary search): the loaded index is still used only where `source_ok`
   holds, so the bits are v2's. v2's mask made Triton 3.6 fail to compile the row-indexed kernel when the search takes
-  4 or 5 steps (9-32 packed sequences): in the H200 ladder at commit e0c0b5d, `tree` errored on
-  context-512-choice-8 (10 node segments) and ran on the 15 other workloads. Reproduced and checked without a GPU by
+  4 to 7 steps (9 to 128 packed sequences): in the H200 ladder at commit e0c0b5d, `tree` errored on
+  context-512-choice-8 (10 node segments) and ran on the 16 other workloads. Reproduced and checked without a GPU by
   `python -m kernels.compile_check` (tests/test_kernels.py runs it).
 * v2: v1 plus an optional row index (`rows`): the prefix tree's candidate paths are read through it instead of being
   gathered by a separate index_select first (one launch and one [paths, proj width] copy less per GDN layer). In the
