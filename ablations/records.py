@@ -263,14 +263,31 @@ def all_records(runs_dir: Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda item: (item[1]["env"]["utc"], item[0].name))
 
 
-def complete_records(runs_dir: Path) -> list[tuple[Path, dict]]:
-    """Every complete, valid record under `runs_dir`, oldest first (by env.utc, then file name)."""
-    return [(path, record) for path, record in all_records(runs_dir) if record["complete"]]
+def whole_ladder(plan: dict) -> bool:
+    """Whether a run took its plan's headline workload and every stage of the plan (`--workloads` and `--stages` can
+    leave them out; older records, without `requested_stages`, took every stage)."""
+    took_every_stage = set(plan.get("requested_stages", plan.get("stages", []))) >= set(plan.get("stages", []))
+    return took_every_stage and plan["headline"] not in plan.get("omitted_workloads", [])
+
+
+def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
+    """The records that stand for their plans (figures, report, notebooks): per plan, the newest complete record, and
+    the newest partial record when it is newer than that one (or the plan has no complete record). Every record is
+    validated (a partial one too); newest by env.utc, then file name. Only `whole_ladder` records are chosen: every
+    figure leads with the headline and shows the whole ladder. The others stay in results/runs/ and are cited where
+    they are used (the report's targets)."""
+    complete: dict[str, tuple[Path, dict]] = {}
+    partial: dict[str, tuple[Path, dict]] = {}
+    for path, record in all_records(runs_dir):
+        if whole_ladder(record["plan"]):
+            (complete if record["complete"] else partial)[record["plan"]["name"]] = (path, record)
+    chosen = list(complete.values())
+    for name, (path, record) in partial.items():
+        if name not in complete or record["env"]["utc"] > complete[name][1]["env"]["utc"]:
+            chosen.append((path, record))
+    return chosen
 
 
 def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:
-    """The newest complete record of each plan."""
-    newest: dict[str, tuple[Path, dict]] = {}
-    for path, record in complete_records(runs_dir):
-        newest[record["plan"]["name"]] = (path, record)
-    return newest
+    """The newest complete record of each plan among `newest_records`."""
+    return {r["plan"]["name"]: (path, r) for path, r in newest_records(runs_dir) if r["complete"]}

@@ -14,17 +14,18 @@
 # %% [markdown]
 # # Where the code paths part
 #
-# Reads the newest complete run record of a plan (default: the GPU plan, else any) and asks where each stage stops
-# being bit-identical: against the plan's reference (per residual state of the headline request), and against the
-# stage it builds on (per workload: `vs_builds_on` where the record has it, else equal probabilities). Then, from the
-# newest `results/gpu/*-gemm-rows.json`, which GEMMs change their bits with the number of rows in the call: the
-# reason `tree` can depart from `fused` on the GPU. Runs headless (`python notebooks/where_paths_part.py`) or as a
-# notebook (`jupytext --to notebook`). Synthetic weights: every number here is fidelity between code paths, none is
-# accuracy.
+# Reads the newest complete run record of a plan that ran its whole ladder, as the figures choose (default: the GPU
+# plan, else any) and asks where each stage stops being bit-identical: against the plan's reference (per residual state
+# of the headline request), and against the stage it builds on (per workload: `vs_builds_on` where the record has it,
+# else equal probabilities). Then, from the newest `results/gpu/*-gemm-rows.json`, which GEMMs change their bits with
+# the number of rows in the call: the reason `tree` can depart from `fused` on the GPU. Runs headless (`python
+# notebooks/where_paths_part.py`) or as a notebook (`jupytext --to notebook`). Synthetic weights: every number here is
+# fidelity between code paths, none is accuracy.
 
 # %%
 import json
 import os
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -36,10 +37,11 @@ import pandas as pd
 REPO = Path.cwd() if (Path.cwd() / "results").is_dir() else Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("JEVLAB_RESULTS", REPO / "results"))
 PLAN = os.environ.get("JEVLAB_PLAN", "gpu-27b")
+sys.path.insert(0, str(REPO))
+from ablations.records import newest_per_plan  # noqa: E402  (the figures' choice of records)
 
-records = [json.loads(p.read_text()) for p in sorted((RESULTS / "runs").glob("*.json"))]
-records = [r for r in records if r.get("complete")]
-chosen = [r for r in records if r["plan"]["name"] == PLAN] or records
+newest = newest_per_plan(RESULTS / "runs")  # complete records of whole ladders (headline and every stage)
+chosen = [newest[PLAN][1]] if PLAN in newest else [record for _, record in newest.values()]
 if not chosen:
     raise SystemExit(f"no complete run record under {RESULTS / 'runs'}")
 record = max(chosen, key=lambda r: r["env"]["utc"])

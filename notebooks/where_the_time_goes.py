@@ -14,16 +14,16 @@
 # %% [markdown]
 # # Where the time goes
 #
-# Reads the newest complete run record of a plan (default: the GPU plan, else any) from `results/runs/` and asks,
-# per stage and workload: how much of the wall time the GPU was busy (the rest is launch and host overhead), how far
-# each stage is from its floor, and which kernels take the time; then, from the newest GPU record (a partial run
-# included), the kernel time per family and the host's share of each headline forward. Runs headless
-# (`python notebooks/where_the_time_goes.py`) or as a notebook (`jupytext --to notebook`). Synthetic weights: only
-# timings and fidelity are meaningful.
+# Reads the newest complete run record of a plan that ran its whole ladder, as the figures choose (default: the GPU
+# plan, else any) from `results/runs/` and asks, per stage and workload: how much of the wall time the GPU was busy (the
+# rest is launch and host overhead), how far each stage is from its floor, and which kernels take the time; then, from
+# the newest GPU record (a newer partial run of the whole ladder included), the kernel time per family and the host's
+# share of each headline forward. Runs headless (`python notebooks/where_the_time_goes.py`) or as a notebook (`jupytext
+# --to notebook`). Synthetic weights: only timings and fidelity are meaningful.
 
 # %%
-import json
 import os
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -35,10 +35,11 @@ import pandas as pd
 REPO = Path.cwd() if (Path.cwd() / "results").is_dir() else Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("JEVLAB_RESULTS", REPO / "results"))
 PLAN = os.environ.get("JEVLAB_PLAN", "gpu-27b")
+sys.path.insert(0, str(REPO))
+from ablations.records import newest_per_plan, newest_records  # noqa: E402  (the figures' choice of records)
 
-all_records = [json.loads(p.read_text()) for p in sorted((RESULTS / "runs").glob("*.json"))]
-records = [r for r in all_records if r.get("complete")]
-chosen = [r for r in records if r["plan"]["name"] == PLAN] or records
+newest = newest_per_plan(RESULTS / "runs")  # complete records of whole ladders (headline and every stage)
+chosen = [newest[PLAN][1]] if PLAN in newest else [record for _, record in newest.values()]
 if not chosen:
     raise SystemExit(f"no complete run record under {RESULTS / 'runs'}")
 record = max(chosen, key=lambda r: r["env"]["utc"])
@@ -105,7 +106,7 @@ for stage in record["stages"]:
 
 # %%
 FAMILY_ORDER = ("gemm", "gdn_core", "attention_core", "ours", "other")
-gpu = [r for r in all_records if r["plan"]["device"] == "cuda"]
+gpu = [r for _, r in newest_records(RESULTS / "runs") if r["plan"]["device"] == "cuda"]
 newest_gpu = max(gpu, key=lambda r: r["env"]["utc"]) if gpu else None
 family_rows, profiles = [], {}
 for stage in newest_gpu["stages"] if newest_gpu else []:

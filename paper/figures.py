@@ -52,7 +52,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 from matplotlib.ticker import NullLocator  # noqa: E402
 
-from ablations.records import all_records, read_record  # noqa: E402
+from ablations.records import all_records, newest_records, read_record  # noqa: E402
 from reference.shapes import get_shapes  # noqa: E402  (dataclasses only: no torch)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1070,31 +1070,6 @@ def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict
 def _relative(path: Path, root: Path) -> str:
     path, root = Path(path).resolve(), root.resolve()
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
-
-
-def left_out_no_stage(plan: dict) -> bool:
-    """Whether a run took every stage of its plan (older records, without `requested_stages`, did)."""
-    return set(plan.get("requested_stages", plan.get("stages", []))) >= set(plan.get("stages", []))
-
-
-def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
-    """Per plan: the newest complete record, and the newest partial record when it is newer than that one (or the
-    plan has no complete record). Every record is validated (a partial one too); newest by env.utc, then file name.
-    Records of runs that left the plan's headline workload out (`--workloads`) or some of its stages (`--stages`) are
-    not chosen: every figure leads with the headline and shows the whole ladder. Such records stay in results/runs/
-    and are cited where they are used (the report's targets)."""
-    complete: dict[str, tuple[Path, dict]] = {}
-    partial: dict[str, tuple[Path, dict]] = {}
-    for path, record in all_records(runs_dir):
-        plan = record["plan"]
-        if plan["headline"] in plan.get("omitted_workloads", []) or not left_out_no_stage(plan):
-            continue
-        (partial if is_partial(record) else complete)[record["plan"]["name"]] = (path, record)
-    chosen = list(complete.values())
-    for name, (path, record) in partial.items():
-        if name not in complete or record["env"]["utc"] > complete[name][1]["env"]["utc"]:
-            chosen.append((path, record))
-    return chosen
 
 
 def select_records(root: Path, plan: str | None, record_paths: list[str]) -> list[tuple[Path, dict]]:

@@ -377,9 +377,12 @@ def test_newest_complete_record_per_plan(tmp_path):
         ("b.json", "cpu-tiny", "2026-11-30T11:00:00Z", True),
         ("c.json", "cpu-tiny", "2026-11-30T12:00:00Z", False),
         ("d.json", "other", "2026-11-30T09:00:00Z", True),
+        ("e.json", "cpu-tiny", "2026-11-30T13:00:00Z", True),  # a rerun of some stages: not the plan's ladder
     ]:
         record = small_record(complete=complete)
         record["plan"]["name"], record["env"]["utc"] = plan, utc
+        if name == "e.json":
+            record["plan"] |= {"stages": ["hf_torch", "fused"], "requested_stages": ["fused"]}
         records.write_record(record, runs / name)
     newest = records.newest_per_plan(runs)
     assert {plan: path.name for plan, (path, _) in newest.items()} == {"cpu-tiny": "b.json", "other": "d.json"}
