@@ -245,6 +245,28 @@ def test_round_to_bf16_matches_torch() -> None:
     assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
+def _tiny_gdn_prep(*, conv_weight=None, cu_seqlens=None, rows=None):
+    """gdn_prep on 5 random tiny-twin rows, one sequence, with one input replaced (a bad-input case)."""
+    return kernels.gdn_prep(
+        torch.randn(5, TINY.gdn_in_width).bfloat16(),
+        torch.randn(TINY.conv_dim, 4).bfloat16() if conv_weight is None else conv_weight,
+        torch.zeros(6),
+        torch.zeros(6),
+        torch.tensor([0, 5]) if cu_seqlens is None else cu_seqlens,
+        rows=rows,
+        **gdn_dims(TINY),
+    )
+
+
+def _tiny_attn_prep(*, rotary_dim: int = 16, **options):
+    """attn_prep on 4 random tiny-twin rows (6 heads, 1 kv head, head dim 64) with `options` (a bad-input case)."""
+    cos_sin = (torch.randn(4, rotary_dim).bfloat16(), torch.randn(4, rotary_dim).bfloat16())
+    proj = torch.randn(4, TINY.attn_in_width).bfloat16()
+    return kernels.attn_prep(
+        proj, torch.zeros(64), torch.zeros(64), *cos_sin, 1e-6, num_heads=6, num_kv_heads=1, head_dim=64, **options
+    )
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -288,88 +310,18 @@ def test_round_to_bf16_matches_torch() -> None:
             r"must be \[R or L, Hv, V\] = \[2, 3, 4\]",
         ),
         (
-            lambda: kernels.gdn_prep(
-                torch.randn(5, TINY.gdn_in_width).bfloat16(),
-                torch.randn(TINY.conv_dim, 4).bfloat16(),
-                torch.zeros(6),
-                torch.zeros(6),
-                torch.tensor([0, 3]),
-                rows=torch.tensor([0.0, 1.0, 2.0]),
-                **gdn_dims(TINY),
-            ),
+            lambda: _tiny_gdn_prep(cu_seqlens=torch.tensor([0, 3]), rows=torch.tensor([0.0, 1.0, 2.0])),
             "rows: dtype torch.float32",
         ),
         (
             lambda: kernels.attention_gate(torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 3, 5).bfloat16()),
             r"gate: shape \(2, 3, 5\)",
         ),
-        (
-            lambda: kernels.gdn_prep(
-                torch.randn(5, TINY.gdn_in_width).bfloat16(),
-                torch.randn(TINY.conv_dim, 4),
-                torch.zeros(6),
-                torch.zeros(6),
-                torch.tensor([0, 5]),
-                **gdn_dims(TINY),
-            ),
-            "bf16 only",
-        ),
-        (
-            lambda: kernels.gdn_prep(
-                torch.randn(5, TINY.gdn_in_width).bfloat16(),
-                torch.randn(TINY.conv_dim, 4).bfloat16(),
-                torch.zeros(6),
-                torch.zeros(6),
-                torch.tensor([0.0, 5.0]),
-                **gdn_dims(TINY),
-            ),
-            "cu_seqlens: dtype",
-        ),
-        (
-            lambda: kernels.attn_prep(
-                torch.randn(4, TINY.attn_in_width).bfloat16(),
-                torch.zeros(64),
-                torch.zeros(64),
-                torch.randn(4, 16).bfloat16(),
-                torch.randn(4, 16).bfloat16(),
-                1e-6,
-                num_heads=6,
-                num_kv_heads=1,
-                head_dim=64,
-                layout="bhtd",
-            ),
-            "layout",
-        ),
-        (
-            lambda: kernels.attn_prep(
-                torch.randn(4, TINY.attn_in_width).bfloat16(),
-                torch.zeros(64),
-                torch.zeros(64),
-                torch.randn(4, 16).bfloat16(),
-                torch.randn(4, 16).bfloat16(),
-                1e-6,
-                num_heads=6,
-                num_kv_heads=1,
-                head_dim=64,
-                layout="htd",
-                key_rows=torch.tensor([0, 3]),
-            ),
-            "key_rows needs layout 'thd'",
-        ),
-        (
-            lambda: kernels.attn_prep(
-                torch.randn(4, TINY.attn_in_width).bfloat16(),
-                torch.zeros(64),
-                torch.zeros(64),
-                torch.randn(4, 15).bfloat16(),
-                torch.randn(4, 15).bfloat16(),
-                1e-6,
-                num_heads=6,
-                num_kv_heads=1,
-                head_dim=64,
-            ),
-            "rotary_dim 15",
-        ),
+        (lambda: _tiny_gdn_prep(conv_weight=torch.randn(TINY.conv_dim, 4)), "bf16 only"),
+        (lambda: _tiny_gdn_prep(cu_seqlens=torch.tensor([0.0, 5.0])), "cu_seqlens: dtype"),
+        (lambda: _tiny_attn_prep(layout="bhtd"), "layout"),
+        (lambda: _tiny_attn_prep(layout="htd", key_rows=torch.tensor([0, 3])), "key_rows needs layout 'thd'"),
+        (lambda: _tiny_attn_prep(rotary_dim=15), "rotary_dim 15"),
     ],
 )
 def test_launchers_reject_bad_inputs(call, message: str) -> None:
