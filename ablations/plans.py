@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ablations.registry import get_stage
+from engine.stages import get_stage
 from reference.shapes import get_shapes
 
 PLANS_DIR = Path(__file__).resolve().parent / "plans"

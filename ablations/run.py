@@ -59,8 +59,8 @@ from tqdm import tqdm
 
 from ablations import envinfo, records, timing
 from ablations.plans import Plan, load_plan, plan_names
-from ablations.registry import STAGE_LIST, BuildContext, Stage, get_stage, in_ladder_order
 from ablations.workloads import Workload, resolve
+from engine.stages import STAGE_LIST, BuildContext, Stage, build_backbone, get_stage, in_ladder_order, prepare_process
 from reference.readout import head_scores, record_probabilities
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ class Run:
         self.ctx = BuildContext(self.weights, nvtx=self.nvtx_timing)
         self.head_weight = self.weights.head_weight.to(self.device)
         self.head_bias = self.weights.head_bias.to(self.device)
-        planner = DecisionModel(get_stage(self.plan.reference).build(self.ctx), self.weights)
+        planner = DecisionModel(build_backbone(self.plan.reference, self.ctx), self.weights)
         for workload in self.workloads:
             decision_plan = planner.plan(workload.request)
             self.decision_plans[workload.id] = decision_plan
@@ -399,7 +399,9 @@ class Run:
         result["core_multiple"] = result["median_ms"] / core_ms if core_ms > 0 else None
         result["gemm_ms"] = gemm_ms if gemm_ms > 0 else None
         result["gemm_multiple"] = result["median_ms"] / gemm_ms if gemm_ms > 0 else None
-        result |= timing.floors(self.linear_params, rows, self.record["ceilings"])
+        weight_bytes = getattr(backbone, "gemm_weight_bytes", lambda: 2 * self.linear_params)()
+        weight_format = backbone.config.weight_format if hasattr(backbone, "config") else "bf16"
+        result |= timing.floors(weight_bytes, self.linear_params, rows, self.record["ceilings"], weight_format)
         result["floor_multiple"] = result["median_ms"] / result["floor_ms"]
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
         result["probabilities"] = outputs.probabilities
@@ -411,7 +413,7 @@ class Run:
         if not missing:
             return
         stage = get_stage(self.plan.reference)
-        backbone = stage.build(self.ctx)
+        backbone = build_backbone(stage.name, self.ctx)
         with torch.inference_mode():
             for workload in missing:
                 decision_plan = self.decision_plans[workload.id]
@@ -449,7 +451,7 @@ class Run:
         }
         start = time.perf_counter()
         try:
-            backbone = get_stage(self.plan.reference).build(self.ctx)
+            backbone = build_backbone(self.plan.reference, self.ctx)
             decision_plan = self.decision_plans.get(headline)
             if decision_plan is None:  # the headline is not among this run's workloads: planned here
                 from reference.service import DecisionModel
@@ -524,7 +526,7 @@ class Run:
             start = time.perf_counter()
             try:
                 with timing.nvtx_range(f"{stage.name} build", self.device == "cuda"):
-                    backbone = stage.build(self.ctx)
+                    backbone = build_backbone(stage.name, self.ctx)
             except Exception as error:  # recorded with the reason; the run goes on with the next stage
                 if isinstance(error, NotImplementedError):  # the stage's code is not written yet
                     entry["status"], entry["reason"] = "unavailable", f"not implemented: {error}"
@@ -647,13 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     if plan.device == "cuda" and not has_cuda:
         print(f"plan {plan.name} needs a CUDA device and none is present; use --plan cpu-tiny", file=sys.stderr)
         return 2
-    if plan.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports a Triton kernel
-    else:
-        from engine.backbone import use_row_invariant_gemms
-
-        use_row_invariant_gemms()  # before the first GEMM; the gates' pytest process inherits it
     stages = in_ladder_order(args.stages.split(",") if args.stages else plan.stages)
+    # before anything imports a Triton kernel or runs a GEMM; the gates' pytest process inherits the environment
+    prepare_process([s.name for s in stages if plan.device in s.devices], plan.device)
     workloads = resolve(args.workloads.split(",") if args.workloads else plan.workloads)
     if args.list:
         print(f"plan {plan.name}: {plan.description}")

@@ -16,8 +16,9 @@ rest), so a record says how much of a forward is the work the engine cannot avoi
 
 Ceilings: the copy rate is bytes read + written by a device-to-device copy of `copy_bytes` random bytes per second;
 the bf16 rate is 2 n^3 flop per second of an n x n x n bf16 matmul on random inputs; both the median over `runs`
-after warm-up. Floors per workload: weight streaming = 2 bytes x shapes.linear_params() / copy rate (the bytes every
-forward must read, at the copy rate); compute = 2 x linear_params x rows / bf16 rate (rows the stage computes);
+after warm-up. Floors per workload: weight streaming = the GEMM weights' bytes / copy rate (the bytes every forward
+must read: the backbone's `gemm_weight_bytes()`, else 2 x shapes.linear_params() for bf16); compute = 2 x
+linear_params x rows / the matmul rate of the weights' format (rows the stage computes);
 the floor is the larger of the two.
 
 NVTX: `nvtx_range` marks stage / workload / phase on the GPU timeline; `layer_ranges` adds one range per decoder layer
@@ -232,10 +233,15 @@ def measure_ceilings(device: str, *, copy_bytes: int, gemm_n: int, runs: int) ->
     }
 
 
-def floors(linear_params: int, rows: int, ceilings: dict) -> dict[str, float]:
-    """Weight-streaming and compute floors (ms) of one forward over `rows` rows; the floor is the larger."""
-    weight_ms = 2 * linear_params / (ceilings["copy_tbps"] * 1e12) * 1e3
-    compute_ms = 2 * linear_params * rows / (ceilings["bf16_tflops"] * 1e12) * 1e3
+COMPUTE_CEILINGS = {"bf16": "bf16_tflops"}  # the matmul rate that bounds a GEMM of each weight format
+
+
+def floors(weight_bytes: int, linear_params: int, rows: int, ceilings: dict, weight_format: str = "bf16") -> dict:
+    """Weight-streaming and compute floors (ms) of one forward over `rows` rows; the floor is the larger.
+
+    weight_bytes: the GEMM weights' real bytes (scales included); compute at the ceiling of their format."""
+    weight_ms = weight_bytes / (ceilings["copy_tbps"] * 1e12) * 1e3
+    compute_ms = 2 * linear_params * rows / (ceilings[COMPUTE_CEILINGS[weight_format]] * 1e12) * 1e3
     return {"floor_ms": max(weight_ms, compute_ms), "weight_floor_ms": weight_ms, "compute_floor_ms": compute_ms}
 
 

@@ -33,21 +33,21 @@ GDN layer over a plan, by the batch's GDN mode (`engine.tree.choose_gdn_mode`, o
   rows, and `engine.tree.tree_gdn_core` runs the plan's `handoff` schedule (root once, fp32 states handed to the
   branches at 64-row chunk boundaries).
 
-Stages (element-wise ops). `merged` (`fused=False`) runs every element-wise op as the reference composition of
+Stages (element-wise ops). `merged` (`elementwise="torch"`) runs every element-wise op as the reference composition of
 `reference/ops.py`, so each op has HF's rounding points; the conv is `reference.ops.causal_conv1d_silu` over the
 conv input with W-1 zero rows before each sequence; the GDN gates run on rows zero-padded to a multiple of 32 (torch's
 CPU kernels compute the last (n mod vector width) elements of a tensor in a scalar tail that rounds differently, so
-without the padding a row's gates would depend on the batch's row count). `fused` (`fused=True`) runs the Triton
-kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep, gated RMSNorm, attention prep,
+without the padding a row's gates would depend on the batch's row count). `fused` (`elementwise="triton"`) runs the
+Triton kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep, gated RMSNorm, attention prep,
 attention gate); each kernel states its exactness against the op it replaces and is batch-invariant by design.
 
-GDN core (`gdn_core`, default by device):
+GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`):
 * `"fla"` (CUDA default of `merged`): FLA 0.6.0 `chunk_gated_delta_rule` over all sequences of a call (`cu_seqlens`,
   chunks restart at each sequence, precomputed `chunk_indices`: no host sync). Backend dispatch is pinned off (checked
   at construction). q/k L2-normalised with FLA's `l2norm_fwd` numerics: inside FLA in `merged`, by the prep kernel in
   `fused`. This is the `hf_fla` numerics.
 * `"fla_forward"` (CUDA default of `fused` and `tree`): the same FLA kernels launched directly
-  (`engine.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
+  (`kernels.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
   buffer per batch forward instead of one per layer (48 fewer fills per forward).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
@@ -77,7 +77,7 @@ Exactness.
   CPU (tiny twin, bf16: tests/test_engine_tree.py). On the H200, cuBLAS's default heuristics pick a split-K kernel for
   the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count: run 89aea6c had tree
   and fused answers differ on 5 of 17 workloads (max |dp| 4.0e-3, no argmax change). Without a cuBLAS workspace
-  (`ROW_INVARIANT_CUBLAS`, set by `use_row_invariant_gemms`) all six GEMM shapes were row-count invariant at those row
+  (the config's `gemm="cublas_row_invariant"`, engine/gemm.py) all six GEMM shapes were row-count invariant at those row
   counts, for 5-15 us more per small down GEMM (results/gpu/20261130T135022Z-nvidia-h200-b388a0d-gemm-rows.json,
   tests/test_gpu_gemm_rows.py).
 
@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -100,30 +99,35 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from engine.gdn_core import FlaForwardCore, fla_chunk_function
+from engine import gemm
+from engine.config import EngineConfig
 from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions
 from engine.tree import choose_gdn_mode, default_node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
+from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
 from reference.backbone import check_candidates
 from reference.shapes import ModelShapes
 
-GDN_CORES = ("fla", "fla_forward", "torch")
-# cuBLAS without a workspace: no split-K GEMMs, whose reduction order follows the row count (module docstring)
-ROW_INVARIANT_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
-ATTENTION_MODES = ("varlen", "mask")
-GDN_MODES = ("replicated", "handoff")
 MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA SDPA kernels want
 GATE_ROW_ALIGN = 32  # merged gates: rows padded so that rows x Hv is a multiple of torch's widest CPU vector (32 bf16)
 
 
-def use_row_invariant_gemms() -> dict[str, str]:
-    """Set `ROW_INVARIANT_CUBLAS` in the environment unless CUBLAS_WORKSPACE_CONFIG is already set; returns what is
-    in force. Call before the process's first CUDA GEMM (torch reads the variable once, when it first sizes a
-    cuBLAS workspace): the runner, the server and the GPU tests do."""
-    for name, value in ROW_INVARIANT_CUBLAS.items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in ROW_INVARIANT_CUBLAS}
+def _name_of(config: EngineConfig, device: torch.device) -> str:
+    """The name of the nearest engine stage (fewest differing fields, in its form on this config's device), with the
+    differences in brackets: `tree`, or `tree[elementwise=torch]`. `gdn_mode` and `max_batch_rows` (ablation and
+    batching switches) are not part of the name."""
+    from engine.stages import STAGE_LIST
+
+    plain = config.replace(gdn_mode="cost", max_batch_rows=EngineConfig.max_batch_rows)
+    best = None
+    for stage in STAGE_LIST:
+        if stage.consumes_weights:
+            delta = plain.delta(stage.config.on(device.type))
+            if best is None or len(delta) < len(best[1]):
+                best = (stage.name, delta)
+    name, delta = best
+    return name + ("[" + ",".join(f"{k}={v}" for k, v in delta.items()) + "]" if delta else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,7 +175,8 @@ def _row_batch(
         n = plan.num_rows
         padded = math.ceil(n / MASK_ALIGN) * MASK_ALIGN
         mask = torch.full((n, padded), float("-inf"), dtype=torch.bfloat16, device=plan.device)
-        mask[:, :n].masked_fill_(plan.attention_mask, 0.0)
+        rows = torch.arange(n, device=plan.device)
+        mask[:, :n].masked_fill_(plan.visible(rows[:, None], rows[None, :]), 0.0)
         mask = mask[:, :n][None, None]
     return RowBatch(
         plan=plan,
@@ -349,58 +354,48 @@ class _FusedOps:
 
 
 class EngineBackbone:
-    """A `Backbone` over packed rows with merged weights.
+    """A `Backbone` over packed rows with merged weights, running what its `EngineConfig` says (`engine/config.py`).
 
-    `fused` switches the element-wise ops to the kernels; `tree` lays each batch out as a prefix tree (stage `tree`,
-    built on `fused`; also runs with `fused=False` for CPU tests). `attention` ("varlen" or "mask"; default "mask" for
-    `merged`, "varlen" otherwise) and `gdn_mode` ("replicated" / "handoff"; default: the plan's cost rule) are
-    ablation switches; `gdn_core` ("fla" / "torch") defaults by device.
+    The config's `elementwise` picks the ops (`torch`: the reference compositions of `merged`; `triton`: the kernels),
+    `layout` the row plan (`flat` or `tree`), `attention` the core (`mask` or `varlen`), `gdn_core` and `gdn_mode`
+    the GDN path and `gemm` the GEMM op (engine/gemm.py); `max_batch_rows` bounds a batch. The config must be in its
+    device form (`EngineConfig.on`): a FLA core on the CPU is refused here, and so is a GEMM choice the process
+    cannot honour (`engine.gemm.check_process`). Stages are built through `engine.stages.build_backbone`.
     """
 
-    def __init__(
-        self,
-        merged: MergedWeights,
-        *,
-        fused: bool,
-        tree: bool = False,
-        attention: str | None = None,
-        gdn_mode: str | None = None,
-        gdn_core: str | None = None,
-        max_batch_rows: int = 8192,
-        nvtx_ranges: bool = False,
-    ):
+    def __init__(self, merged: MergedWeights, config: EngineConfig, *, nvtx_ranges: bool = False):
+        if config.backbone != "engine":
+            raise ValueError(f"EngineBackbone runs backbone='engine' configs, got {config.backbone!r}")
         self.weights = merged
         self.shapes = merged.shapes
         self.device = merged.device
-        self.fused = fused
-        self.tree = tree
-        default_attention = "varlen" if fused or tree else "mask"
-        self.attention = attention or default_attention
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"unknown attention {self.attention!r}; expected one of {ATTENTION_MODES}")
-        if gdn_mode is not None and gdn_mode not in GDN_MODES:
-            raise ValueError(f"unknown gdn_mode {gdn_mode!r}; expected one of {GDN_MODES} or None (cost rule)")
-        self.gdn_mode = gdn_mode
-        base = ("tree" if fused else "merged_tree") if tree else ("fused" if fused else "merged")
-        self.name = base if self.attention == default_attention else f"{base}_{self.attention}"
-        cuda_core = "fla_forward" if fused or tree else "fla"
-        self.gdn_core = gdn_core or (cuda_core if self.device.type == "cuda" else "torch")
-        if self.gdn_core not in GDN_CORES:
-            raise ValueError(f"unknown gdn_core {self.gdn_core!r}; expected one of {GDN_CORES}")
-        if self.gdn_core != "torch" and self.device.type == "cpu":
+        self.config = config
+        if config.gdn_core != "torch" and self.device.type == "cpu":
             raise ValueError(
-                f"gdn_core={self.gdn_core!r} cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot "
-                "wrongly (reference-math.md §6); use gdn_core='torch' on the CPU"
+                f"gdn_core={config.gdn_core!r} cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot "
+                "wrongly (reference-math.md §6); use the config's CPU form (EngineConfig.on('cpu'))"
             )
-        if max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
-        self.max_batch_rows = max_batch_rows
+        formats = merged.gemm_formats()
+        if formats != {config.weight_format}:
+            raise ValueError(f"the weights hold {sorted(formats)} GEMM weights; the config says {config.weight_format}")
+        gemm.check_process(config, self.device)
+        self.tree = config.layout == "tree"
+        self.attention = config.attention
+        self.gdn_mode = None if config.gdn_mode == "cost" else config.gdn_mode
+        self.gdn_core = config.gdn_core
+        self.max_batch_rows = config.max_batch_rows
+        self.name = _name_of(config, self.device)
         self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
             self.gdn_core
         ]()
+        fused = config.elementwise == "triton"
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)
         self._range = _Ranges(nvtx_ranges)
+
+    def gemm_weight_bytes(self) -> int:
+        """Bytes of every GEMM weight (the weight-streaming floor's numerator)."""
+        return self.weights.gemm_weight_bytes()
 
     # -- Backbone protocol ---------------------------------------------------------------------------------------------
 
@@ -479,7 +474,8 @@ class EngineBackbone:
         # FlaForwardCore: one zeroed solve buffer per GDN call layout of this batch, shared by its 48 GDN layers
         core_options = {"use_qk_l2norm_in_kernel": not ops_.qk_normalised}
         if self.gdn_core == "fla_forward":
-            core_options["workspace"] = {}
+            batch.plan.arena.workspace.begin_forward()
+            core_options["workspace"] = batch.plan.arena.workspace
         with rng("embedding"):
             x = F.embedding(batch.plan.token_ids, w.embed)  # [N, H]
         with rng("norm"):
@@ -490,13 +486,13 @@ class EngineBackbone:
             gdn = isinstance(layer, GDNLayerWeights)
             with rng(f"layer {i:02d} {'gdn' if gdn else 'attn'}"):
                 with rng("in_proj"):
-                    proj = F.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
+                    proj = gemm.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
                 mixed = self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch)
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, mixed, layer.post_norm)
                 with rng("mlp"):
-                    act = ops_.silu_mul(F.linear(normed, layer.w_gate_up))  # [N, I]
-                    down = F.linear(act, layer.w_down)  # [N, H]
+                    act = ops_.silu_mul(gemm.linear(normed, layer.w_gate_up))  # [N, I]
+                    down = gemm.linear(act, layer.w_down)  # [N, H]
                 next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, down, next_norm)
@@ -536,7 +532,7 @@ class EngineBackbone:
             z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
             y = self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]
         with rng("out_proj"):
-            return F.linear(y, layer.w_out)
+            return gemm.linear(y, layer.w_out)
 
     def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch) -> Tensor:
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
@@ -552,7 +548,7 @@ class EngineBackbone:
         with rng("attn_gate"):
             y = self._ops.attention_gate(attn, gate)  # [N, Hq D]
         with rng("out_proj"):
-            return F.linear(y, layer.w_out)
+            return gemm.linear(y, layer.w_out)
 
 
 def _consecutive_batches(lengths: Sequence[int], max_rows: int) -> list[list[int]]:

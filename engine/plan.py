@@ -19,26 +19,42 @@ against; every tree function in `engine/tree.py` runs on both plans.
 Node ids: 0 = root, 1 + r = question r (questions numbered in order of first appearance in `groups`),
 1 + R + c = leaf of candidate c.
 
-Besides the layout, a plan holds the index tensors the layer functions need, all built on the host once and copied to
-the device in one transfer: conv windows from ancestors, the gather of each candidate's path, the representative slot
-of each packed row, the row-to-node relation for the attention mask, two GDN schedules (`replicated` and `handoff`, see
-`GdnSchedule`), two conv input layouts for kernels that read a sequence's previous rows (`ConvInput`: the paths, and
-node segments with their history rows) and the node-wise varlen attention layout (`NodeAttention`).
+Besides the layout, a plan holds the index tensors the layer functions need, all built on the host and copied to the
+device in one transfer: the gather of each candidate's path, the representative slot of each packed row, the
+row-to-node relation for the attention mask, two GDN schedules (`replicated` and `handoff`, see `GdnSchedule`), two
+conv input layouts for kernels that read a sequence's previous rows (`ConvInput`: the paths, and node segments with
+their history rows) and the node-wise varlen attention layout (`NodeAttention`).
+
+Shape and buffers. A plan is split in two: `PlanShape`, hashable and host-only, holds every size and flag a launch
+reads from the host (the length of every index array, the GDN calls' flags and contiguous ranges, the attention's
+`max_q` / `max_k`), so two plans of equal shape launch the same kernels with the same grids (the CUDA-graph key of the
+`graphs` stage); `PlanArena` holds one device buffer per shape with a named view per index array (plus the int32 copies
+some kernels take and the FLA solve workspace), refilled in place by one host-to-device copy (`plan_tree(...,
+arena=...)`). What else a plan carries is request data on the host (candidate and node lengths, sequence bounds for the
+CPU cores, the conv windows); no CUDA launch reads it.
+
+Padding. `pad_lens` appends detached dummy sequences after the real leaves: each is one node of its own (no parent,
+positions from 0, token id `PAD_TOKEN_ID`), a path of its own for the GDN core, a sequence of its own for the conv and
+attention, never read by the head. No real row can see a dummy row, and every op is row- or prefix-invariant, so the
+real rows' bits do not change (tests/test_plan_padding.py); the `graphs` stage pads a request to its bucket's shape this
+way.
 
 `split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
 CHUNK_SIZE = 64  # GDN chunk length of FLA's chunk_gated_delta_rule and HF's torch chunk fallback
 CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
+PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
+INT32_ARRAYS = ("conv_paths.cu_seqlens", "conv_segments.cu_seqlens", "attention.cu_seqlens_q", "attention.cu_seqlens_k")
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +136,7 @@ class ConvInput:
 
     rows: torch.Tensor  # [M] int64
     cu_seqlens: torch.Tensor  # [S + 1] int64, on the device
-    cu_seqlens_i32: torch.Tensor  # [S + 1] int32, on the device (for the GDN prep kernel)
+    cu_seqlens_i32: torch.Tensor  # [S + 1] int32, on the device (for the GDN prep kernel; an arena int32 copy)
     cu_seqlens_cpu: torch.Tensor  # [S + 1] int64, host
     keep: torch.Tensor  # [n] int64
     keep_rows: torch.Tensor  # [n] int64
@@ -156,37 +172,125 @@ class NodeAttention:
         return len(self.key_rows)
 
 
+@dataclass(frozen=True)
+class GdnCallShape:
+    """The host-side facts of one GDN call that a launch reads (its array sizes are in `PlanShape.arrays`)."""
+
+    keep_final: bool
+    has_init_state: bool
+    rows_start: int | None
+    out_start: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """Everything a launch over a plan reads from the host; hashable. Equal shapes launch the same kernels with the
+    same grids: the arena layout (`arrays`: every index array's name and shape, in arena order) fixes every row,
+    sequence, chunk, node and key count; the flags fix which gathers and copies run."""
+
+    kind: str
+    chunk_size: int
+    num_rows: int
+    num_candidates: int
+    num_padding: int  # detached dummy sequences (`pad_lens`)
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]
+    gdn: tuple[tuple[str, tuple[GdnCallShape, ...]], ...]  # per mode, per call
+    conv_flags: tuple[tuple[str, tuple[bool, bool, bool]], ...]  # per layout: rows_are_packed, keep_all, keep_packed
+    attention_max: tuple[int, int]  # max_q, max_k
+    keys_are_rows: bool
+
+    def array_shape(self, name: str) -> tuple[int, ...]:
+        return dict(self.arrays)[name]
+
+
+class SolveWorkspace:
+    """The FLA solve buffers of one arena: one per GDN call layout, keyed by the position of that call's
+    `chunk_indices` in the arena (a view's storage offset, stable for the arena's life; no object ids).
+
+    `begin_forward()` marks every buffer stale; `zeros(chunk_indices, shape, like)` returns the layout's buffer,
+    zeroed at its first use in a forward (one fill per layout and forward, as `kernels.gdn_core.FlaForwardCore`
+    documents; allocated on first use)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._fresh: set[tuple] = set()
+
+    def begin_forward(self) -> None:
+        self._fresh.clear()
+
+    def zeros(self, chunk_indices: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (chunk_indices.storage_offset(), tuple(shape), like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        elif key not in self._fresh:
+            buffer.zero_()
+        self._fresh.add(key)
+        return buffer
+
+
+class PlanArena:
+    """One device buffer laid out by a `PlanShape`: a named int64 view per index array, an int32 copy of the arrays
+    kernels take as int32 (`INT32_ARRAYS`), and the FLA solve workspace. `fill` refills it in place: one host-to-device
+    copy of every array, then the int32 copies on the device; a plan of another shape is refused."""
+
+    def __init__(self, shape: PlanShape, device: torch.device) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        sizes = [math.prod(dims) for _, dims in shape.arrays]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.buffer = torch.empty(int(offsets[-1]), dtype=torch.int64, device=self.device)
+        self.views = {
+            name: self.buffer[offsets[i] : offsets[i + 1]].view(dims) for i, (name, dims) in enumerate(shape.arrays)
+        }
+        self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
+                      for name in INT32_ARRAYS}  # fmt: skip
+        self.workspace = SolveWorkspace()
+
+    def fill(self, arrays: dict[str, np.ndarray]) -> None:
+        got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
+        if got != self.shape.arrays:
+            raise ValueError("the plan's arrays do not match this arena's shape")
+        host = np.concatenate([np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()])
+        self.buffer.copy_(torch.from_numpy(host))
+        for name, copy in self.int32.items():
+            copy.copy_(self.views[name])
+
+
 @dataclass(frozen=True, eq=False)
 class TreePlan:
-    """A packed row layout (kind "tree" or "flat") with its index tensors on `device`.
+    """A packed row layout (kind "tree" or "flat"): its shape, its arena (index tensors on `device`, views) and its
+    request data on the host.
 
-    Per packed row n (N rows): `token_ids`, `positions` (original position in its candidates), `row_node`,
-    `row_parent` / `row_grandparent` (node ids of its node's ancestors, -1 where none), `row_slot` (one slot of
-    `path_rows` holding it), `conv_rows` [N, CONV_WIDTH] (packed rows at positions p-3..p of its path; N, a zero row
-    appended by the conv, before position 0).
-    Per candidate c: its path `path_rows[path_cu_seqlens[c]:path_cu_seqlens[c+1]]` (root to leaf, one entry per token
-    of the candidate) and `read_rows[c]`, the row of its last token.
+    Per packed row n (N rows, dummy rows last): `token_ids`, `positions` (original position in its candidates),
+    `row_node`, `row_parent` / `row_grandparent` (node ids of its node's ancestors, -1 where none), `row_slot` (one slot
+    of `path_rows` holding it). Host: `conv_rows` [N, CONV_WIDTH] (packed rows at positions p-3..p of its path; N, a
+    zero row appended by the conv, before position 0).
+    Per candidate c (the real ones; dummy paths follow): its path `path_rows[path_cu_seqlens[c]:path_cu_seqlens[c+1]]`
+    (root to leaf, one entry per token of the candidate) and `read_rows[c]`, the row of its last token.
     """
 
     kind: str
     device: torch.device
+    shape: PlanShape
+    arena: PlanArena
     candidate_lens: tuple[int, ...]
     question_of: tuple[int, ...]  # question index (order of first appearance) of each candidate
     root_len: int
     question_lens: tuple[int, ...]
     leaf_lens: tuple[int, ...]
+    padding_lens: tuple[int, ...]  # detached dummy sequences after the real leaves
     chunk_size: int
+    conv_rows: torch.Tensor  # [N, CONV_WIDTH] int64, host
+    path_cu_seqlens_cpu: torch.Tensor  # [C + P + 1] int64, host
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     row_node: torch.Tensor  # [N] int64
     row_parent: torch.Tensor  # [N] int64
     row_grandparent: torch.Tensor  # [N] int64
     row_slot: torch.Tensor  # [N] int64
-    conv_rows: torch.Tensor  # [N, CONV_WIDTH] int64
-    path_rows: torch.Tensor  # [sum(candidate_lens)] int64
-    path_cu_seqlens: torch.Tensor  # [C + 1] int64
-    path_cu_seqlens_cpu: torch.Tensor  # [C + 1] int64, host
-    path_cu_seqlens_i32: torch.Tensor  # [C + 1] int32, on the device (for kernels taking int32 offsets)
+    path_rows: torch.Tensor  # [sum(candidate_lens) + sum(padding_lens)] int64
+    path_cu_seqlens: torch.Tensor  # [C + P + 1] int64
     read_rows: torch.Tensor  # [C] int64
     gdn: dict[str, GdnSchedule]  # "replicated" and "handoff"
     conv_paths: ConvInput
@@ -195,7 +299,7 @@ class TreePlan:
 
     @property
     def num_rows(self) -> int:
-        return len(self.token_ids)
+        return self.shape.num_rows
 
     @property
     def rows_computed(self) -> int:
@@ -224,21 +328,6 @@ class TreePlan:
         own = (node_j == self.row_node[i]) & (j <= i)
         return own | (node_j == self.row_parent[i]) | (node_j == self.row_grandparent[i])
 
-    @cached_property
-    def attention_mask(self) -> torch.Tensor:
-        """[N, N] bool on the plan's device, True where row i attends to row j; built there once per plan."""
-        idx = torch.arange(self.num_rows, device=self.device)
-        return self.visible(idx[:, None], idx[None, :])
-
-    @cached_property
-    def flex_block_mask(self):
-        """FlexAttention BlockMask of `visible`, built on the plan's device once per plan."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        return create_block_mask(
-            lambda b, h, i, j: self.visible(i, j), None, None, self.num_rows, self.num_rows, device=self.device
-        )
-
 
 def plan_tree(
     candidates: Sequence[Sequence[int]],
@@ -246,8 +335,11 @@ def plan_tree(
     *,
     device: torch.device | str = "cpu",
     chunk_size: int = CHUNK_SIZE,
+    pad_lens: Sequence[int] = (),
+    arena: PlanArena | None = None,
 ) -> TreePlan:
-    """The two-level prefix tree of a request: `groups[c]` is the question of candidate c."""
+    """The two-level prefix tree of a request: `groups[c]` is the question of candidate c. `pad_lens`: detached dummy
+    sequences to append (module docstring); `arena`: refill this arena in place (its shape must be the plan's)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     root_len = min(_common_prefix_len(seqs), int(lens.min()) - 1)
@@ -256,7 +348,7 @@ def plan_tree(
         members = [seqs[c] for c in range(len(seqs)) if question_of[c] == r]
         shortest = min(len(s) for s in members)
         question_lens.append(min(_common_prefix_len(members), shortest - 1) - root_len)
-    return _build("tree", seqs, question_of, root_len, question_lens, torch.device(device), chunk_size)
+    return _build("tree", seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena)
 
 
 def plan_flat(
@@ -265,10 +357,12 @@ def plan_flat(
     *,
     device: torch.device | str = "cpu",
     chunk_size: int = CHUNK_SIZE,
+    pad_lens: Sequence[int] = (),
+    arena: PlanArena | None = None,
 ) -> TreePlan:
     """The unshared layout (candidates back to back) in the same structure: empty root and question nodes."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    return _build("flat", seqs, question_of, 0, [0] * num_questions, torch.device(device), chunk_size)
+    return _build("flat", seqs, question_of, 0, [0] * num_questions, device, chunk_size, pad_lens, arena)
 
 
 def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], max_rows: int) -> list[list[int]]:
@@ -352,33 +446,34 @@ def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> np.ndarray:
     return np.stack([np.repeat(np.arange(len(lengths)), counts), within], axis=1).astype(np.int64)
 
 
-def _chunks(lengths: np.ndarray, chunk_size: int) -> int:
-    return int(((lengths + chunk_size - 1) // chunk_size).sum())
-
-
-def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size) -> TreePlan:
+def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena) -> TreePlan:
+    device = torch.device(device)
     num_cands, num_questions = len(seqs), len(question_lens)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     q_of = np.array(question_of, dtype=np.int64)
     q_lens = np.array(question_lens, dtype=np.int64)
     leaf_lens = lens - root_len - q_lens[q_of]
+    pad = np.array(pad_lens, dtype=np.int64).reshape(-1)
+    if (pad < 1).any():
+        raise ValueError(f"padding sequences need at least one row each, got {pad.tolist()}")
     assert (leaf_lens >= 1).all() and (q_lens >= 0).all() and root_len >= 0
 
-    # Packed row ranges: [root | question nodes | leaves].
+    # Packed row ranges: [root | question nodes | leaves | dummy sequences].
     q_start = root_len + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
     leaf_base = root_len + int(q_lens.sum())
     leaf_start = leaf_base + np.concatenate([[0], np.cumsum(leaf_lens)[:-1]])
-    num_rows = leaf_base + int(leaf_lens.sum())
+    pad_base = leaf_base + int(leaf_lens.sum())
+    pad_start = pad_base + np.concatenate([[0], np.cumsum(pad)[:-1]]).astype(np.int64)
+    num_rows = pad_base + int(pad.sum())
 
-    token_ids = np.empty(num_rows, dtype=np.int64)
+    token_ids = np.full(num_rows, PAD_TOKEN_ID, dtype=np.int64)
     positions = np.empty(num_rows, dtype=np.int64)
     row_node = np.empty(num_rows, dtype=np.int64)
-    row_parent = np.empty(num_rows, dtype=np.int64)
+    row_parent = np.full(num_rows, -1, dtype=np.int64)
     row_grandparent = np.full(num_rows, -1, dtype=np.int64)
     token_ids[:root_len] = seqs[0][:root_len]
     positions[:root_len] = np.arange(root_len)
     row_node[:root_len] = 0
-    row_parent[:root_len] = -1
     first_member = [question_of.index(r) for r in range(num_questions)]
     for r in range(num_questions):
         span = slice(q_start[r], q_start[r] + q_lens[r])
@@ -405,8 +500,16 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
                 ]
             )
         )
-    path_rows = np.concatenate(paths).astype(np.int64)
-    path_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    dummy_paths = []
+    for d, length in enumerate(pad):
+        span = slice(pad_start[d], pad_start[d] + length)
+        positions[span] = np.arange(length)
+        row_node[span] = 1 + num_questions + num_cands + d
+        dummy_paths.append(pad_start[d] + np.arange(length))
+    all_paths = paths + dummy_paths
+    all_lens = np.concatenate([lens, pad]).astype(np.int64)
+    path_rows = np.concatenate(all_paths).astype(np.int64)
+    path_cu = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
     read_rows = leaf_start + leaf_lens - 1
 
     # Representative slot of each packed row: its first occurrence in the concatenated paths.
@@ -415,7 +518,7 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
     assert len(row_slot) == num_rows
 
     # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
-    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], lens)
+    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], all_lens)
     conv_rows = np.empty((num_rows, CONV_WIDTH), dtype=np.int64)
     for k in range(CONV_WIDTH):
         back = CONV_WIDTH - 1 - k
@@ -432,6 +535,8 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
             nodes.append((q_start[r], own, np.concatenate([np.arange(root_len), own])))
     for c in range(num_cands):
         nodes.append((leaf_start[c], leaf_start[c] + np.arange(leaf_lens[c]), paths[c]))
+    for d, rows in enumerate(dummy_paths):
+        nodes.append((pad_start[d], rows, rows))
     # Conv segments: each node's rows after its history (the rows at positions p0-W+1..p0-1 of its path, where any).
     segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
     for first, own, _ in nodes:
@@ -441,7 +546,7 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
         segment_keep[own] = slot + len(history) + np.arange(len(own))
         slot += len(history) + len(own)
     conv_layouts = {
-        "conv_paths": _conv_input(paths, np.arange(len(path_rows)), num_rows),
+        "conv_paths": _conv_input(all_paths, np.arange(len(path_rows)), num_rows),
         "conv_segments": _conv_input(segments, segment_keep, num_rows),
     }
     q_counts = np.array([len(own) for _, own, _ in nodes], dtype=np.int64)
@@ -451,8 +556,8 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
     attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
 
     schedules = {
-        "replicated": [_replicated_call(path_rows, lens, chunk_size)],
-        "handoff": _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size),
+        "replicated": [_replicated_call(path_rows, all_lens)],
+        "handoff": _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths),
     }
     for mode, calls in schedules.items():
         produced = np.concatenate([call["out_rows"] for call in calls])
@@ -466,7 +571,6 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
         "row_parent": row_parent,
         "row_grandparent": row_grandparent,
         "row_slot": row_slot,
-        "conv_rows": conv_rows,
         "path_rows": path_rows,
         "path_cu_seqlens": path_cu,
         "read_rows": read_rows.astype(np.int64),
@@ -477,18 +581,56 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
     for name, layout in conv_layouts.items():
         for field in ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep"):
             arrays[f"{name}.{field}"] = layout[field]
+    call_shapes = {}
     for mode, calls in schedules.items():
+        call_shapes[mode] = []
         for i, call in enumerate(calls):
             call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
             for name in ("rows", "cu_seqlens", "chunk_indices", "init_state", "out_slots", "out_rows"):
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
-    dev = _upload(arrays, device)
+            out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
+            call_shapes[mode].append(
+                GdnCallShape(
+                    keep_final=call["keep_final"],
+                    has_init_state=call["init_state"] is not None,
+                    rows_start=_range_start(call["rows"]),
+                    out_start=None if out_slots is None or out_rows is None else (out_slots, out_rows),
+                )
+            )
+    shape = PlanShape(
+        kind=kind,
+        chunk_size=chunk_size,
+        num_rows=num_rows,
+        num_candidates=num_cands,
+        num_padding=len(pad),
+        arrays=tuple((name, tuple(a.shape)) for name, a in arrays.items()),
+        gdn=tuple((mode, tuple(shapes)) for mode, shapes in call_shapes.items()),
+        conv_flags=tuple(
+            (
+                name,
+                (
+                    np.array_equal(layout["rows"], np.arange(num_rows)),
+                    np.array_equal(layout["keep"], np.arange(len(layout["rows"]))),
+                    np.array_equal(layout["keep_rows"], np.arange(num_rows)),
+                ),
+            )
+            for name, layout in conv_layouts.items()
+        ),
+        attention_max=(int(q_counts.max()), int(k_counts.max())),
+        keys_are_rows=np.array_equal(key_rows, np.arange(num_rows)),
+    )
+    if arena is None:
+        arena = PlanArena(shape, device)
+    elif arena.shape != shape:
+        raise ValueError("the plan's shape differs from the arena's (another bucket: pad it, or use another arena)")
+    arena.fill(arrays)
+    dev, i32 = arena.views, arena.int32
 
     gdn = {}
     for mode, calls in schedules.items():
         built = []
-        for i, call in enumerate(calls):
+        for i, (call, call_shape) in enumerate(zip(calls, call_shapes[mode])):
             key = f"{mode}.{i}."
             built.append(
                 GdnCall(
@@ -497,68 +639,67 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size)
                     cu_seqlens_cpu=torch.from_numpy(call["cu_seqlens"]),
                     chunk_indices=dev[key + "chunk_indices"],
                     init_state=dev.get(key + "init_state"),
-                    keep_final=call["keep_final"],
+                    keep_final=call_shape.keep_final,
                     out_slots=dev[key + "out_slots"],
                     out_rows=dev[key + "out_rows"],
                     start_positions=tuple(int(p) for p in call["start_positions"]),
-                    chunks=_chunks(np.diff(call["cu_seqlens"]), chunk_size),
-                    rows_start=_range_start(call["rows"]),
-                    out_start=(
-                        None
-                        if _range_start(call["out_slots"]) is None or _range_start(call["out_rows"]) is None
-                        else (_range_start(call["out_slots"]), _range_start(call["out_rows"]))
-                    ),
+                    chunks=len(call["chunk_indices"]),
+                    rows_start=call_shape.rows_start,
+                    out_start=call_shape.out_start,
                 )
             )
         gdn[mode] = GdnSchedule(mode=mode, calls=tuple(built))
 
+    flags = dict(shape.conv_flags)
     conv_inputs = {
         name: ConvInput(
             rows=dev[f"{name}.rows"],
             cu_seqlens=dev[f"{name}.cu_seqlens"],
-            cu_seqlens_i32=dev[f"{name}.cu_seqlens"].to(torch.int32),
+            cu_seqlens_i32=i32[f"{name}.cu_seqlens"],
             cu_seqlens_cpu=torch.from_numpy(layout["cu_seqlens"]),
             keep=dev[f"{name}.keep"],
             keep_rows=dev[f"{name}.keep_rows"],
-            keep_rows_are_packed=np.array_equal(layout["keep_rows"], np.arange(num_rows)),
+            keep_rows_are_packed=flags[name][2],
             spaced=dev[f"{name}.spaced"],
             spaced_keep=dev[f"{name}.spaced_keep"],
-            rows_are_packed=np.array_equal(layout["rows"], np.arange(num_rows)),
-            keep_all=np.array_equal(layout["keep"], np.arange(len(layout["rows"]))),
+            rows_are_packed=flags[name][0],
+            keep_all=flags[name][1],
         )
         for name, layout in conv_layouts.items()
     }
     attention = NodeAttention(
         key_rows=dev["attention.key_rows"],
-        cu_seqlens_q=dev["attention.cu_seqlens_q"].to(torch.int32),
-        cu_seqlens_k=dev["attention.cu_seqlens_k"].to(torch.int32),
+        cu_seqlens_q=i32["attention.cu_seqlens_q"],
+        cu_seqlens_k=i32["attention.cu_seqlens_k"],
         cu_seqlens_q_cpu=torch.from_numpy(attn_cu_q),
         cu_seqlens_k_cpu=torch.from_numpy(attn_cu_k),
-        max_q=int(q_counts.max()),
-        max_k=int(k_counts.max()),
-        keys_are_rows=np.array_equal(key_rows, np.arange(num_rows)),
+        max_q=shape.attention_max[0],
+        max_k=shape.attention_max[1],
+        keys_are_rows=shape.keys_are_rows,
     )
 
     return TreePlan(
         kind=kind,
         device=device,
+        shape=shape,
+        arena=arena,
         candidate_lens=tuple(int(n) for n in lens),
         question_of=tuple(question_of),
         root_len=int(root_len),
         question_lens=tuple(int(n) for n in q_lens),
         leaf_lens=tuple(int(n) for n in leaf_lens),
+        padding_lens=tuple(int(n) for n in pad),
         chunk_size=chunk_size,
+        conv_rows=torch.from_numpy(conv_rows),
+        path_cu_seqlens_cpu=torch.from_numpy(path_cu),
         token_ids=dev["token_ids"],
         positions=dev["positions"],
         row_node=dev["row_node"],
         row_parent=dev["row_parent"],
         row_grandparent=dev["row_grandparent"],
         row_slot=dev["row_slot"],
-        conv_rows=dev["conv_rows"],
         path_rows=dev["path_rows"],
         path_cu_seqlens=dev["path_cu_seqlens"],
-        path_cu_seqlens_cpu=torch.from_numpy(path_cu),
-        path_cu_seqlens_i32=dev["path_cu_seqlens"].to(torch.int32),
         read_rows=dev["read_rows"],
         gdn=gdn,
         conv_paths=conv_inputs["conv_paths"],
@@ -584,7 +725,7 @@ def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, num_rows: int) ->
     }
 
 
-def _replicated_call(path_rows: np.ndarray, lens: np.ndarray, chunk_size: int) -> dict:
+def _replicated_call(path_rows: np.ndarray, lens: np.ndarray) -> dict:
     _, first_slot = np.unique(path_rows, return_index=True)
     return {
         "rows": path_rows,
@@ -597,9 +738,10 @@ def _replicated_call(path_rows: np.ndarray, lens: np.ndarray, chunk_size: int) -
     }
 
 
-def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size) -> list[dict]:
+def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths) -> list[dict]:
     """Root to A0, questions from A0 to A_r, leaves from A_r (all multiples of chunk_size); see GdnSchedule. One
-    question: no root call (A0 = 0), its node runs from position 0."""
+    question: no root call (A0 = 0), its node runs from position 0. Dummy sequences run whole in the leaves' call,
+    from the zero state."""
     a0 = 0 if len(q_lens) == 1 else root_len // chunk_size * chunk_size
     q_end = (root_len + q_lens) // chunk_size * chunk_size  # A_r per question
     calls = []
@@ -618,6 +760,7 @@ def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size) -> list[dict
             q_state[r], q_from[r] = bank_size + i, q_end[r]
         bank_size += len(crossing)
     leaves = [(paths[c], q_from[q_of[c]], lens[c], q_state[q_of[c]]) for c in range(len(paths))]
+    leaves += [(path, 0, len(path), 0) for path in dummy_paths]
     calls.append(_call(leaves, keep_final=False))
 
     # Each packed row is produced by the first slot (in call order) that holds it.
@@ -648,11 +791,3 @@ def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -
         "keep_final": keep_final,
         "start_positions": starts,
     }
-
-
-def _upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """One host-to-device copy of every int64 index array; returns views into the device buffer."""
-    flat = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()]
-    offsets = np.concatenate([[0], np.cumsum([a.size for a in flat])])
-    buffer = torch.from_numpy(np.concatenate(flat)).to(device)
-    return {name: buffer[offsets[i] : offsets[i + 1]].view(arr.shape) for i, (name, arr) in enumerate(arrays.items())}

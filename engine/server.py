@@ -1,6 +1,6 @@
 """The drop-in decision server: the Open-Jev HTTP contract in front of any backbone.
 
-    python -m engine.server [--backend hf_torch|hf_fla] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
+    python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
 
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from reference.model import HFBackbone
+from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict
 from reference.service import DecisionModel
 from reference.shapes import QWEN38_27B, SHAPES, TINY, get_shapes
@@ -66,8 +66,6 @@ DEFAULT_QUEUE_SIZE = 64
 SOCKET_TIMEOUT_S = 30.0
 POST_PATHS = ("/v1/systemone", "/v1/inference", "/api/jev")
 RELEASE_DATE = "2026-09-19"
-ENGINE_BACKENDS = ("merged", "fused", "tree")  # the engine's stages (engine/backbone.py)
-BACKENDS = ("hf_torch", "hf_fla", *ENGINE_BACKENDS)
 
 # After a response sent before the body was read, the rest of the body is read and dropped (at most this many bytes,
 # for at most this long) before the socket closes, so the client reads the response instead of a connection reset.
@@ -548,31 +546,23 @@ def build_decision_model(
     max_length: int | None = None,
     seed: int = 0,
 ) -> DecisionModel:
-    """A `DecisionModel` on the chosen backbone: a real Open-Jev package when `checkpoint` and `base` are given,
-    else seeded synthetic weights of `shapes_name` (true numerics path, meaningless probabilities). The engine
-    backends (`merged`, `fused`, `tree`) merge the weights into their own layout (held once) and, on CUDA, run cuBLAS
-    without a workspace (row-count-invariant GEMMs: what makes `tree` answer as `fused` does)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    """A `DecisionModel` on any registry stage (`engine.stages`, built by `build_backbone`): a real Open-Jev package
+    when `checkpoint` and `base` are given, else seeded synthetic weights of `shapes_name` (true numerics path,
+    meaningless probabilities). The process is prepared for the stage first (`engine.stages.prepare_process`: the
+    Triton interpreter on the CPU, row-count-invariant cuBLAS on CUDA where the stage's GEMM choice needs it), and a
+    stage that cannot run on this device is refused with the reason before any weights are made."""
+    stage = get_stage(backend)
     if (checkpoint is None) != (base is None):
         raise ValueError("--checkpoint and --base go together (the package and the HF base model it adapts)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if backend in ENGINE_BACKENDS and device.type == "cuda":
-        from engine.backbone import use_row_invariant_gemms
-
-        use_row_invariant_gemms()  # before this process's first GEMM
+    if device.type not in stage.devices:
+        raise ValueError(f"stage {stage.name} runs on {', '.join(stage.devices)} only, not on {device.type}")
+    prepare_process([stage.name], device.type)  # before this process's first kernel or GEMM
     if checkpoint is not None:
         weights = load_package(checkpoint, base, device=device)
     else:
         weights = synthetic_weights(get_shapes(shapes_name), seed=seed, device=device)
-    if backend in ENGINE_BACKENDS:
-        from engine.backbone import EngineBackbone
-        from engine.weights import MergedWeights
-
-        merged = MergedWeights.from_decision_weights(weights)
-        backbone = EngineBackbone(merged, fused=backend != "merged", tree=backend == "tree")
-    else:
-        backbone = HFBackbone(weights, backend.removeprefix("hf_"))
+    backbone = build_backbone(stage.name, BuildContext(weights))
     return DecisionModel(backbone, weights, max_length=max_length)
 
 
@@ -580,11 +570,11 @@ def add_model_arguments(
     parser: argparse.ArgumentParser,
     *,
     backend_option: str = "--backend",
-    backend_help: str = "default: hf_fla on CUDA, else hf_torch; merged, fused, tree: the engine's stages",
+    backend_help: str = "any registry stage (engine/stages); default: hf_fla on CUDA, else hf_torch",
 ) -> None:
     """The flags that choose the model; shared by the server and the in-process JevBench run (which names the
     backend flag its own way)."""
-    parser.add_argument(backend_option, dest="backend", choices=BACKENDS, default=None, help=backend_help)
+    parser.add_argument(backend_option, dest="backend", choices=list(STAGES), default=None, help=backend_help)
     parser.add_argument(
         "--shapes", choices=sorted(SHAPES), default=None, help="default: the 27B on CUDA, else the tiny twin"
     )
@@ -623,7 +613,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
-    model = model_from_arguments(args)
+    try:
+        model = model_from_arguments(args)
+    except (ValueError, RuntimeError) as error:  # a stage this machine cannot run, bad flags: say why, no traceback
+        print(f"engine.server: cannot serve --backend {args.backend or default_backend()}: {error}", file=sys.stderr)
+        return 2
     server = DecisionServer(
         model,
         host=args.host,

@@ -2,18 +2,15 @@
 
 Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run once per packed row. What does need it:
 
-* `tree_conv1d_silu`: the GDN causal depthwise conv reads the 3 previous rows of each row's own path (its ancestors),
-  not the previous packed rows. Math (HF torch path, F.conv1d in the weight's dtype): y = sum_k w[:, k] * x[t-3+k]
-  as an fp32 multiply-add chain in k order, rounded to the weight's dtype (bf16 for the model), then silu (fp32
-  inside) rounded again; zero history before position 0.
+* the GDN causal depthwise conv reads the 3 previous rows of each row's own path (its ancestors), not the previous
+  packed rows: the kernels read it through the plan's `ConvInput` layouts (the reference over the tree is
+  `reference.tree.tree_conv1d_silu`).
 * `tree_gdn_core`: the recurrent GDN core over a `GdnSchedule` of the plan: `replicated` (every candidate's full
   path) or `handoff` (root once to its last 64-token boundary, fp32 state handed to the branches, the straddling chunk
   recomputed per branch). `core` is any varlen GDN function with FLA's `chunk_gated_delta_rule` signature.
-* `tree_attention`: full attention where each row sees its ancestors and the earlier rows of its own node
-  (`mode="mask"`, SDPA with a boolean mask built on the device, or FlexAttention on CUDA), the same varlen causal
-  attention as the flat run over each candidate's gathered path (`mode="paths"`), or one varlen sequence per node
-  whose queries are the node's rows and whose keys are its path (`mode="nodes"`, `plan.attention`: what the engine
-  runs; cores `flash_node_core` on CUDA, `blockwise_node_core` anywhere).
+* attention: one varlen sequence per node whose queries are the node's rows and whose keys are its path
+  (`plan.attention`), with the cores `flash_node_core` on CUDA and `blockwise_node_core` anywhere. The other ways of
+  running attention over a tree (masked SDPA, FlexAttention, gathered paths) are references, in `reference/tree.py`.
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
 the tree but one copy per candidate in the flat run, so "bitwise" needs every kernel of the flat run to be
@@ -33,7 +30,6 @@ later rows or its neighbours in the batch.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -47,38 +43,6 @@ from reference import ops
 # against their per-chunk work). 32 makes the two extra calls of `handoff` pay once replication would cost more
 # than ~4096 extra tokens, the threshold open-jev-fast uses for its state path; calibrate with tests/test_gpu_tree.py.
 GDN_CALL_COST_CHUNKS = 32
-
-
-def gather_paths(x: torch.Tensor, plan: TreePlan) -> torch.Tensor:
-    """[N, ...] packed rows -> [sum(candidate_lens), ...]: every candidate's path back to back (shared rows copied).
-
-    For a flat plan the paths are the rows: x itself is returned, no copy.
-    """
-    return x if plan.kind == "flat" else x.index_select(0, plan.path_rows)
-
-
-def scatter_rows(y: torch.Tensor, plan: TreePlan) -> torch.Tensor:
-    """[sum(candidate_lens), ...] path rows -> [N, ...] packed rows, each from its representative slot (flat: y)."""
-    return y if plan.kind == "flat" else y.index_select(0, plan.row_slot)
-
-
-def tree_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, plan: TreePlan) -> torch.Tensor:
-    """Causal depthwise conv + SiLU over the tree. x [N, C] (bf16 or fp32), weight [C, W] -> [N, C] in x's dtype.
-
-    Row n convolves the pre-conv rows at positions p-W+1..p of its own path (`plan.conv_rows`), zeros before 0.
-    Rounding as `reference.ops.causal_conv1d_silu`: conv and silu each rounded to the weight's dtype, then x's.
-    """
-    num_rows, channels = x.shape
-    if num_rows != plan.num_rows:
-        raise ValueError(f"x has {num_rows} rows, the plan {plan.num_rows}")
-    if weight.shape != (channels, plan.conv_rows.shape[1]):
-        raise ValueError(f"conv weight {tuple(weight.shape)} does not fit x [{num_rows}, {channels}] and the plan")
-    x_ext = torch.cat([x, x.new_zeros(1, channels)])  # row N is the zero history
-    w = weight.float()
-    acc = torch.zeros(num_rows, channels, dtype=torch.float32, device=x.device)
-    for k in range(w.shape[1]):
-        acc = torch.addcmul(acc, x_ext.index_select(0, plan.conv_rows[:, k]).float(), w[:, k])
-    return F.silu(acc.to(weight.dtype)).to(x.dtype)
 
 
 def tree_gdn_core(
@@ -199,68 +163,6 @@ def torch_chunk_core(
     return torch.cat(outs)[None], torch.stack(finals) if output_final_state else None
 
 
-def tree_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: TreePlan,
-    scale: float,
-    *,
-    mode: str = "mask",
-    backend: str = "sdpa",
-    core: Callable | None = None,
-) -> torch.Tensor:
-    """Attention over the tree. q [N, Hq, D], k and v [N, Hkv, D] (GQA: query head h reads kv head h // (Hq/Hkv)).
-
-    mode "mask": every row attends to its ancestor nodes and to its own node up to itself, backend "sdpa" (boolean
-    [N, N] mask built on the device once per plan and cached there: memory N^2 bytes) or "flex" (FlexAttention block
-    mask, compiled, CUDA). Bounded against the flat run. mode "paths": `core(q, k, v, cu_seqlens_cpu, scale)`
-    (varlen causal attention, default `sdpa_varlen_causal`) over the gathered paths, each packed row read from its
-    representative path; bitwise against the flat run with the same `core` when that core is prefix-invariant.
-    mode "nodes": one varlen sequence per node (`plan.attention`: the node's rows as queries, its path as keys),
-    `core(q, k_gathered, v_gathered, plan.attention, scale)` (default `default_node_core(q.device)`); every packed
-    row is computed once (no path copies of the queries) and, with a prefix-invariant core, bitwise against the flat
-    run of the same core. Returns [N, Hq, D] in q's dtype (mask mode: a strided view).
-    """
-    num_rows, num_heads, _ = q.shape
-    if num_rows != plan.num_rows or k.shape[0] != num_rows or v.shape[0] != num_rows:
-        raise ValueError(f"q/k/v rows {num_rows}/{k.shape[0]}/{v.shape[0]} do not match the plan's {plan.num_rows}")
-    if num_heads % k.shape[1] != 0:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {k.shape[1]} kv heads")
-    if mode == "nodes":
-        layout = plan.attention
-        if not layout.keys_are_rows:
-            k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
-        return (default_node_core(q.device) if core is None else core)(q, k, v, layout, scale)
-    if mode == "paths":
-        core = sdpa_varlen_causal if core is None else core
-        o = core(gather_paths(q, plan), gather_paths(k, plan), gather_paths(v, plan), plan.path_cu_seqlens_cpu, scale)
-        return scatter_rows(o, plan)
-    if mode != "mask":
-        raise ValueError(f"unknown tree attention mode {mode!r}; known: 'mask', 'paths', 'nodes'")
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, N, D]
-    if backend == "sdpa":
-        groups = num_heads // k.shape[1]
-        kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.attention_mask, scale=scale)
-    elif backend == "flex":
-        o = _flex_attention()(qh, kh, vh, block_mask=plan.flex_block_mask, scale=scale, enable_gqa=True)
-    else:
-        raise ValueError(f"unknown tree attention backend {backend!r}; known: 'sdpa', 'flex'")
-    return o[0].transpose(0, 1)
-
-
-def sdpa_varlen_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_cpu: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention per packed sequence as HF calls SDPA (`reference.ops.attention_sdpa`, GQA, no mask).
-
-    q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]. One SDPA call per sequence.
-    """
-    bounds = cu_seqlens_cpu.tolist()
-    return torch.cat([ops.attention_sdpa(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(bounds[:-1], bounds[1:])])
-
-
 def blockwise_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -352,11 +254,3 @@ def flash_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: N
 def default_node_core(device: torch.device) -> Callable:
     """The node-wise attention core of a device: FlashAttention-2 varlen on CUDA, `blockwise_node_core` elsewhere."""
     return flash_node_core if torch.device(device).type == "cuda" else blockwise_node_core
-
-
-@functools.cache
-def _flex_attention():
-    """flex_attention compiled once (uncompiled it materializes the full score matrix)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)

@@ -33,6 +33,44 @@ from torch import Tensor
 from reference.shapes import ModelShapes
 from reference.weights import DecisionWeights, backbone_layout
 
+WEIGHT_FORMATS = ("bf16",)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One GEMM weight: `data` [out, in] as `torch.nn.functional.linear` takes it, in `format`, with an optional
+    `scale` (per output row or per tensor, for the scaled formats to come: FP8, split-K layouts). The GEMM op of the
+    config (`engine/gemm.py`) reads it; floors count its real bytes (`nbytes`)."""
+
+    data: Tensor
+    format: str = "bf16"
+    scale: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {self.format!r} is not one of {WEIGHT_FORMATS}")
+        if self.format == "bf16" and (self.data.dtype != torch.bfloat16 or self.scale is not None):
+            raise ValueError(f"a bf16 weight holds bfloat16 data and no scale, got {self.data.dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def params(self) -> int:
+        return self.data.numel()
+
+    @property
+    def nbytes(self) -> int:
+        scale = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.data.numel() * self.data.element_size() + scale
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The tensors held: ("", data) and, when scaled, ("scale", scale)."""
+        yield "", self.data
+        if self.scale is not None:
+            yield "scale", self.scale
+
 
 @dataclass
 class GDNLayerWeights:
@@ -40,14 +78,14 @@ class GDNLayerWeights:
 
     input_norm: Tensor  # [H] Qwen3_5RMSNorm offset weight (the norm scales by 1 + w)
     post_norm: Tensor  # [H]
-    w_in: Tensor  # [gdn_in_width, H] = qkv | z | b | a
+    w_in: Weight  # [gdn_in_width, H] = qkv | z | b | a
     conv_weight: Tensor  # [conv_dim, W] depthwise causal conv taps, oldest first
     A_log: Tensor  # [HV]
     dt_bias: Tensor  # [HV]
     out_norm: Tensor  # [Dv] gated RMSNorm weight (plain w, not 1 + w)
-    w_out: Tensor  # [H, value_dim]
-    w_gate_up: Tensor  # [2 I, H] = gate | up
-    w_down: Tensor  # [H, I]
+    w_out: Weight  # [H, value_dim]
+    w_gate_up: Weight  # [2 I, H] = gate | up
+    w_down: Weight  # [H, I]
 
     kind = "linear_attention"
 
@@ -58,12 +96,12 @@ class AttentionLayerWeights:
 
     input_norm: Tensor  # [H]
     post_norm: Tensor  # [H]
-    w_in: Tensor  # [attn_in_width, H] = q+gate (per head interleaved) | k | v
+    w_in: Weight  # [attn_in_width, H] = q+gate (per head interleaved) | k | v
     q_norm: Tensor  # [D] Qwen3_5RMSNorm offset weight over head_dim
     k_norm: Tensor  # [D]
-    w_out: Tensor  # [H, Hq * D]
-    w_gate_up: Tensor  # [2 I, H]
-    w_down: Tensor  # [H, I]
+    w_out: Weight  # [H, Hq * D]
+    w_gate_up: Weight  # [2 I, H]
+    w_down: Weight  # [H, I]
 
     kind = "full_attention"
 
@@ -107,25 +145,25 @@ class MergedWeights:
             if kind == "linear_attention":
                 a = p + "linear_attn."
                 mixer = dict(
-                    w_in=take_cat([a + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")]),
+                    w_in=Weight(take_cat([a + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")])),
                     conv_weight=take(a + "conv1d.weight").squeeze(1),
                     A_log=take(a + "A_log"),
                     dt_bias=take(a + "dt_bias"),
                     out_norm=take(a + "norm.weight"),
-                    w_out=take(a + "out_proj.weight"),
+                    w_out=Weight(take(a + "out_proj.weight")),
                 )
                 layer_cls = GDNLayerWeights
             else:
                 a = p + "self_attn."
                 mixer = dict(
-                    w_in=take_cat([a + f"{part}_proj.weight" for part in ("q", "k", "v")]),
+                    w_in=Weight(take_cat([a + f"{part}_proj.weight" for part in ("q", "k", "v")])),
                     q_norm=take(a + "q_norm.weight"),
                     k_norm=take(a + "k_norm.weight"),
-                    w_out=take(a + "o_proj.weight"),
+                    w_out=Weight(take(a + "o_proj.weight")),
                 )
                 layer_cls = AttentionLayerWeights
-            w_gate_up = take_cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            w_down = take(p + "mlp.down_proj.weight")
+            w_gate_up = Weight(take_cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            w_down = Weight(take(p + "mlp.down_proj.weight"))
             layers.append(
                 layer_cls(input_norm=input_norm, post_norm=post_norm, w_gate_up=w_gate_up, w_down=w_down, **mixer)
             )
@@ -138,11 +176,28 @@ class MergedWeights:
         yield "embed", self.embed
         for n, layer in enumerate(self.layers):
             for f in fields(layer):
-                yield f"layers.{n}.{f.name}", getattr(layer, f.name)
+                value = getattr(layer, f.name)
+                if isinstance(value, Weight):
+                    for part, tensor in value.tensors():
+                        yield f"layers.{n}.{f.name}" + (f".{part}" if part else ""), tensor
+                else:
+                    yield f"layers.{n}.{f.name}", value
         yield "final_norm", self.final_norm
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
+
+    def gemm_weights(self) -> Iterator[Weight]:
+        """Every GEMM weight of the layers (what each forward streams once)."""
+        for layer in self.layers:
+            yield from (getattr(layer, f.name) for f in fields(layer) if isinstance(getattr(layer, f.name), Weight))
+
+    def gemm_weight_bytes(self) -> int:
+        """Bytes of every GEMM weight, scales included: the weight-streaming floor's numerator."""
+        return sum(w.nbytes for w in self.gemm_weights())
+
+    def gemm_formats(self) -> set[str]:
+        return {w.format for w in self.gemm_weights()}
 
     @property
     def device(self) -> torch.device:

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-# Triton kernels run through the interpreter where no GPU is present; it must be chosen before triton is imported.
-# With a GPU, the GEMMs run as the runner runs them: row-count invariant (engine.backbone.use_row_invariant_gemms).
+# The process as the runner prepares it for every stage (engine.stages.prepare_process): Triton kernels through the
+# interpreter where no GPU is present (chosen before triton is imported), row-count-invariant cuBLAS with a GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
-    from engine.backbone import use_row_invariant_gemms  # imports FLA through reference/model.py, in its order
+    from engine.stages import STAGE_LIST, prepare_process
 
-    use_row_invariant_gemms()
+    prepare_process([stage.name for stage in STAGE_LIST], "cuda")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))

@@ -1,4 +1,4 @@
-"""The ablation spine on the CPU: registry, plans, workloads, run-record schema, timing helpers and runner pieces.
+"""The ablation spine on the CPU: plans, workloads, run-record schema, timing helpers and runner pieces.
 
 No model runs here (the end-to-end tiny-plan run is `nox -s ablate`); the gate runner runs real pytest subprocesses on
 throw-away test files.
@@ -6,7 +6,6 @@ throw-away test files.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
 import random
@@ -19,16 +18,6 @@ import torch
 
 from ablations import envinfo, records, timing
 from ablations.plans import check_plan, load_plan, plan_names
-from ablations.registry import (
-    EXACTNESS_LEVELS,
-    METRICS,
-    REGISTRY_STATUSES,
-    STAGE_LIST,
-    STAGES,
-    BuildContext,
-    get_stage,
-    in_ladder_order,
-)
 from ablations.run import (
     Outputs,
     compare,
@@ -50,120 +39,9 @@ from ablations.workloads import (
     resolve,
     synthetic_state,
 )
+from engine.stages import BuildContext, build_backbone, in_ladder_order
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# ---------------------------------------------------------------------------------------------------------- registry
-def test_stage_names_are_unique_and_the_ladder_has_one_root():
-    assert len(STAGES) == len(STAGE_LIST)
-    roots = [s for s in STAGE_LIST if s.builds_on is None]
-    assert [s.name for s in roots] == ["hf_torch"]
-    assert roots[0].exactness.level == "reference"
-    assert [s.name for s in STAGE_LIST[:4]] == ["hf_torch", "hf_fla", "merged", "fused"]
-
-
-def test_every_stage_builds_on_an_earlier_known_stage():
-    seen = set()
-    for stage in STAGE_LIST:
-        assert stage.builds_on is None or stage.builds_on in seen, f"{stage.name} builds on {stage.builds_on!r}"
-        seen.add(stage.name)
-
-
-def test_exactness_levels_and_bounds_are_well_formed():
-    for stage in STAGE_LIST:
-        e = stage.exactness
-        assert e.level in EXACTNESS_LEVELS, stage.name
-        if e.level == "reference":
-            assert stage.builds_on is None and e.against is None and e.metric is None and e.bound is None
-            continue
-        assert e.against in STAGES and e.against != stage.name, stage.name
-        if e.level == "bitwise":
-            assert e.metric is None and e.bound is None, stage.name
-        else:
-            assert e.metric in METRICS and e.bound is not None and 0 < e.bound < 1, stage.name
-        if e.level == "decisions":
-            assert e.metric == "max_abs_dp", stage.name
-
-
-def test_statuses_and_failure_records():
-    for stage in STAGE_LIST:
-        assert stage.status in REGISTRY_STATUSES, stage.name
-        failed = stage.status == "failed"
-        assert bool(stage.reason) == failed and bool(stage.numbers) == failed, stage.name
-        assert set(stage.devices) <= {"cuda", "cpu"} and stage.devices, stage.name
-
-
-def test_hf_stages_come_before_the_stages_that_consume_the_weights():
-    consumes = [stage.consumes_weights for stage in STAGE_LIST]
-    assert consumes == sorted(consumes), "an HF stage after an engine stage could not be built in one run"
-
-
-def _test_function(node: str) -> tuple[Path, ast.FunctionDef | ast.AsyncFunctionDef, ast.Module]:
-    """The test function a node id `path::[Class::]name[params]` names, parsed from its file."""
-    path, *parts = node.split("::")
-    file = REPO / path
-    assert file.is_file(), f"{node}: no file {path}"
-    tree = ast.parse(file.read_text())
-    scope: list[ast.stmt] = tree.body
-    for part in parts[:-1]:
-        classes = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == part]
-        assert classes, f"{node}: no class {part}"
-        scope = classes[0].body
-    name = parts[-1].split("[")[0]
-    functions = [n for n in scope if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name]
-    assert functions, f"{node}: no test function {name} in {path}"
-    return file, functions[0], tree
-
-
-def _marked_gpu(function: ast.FunctionDef | ast.AsyncFunctionDef, module: ast.Module) -> bool:
-    decorators = [ast.unparse(d) for d in function.decorator_list]
-    module_marks = [ast.unparse(n.value) for n in module.body if isinstance(n, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]  # fmt: skip
-    return any("mark.gpu" in text for text in decorators + module_marks)
-
-
-@pytest.mark.parametrize("stage", STAGE_LIST, ids=lambda s: s.name)
-def test_gate_nodes_exist(stage):
-    """Each gate names an existing test function; the GPU gate is marked `gpu` (the runner selects it with -m gpu)."""
-    assert stage.gate != stage.gpu_gate
-    _, function, module = _test_function(stage.gate)
-    assert not _marked_gpu(function, module), f"{stage.gate} is a GPU test: the CPU plan would deselect it"
-    _, function, module = _test_function(stage.gpu_gate)
-    assert _marked_gpu(function, module), f"{stage.gpu_gate} is not marked gpu: `-m gpu` would deselect it"
-
-
-def test_requires_name_importable_attributes_or_explain_why_not():
-    for stage in STAGE_LIST:
-        assert all(":" in r for r in stage.requires), stage.name
-    present = dataclasses.replace(STAGES["hf_torch"], requires=("reference.shapes:TINY",))
-    assert present.missing_code() is None
-    no_module = dataclasses.replace(STAGES["hf_torch"], requires=("engine.no_such_module:Thing",))
-    assert "engine.no_such_module cannot be imported" in no_module.missing_code()
-    no_attribute = dataclasses.replace(STAGES["hf_torch"], requires=("reference.shapes:NO_SUCH_SHAPES",))
-    assert "no attribute 'NO_SUCH_SHAPES'" in no_attribute.missing_code()
-
-
-def test_ladder_order_and_unknown_names():
-    assert [s.name for s in in_ladder_order(["fused", "hf_torch", "hf_torch"])] == ["hf_torch", "fused"]
-    with pytest.raises(ValueError, match="unknown stage 'turbo'"):
-        in_ladder_order(["turbo"])
-    with pytest.raises(ValueError, match="known:"):
-        get_stage("nope")
-
-
-@pytest.mark.slow
-def test_build_context_refuses_hf_after_the_engine_consumed_the_weights():
-    from reference.shapes import TINY
-    from reference.weights import synthetic_weights
-
-    ctx = BuildContext(synthetic_weights(TINY, seed=5))
-    model = ctx.hf_model()
-    assert ctx.hf_model() is model  # shared by every HF stage
-    ctx.merged_weights()
-    assert ctx.consumed and ctx.weights.backbone == {}
-    with pytest.raises(RuntimeError, match="build every HF stage before the engine"):
-        ctx.hf_model()
 
 
 # ---------------------------------------------------------------------------------------------------------- plans
@@ -503,10 +381,11 @@ def test_time_calls_on_the_cpu_samples_every_run_after_warmup():
 
 def test_floors_are_the_larger_of_streaming_and_compute():
     ceilings = {"copy_tbps": 2.0, "bf16_tflops": 1000.0}
-    few = timing.floors(10**9, rows=100, ceilings=ceilings)  # 2 GB at 2 TB/s = 1 ms; 2e11 flop at 1e15 = 0.2 ms
+    # 2 GB at 2 TB/s = 1 ms; 2e11 flop at 1e15 = 0.2 ms
+    few = timing.floors(2 * 10**9, 10**9, rows=100, ceilings=ceilings)
     assert few["weight_floor_ms"] == pytest.approx(1.0) and few["compute_floor_ms"] == pytest.approx(0.2)
     assert few["floor_ms"] == pytest.approx(1.0)
-    many = timing.floors(10**9, rows=1000, ceilings=ceilings)
+    many = timing.floors(2 * 10**9, 10**9, rows=1000, ceilings=ceilings)
     assert many["floor_ms"] == pytest.approx(2.0) == many["compute_floor_ms"]
 
 
@@ -862,10 +741,10 @@ def test_the_runner_compares_every_residual_state_of_the_headline(tmp_path):
     from reference.service import DecisionModel
 
     run = _bit_identity_run(tmp_path, ["hf_torch", "merged"])
-    reference_backbone = get_stage("hf_torch").build(run.ctx)
+    reference_backbone = build_backbone("hf_torch", run.ctx)
     plan = DecisionModel(reference_backbone, run.weights).plan(resolve(["drone"])[0].request)  # the real 971 tokens
     for name in ("hf_torch", "merged"):
-        backbone = get_stage(name).build(run.ctx)
+        backbone = build_backbone(name, run.ctx)
         with torch.inference_mode():
             run.keep_states(name, backbone, backbone.prepare(plan.candidates, plan.groups))
         run.entry(name)["workloads"].append({"id": "drone"})

@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from engine.backbone import EngineBackbone, EngineRows  # noqa: E402
+from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights  # noqa: E402
 from kernels import activations  # noqa: E402
 from reference.model import HFBackbone  # noqa: E402
@@ -72,7 +73,7 @@ def merged_weights() -> MergedWeights:
 
 @pytest.fixture(scope="module")
 def merged(merged_weights) -> EngineBackbone:
-    return EngineBackbone(merged_weights, fused=False)
+    return build_engine(merged_weights, "merged")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -114,16 +115,18 @@ def test_merged_layout_is_the_concatenation_of_hf_weights(merged_weights):
             assert torch.equal(layer.conv_weight, ref[p + "linear_attn.conv1d.weight"][:, 0])
             assert torch.equal(layer.A_log, ref[p + "linear_attn.A_log"])
             assert torch.equal(layer.out_norm, ref[p + "linear_attn.norm.weight"])
-            assert torch.equal(layer.w_out, ref[p + "linear_attn.out_proj.weight"])
+            assert torch.equal(layer.w_out.data, ref[p + "linear_attn.out_proj.weight"])
         else:
             assert isinstance(layer, AttentionLayerWeights)
             parts = [ref[p + f"self_attn.{x}_proj.weight"] for x in ("q", "k", "v")]
             assert layer.w_in.shape == (TINY.attn_in_width, TINY.hidden_size)
             assert torch.equal(layer.q_norm, ref[p + "self_attn.q_norm.weight"])
-            assert torch.equal(layer.w_out, ref[p + "self_attn.o_proj.weight"])
-        assert torch.equal(layer.w_in, torch.cat(parts))
-        assert torch.equal(layer.w_gate_up, torch.cat([ref[p + "mlp.gate_proj.weight"], ref[p + "mlp.up_proj.weight"]]))
-        assert torch.equal(layer.w_down, ref[p + "mlp.down_proj.weight"])
+            assert torch.equal(layer.w_out.data, ref[p + "self_attn.o_proj.weight"])
+        assert torch.equal(layer.w_in.data, torch.cat(parts))
+        assert torch.equal(
+            layer.w_gate_up.data, torch.cat([ref[p + "mlp.gate_proj.weight"], ref[p + "mlp.up_proj.weight"]])
+        )
+        assert torch.equal(layer.w_down.data, ref[p + "mlp.down_proj.weight"])
         assert torch.equal(layer.input_norm, ref[p + "input_layernorm.weight"])
 
 
@@ -178,7 +181,7 @@ def test_prepare_packs_rows_with_varlen_metadata(merged):
 
 
 def test_prepare_splits_batches_without_splitting_candidates(merged_weights):
-    engine = EngineBackbone(merged_weights, fused=False, max_batch_rows=10)
+    engine = build_engine(merged_weights, "merged", max_batch_rows=10)
     prepared = engine.prepare(random_candidates([4, 5, 3, 12, 2], seed=2), [0, 1, 2, 3, 4])
     assert [b.plan.candidate_lens for b in prepared.batches] == [(4, 5), (3,), (12,), (2,)]
     assert [b.candidates for b in prepared.batches] == [(0, 1), (2,), (3,), (4,)]
@@ -201,15 +204,17 @@ def test_prepare_rejects_bad_input(merged, candidates, groups, message):
 
 def test_constructor_rejects_bad_options(merged_weights):
     with pytest.raises(ValueError, match="Triton interpreter"):
-        EngineBackbone(merged_weights, fused=False, gdn_core="fla")
-    with pytest.raises(ValueError, match="unknown gdn_core"):
-        EngineBackbone(merged_weights, fused=False, gdn_core="cuda")
+        EngineBackbone(merged_weights, config_of("merged"))  # gdn_core="fla": not the config's CPU form
+    with pytest.raises(ValueError, match="gdn_core='cuda' is not one of"):
+        build_engine(merged_weights, "merged", gdn_core="cuda")
     with pytest.raises(ValueError, match="max_batch_rows"):
-        EngineBackbone(merged_weights, fused=False, max_batch_rows=0)
-    with pytest.raises(ValueError, match="unknown attention"):
-        EngineBackbone(merged_weights, fused=False, attention="flex")
-    with pytest.raises(ValueError, match="unknown gdn_mode"):
-        EngineBackbone(merged_weights, fused=False, tree=True, gdn_mode="state")
+        build_engine(merged_weights, "merged", max_batch_rows=0)
+    with pytest.raises(ValueError, match="attention='flex' is not one of"):
+        build_engine(merged_weights, "merged", attention="flex")
+    with pytest.raises(ValueError, match="gdn_mode='state' is not one of"):
+        build_engine(merged_weights, "tree", gdn_mode="state")
+    with pytest.raises(ValueError, match="backbone='engine' configs"):
+        EngineBackbone(merged_weights, config_of("hf_torch"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -285,7 +290,7 @@ def test_batch_splitting_changes_only_attention_tiling(merged_weights, merged):
     """Splitting candidates over batches leaves every state before the first attention layer bitwise."""
     candidates = random_candidates([12, 30, 7], seed=11)
     whole = merged.hidden_states(merged.prepare(candidates, [0, 1, 2]))
-    split_engine = EngineBackbone(merged_weights, fused=False, max_batch_rows=20)
+    split_engine = build_engine(merged_weights, "merged", max_batch_rows=20)
     split_rows = split_engine.prepare(candidates, [0, 1, 2])
     assert len(split_rows.batches) == 3
     split = split_engine.hidden_states(split_rows)
@@ -297,7 +302,7 @@ def test_batch_splitting_changes_only_attention_tiling(merged_weights, merged):
 
 def test_nvtx_ranges_do_not_change_the_result(merged_weights, merged):
     candidates = random_candidates([9, 4], seed=5)
-    with_ranges = EngineBackbone(merged_weights, fused=False, nvtx_ranges=True)
+    with_ranges = build_engine(merged_weights, "merged", nvtx_ranges=True)
     a = merged.forward(merged.prepare(candidates, [0, 1]))
     b = with_ranges.forward(with_ranges.prepare(candidates, [0, 1]))
     assert torch.equal(a, b)
@@ -318,7 +323,7 @@ def test_fused_close_to_merged_under_the_interpreter(merged_weights, merged):
         pytest.skip(
             "kernels were compiled, not interpreted: TRITON_INTERPRET=1 was not set before `kernels` was imported"
         )
-    fused = EngineBackbone(merged_weights, fused=True)
+    fused = build_engine(merged_weights, "fused")
     candidates = random_candidates([13, 2, 7], seed=13)
     ref = merged.hidden_states(merged.prepare(candidates, [0, 1, 1]))
     got = fused.hidden_states(fused.prepare(candidates, [0, 1, 1]))
@@ -331,23 +336,13 @@ def test_fused_close_to_merged_under_the_interpreter(merged_weights, merged):
 
 def test_decision_model_reports_the_engine_parameter_dtypes():
     """The merge empties DecisionWeights.backbone; the response metadata must still name the dtypes the engine holds."""
-    from engine.backbone import EngineBackbone
     from engine.weights import MergedWeights
     from reference.service import DecisionModel
     from reference.shapes import TINY
     from reference.weights import synthetic_weights
 
     weights = synthetic_weights(TINY, seed=11)
-    backbone = EngineBackbone(MergedWeights.from_decision_weights(weights), fused=False)
+    backbone = build_engine(MergedWeights.from_decision_weights(weights), "merged")
     assert not weights.backbone
     model = DecisionModel(backbone, weights)
     assert model.parameter_dtypes and set(model.parameter_dtypes) <= {"torch.bfloat16", "torch.float32"}
-
-
-def test_row_invariant_gemms_are_set_unless_the_user_chose(monkeypatch):
-    from engine.backbone import ROW_INVARIANT_CUBLAS, use_row_invariant_gemms
-
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert use_row_invariant_gemms() == ROW_INVARIANT_CUBLAS == {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    assert use_row_invariant_gemms() == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # the user's choice stands

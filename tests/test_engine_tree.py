@@ -2,8 +2,8 @@
 
 Tiny twin, synthetic weights (bf16; the engine's GEMMs and kernels take bf16 only, so there is no fp32 whole-model run:
 the fp32 layer-function checks are in tests/test_tree.py). "Tree off with the same kernels" is the flat plan through
-the same forward: `EngineBackbone(..., tree=False, attention="varlen")`, which for `fused=True` is the `fused` stage
-itself. What is checked:
+the same forward: the flat layout with varlen attention (`config_of("merged", attention="varlen")`; with the
+kernels, the `fused` stage itself). What is checked:
 * whole forward and every hidden state, tree vs flat: bitwise (hypothesis-generated requests; reference-composition
   ops for speed, both GDN modes), and once with the fused kernels under the Triton interpreter;
 * batching by question: any split of the questions over batches gives the same bits (nothing depends on the batch);
@@ -33,6 +33,7 @@ import triton  # noqa: E402
 
 from engine.backbone import EngineBackbone  # noqa: E402
 from engine.plan import plan_tree, split_questions  # noqa: E402
+from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from kernels import activations  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
@@ -42,8 +43,9 @@ SEED = 5
 DRONE_LOGICAL_TOKENS = 971
 FLA_KERNELS_PER_CALL = 5  # FLA 0.6.0 GDN forward kernels: local cumsum, kkt+solve, w/u, h, o
 # + the zero fill of the solve buffer A: per call in FLA's function, once per call layout and batch forward in
-# engine.gdn_core.FlaForwardCore (the `fused` and `tree` core on CUDA)
+# kernels.gdn_core.FlaForwardCore (the `fused` and `tree` core on CUDA)
 FLA_FINAL_STATE_FILL = 1  # + a zero fill of the final state when a call keeps it (handoff)
+MERGED_TREE = config_of("merged", layout="tree", attention="varlen")  # the tree over the reference compositions
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +83,12 @@ def test_tree_matches_flat_bitwise(merged_weights, request_tokens):
     """Reference-composition ops: the whole forward and every hidden state, tree (cost-rule mode, replicated,
     handoff) == flat, bit for bit; the tree never computes more rows."""
     candidates, groups = request_tokens
-    flat = EngineBackbone(merged_weights, fused=False, attention="varlen")
+    flat = build_engine(merged_weights, "merged", attention="varlen")
     flat_rows = flat.prepare(candidates, groups)
     want_last = flat.forward(flat_rows)
     want_states = flat.hidden_states(flat_rows)
-    for gdn_mode in (None, "replicated", "handoff"):
-        tree = EngineBackbone(merged_weights, fused=False, tree=True, gdn_mode=gdn_mode)
+    for gdn_mode in ("cost", "replicated", "handoff"):
+        tree = build_engine(merged_weights, MERGED_TREE, gdn_mode=gdn_mode)
         tree_rows = tree.prepare(candidates, groups)
         assert tree.rows_computed(tree_rows) <= flat.rows_computed(flat_rows) == sum(map(len, candidates))
         assert torch.equal(tree.forward(tree_rows), want_last), f"gdn_mode {gdn_mode}: last-token states depart"
@@ -106,11 +108,11 @@ def test_batching_by_question_changes_no_bit(merged_weights):
         question = c % 4  # interleaved: questions 0 1 2 3 0 1 2 3 0
         candidates.append(root + [question + 1] * 20 + [rng.randrange(100, 150_000) for _ in range(1 + c)])
         groups.append(question)
-    one = EngineBackbone(merged_weights, fused=False, tree=True)
+    one = build_engine(merged_weights, MERGED_TREE)
     one_rows = one.prepare(candidates, groups)
     assert len(one_rows.batches) == 1 and one_rows.order is None
     budget = 140
-    split = EngineBackbone(merged_weights, fused=False, tree=True, max_batch_rows=budget)
+    split = build_engine(merged_weights, MERGED_TREE, max_batch_rows=budget)
     split_rows = split.prepare(candidates, groups)
     assert len(split_rows.batches) > 1 and split_rows.order is not None  # batches of interleaved questions
     covered = sorted(c for b in split_rows.batches for c in b.candidates)
@@ -161,11 +163,11 @@ def test_fused_tree_matches_fused_under_the_interpreter(merged_weights):
     candidates = [root + [1] + long_question + [o] * (o + 1) for o in (2, 3)]
     candidates.append(root + [4, 5])  # a one-candidate question
     groups = [0, 0, 1]
-    fused = EngineBackbone(merged_weights, fused=True)
+    fused = build_engine(merged_weights, "fused")
     assert fused.name == "fused" and fused.attention == "varlen"
     want = fused.hidden_states(fused.prepare(candidates, groups))
     for gdn_mode in ("replicated", "handoff"):
-        tree = EngineBackbone(merged_weights, fused=True, tree=True, gdn_mode=gdn_mode)
+        tree = build_engine(merged_weights, "tree", gdn_mode=gdn_mode)
         assert tree.name == "tree"
         assert_same_states(tree.hidden_states(tree.prepare(candidates, groups)), want)
 
@@ -190,8 +192,8 @@ def test_drone_rows_and_prefix_cache_metadata(shared_dir):
     weights = synthetic_weights(TINY, seed=SEED)
     merged = MergedWeights.from_decision_weights(weights)  # weights keeps its head and temperature
     request = open_jev_workloads()["drone"]["request"]
-    tree = DecisionModel(EngineBackbone(merged, fused=False, tree=True), weights, code_commit="test")
-    flat = DecisionModel(EngineBackbone(merged, fused=False, attention="varlen"), weights, code_commit="test")
+    tree = DecisionModel(build_engine(merged, MERGED_TREE), weights, code_commit="test")
+    flat = DecisionModel(build_engine(merged, "merged", attention="varlen"), weights, code_commit="test")
     plan = tree.plan(request)
     prepared = tree.backbone.prepare(plan.candidates, plan.groups)
     rows = tree.backbone.rows_computed(prepared)
@@ -204,7 +206,10 @@ def test_drone_rows_and_prefix_cache_metadata(shared_dir):
     assert meta["shared_prefix_tokens"] == prepared.batches[0].plan.root_len > 0
     assert meta["candidate_sequences"] == len(plan.candidates) and meta["gdn_modes"] == ["replicated"]
     tree_response, flat_response = tree.decide(request), flat.decide(request)
-    assert tree_response["metadata"]["prefix_cache"] == meta and tree_response["metadata"]["backend"] == "merged_tree"
+    assert (
+        tree_response["metadata"]["prefix_cache"] == meta
+        and tree_response["metadata"]["backend"] == "tree[elementwise=torch]"
+    )
     assert flat_response["metadata"]["prefix_cache"] == {"enabled": False, "mode": "independent_candidates"}
     assert tree_response["answers"] == flat_response["answers"]
     assert tree_response["usage"] == flat_response["usage"]
@@ -265,6 +270,7 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
 
     counts = Counter()
     counter = LaunchCounter()
+    solve_layouts: set[int] = set()
 
     def skipped_launch(self, *args, grid, warmup, **kwargs):
         counts["triton"] += 1
@@ -274,9 +280,10 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
         counts["gdn_calls"] += 1
         counts["gdn_final_states"] += bool(output_final_state)
         counter.total += FLA_KERNELS_PER_CALL + FLA_FINAL_STATE_FILL * bool(output_final_state)
-        workspace = kwargs["workspace"]  # FlaForwardCore's: one zeroed A per call layout, counted once per forward
-        if id(chunk_indices) not in workspace:
-            workspace[id(chunk_indices)] = None
+        assert kwargs["workspace"] is prepared.batches[0].plan.arena.workspace  # FlaForwardCore's: the plan arena's
+        layout = chunk_indices.storage_offset()  # one zeroed A per call layout, counted once per forward
+        if layout not in solve_layouts:
+            solve_layouts.add(layout)
             counts["solve_fills"] += 1
         final = q.new_empty(len(cu_seqlens) - 1, v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
         return v.new_empty(v.shape), final if output_final_state else None
@@ -344,7 +351,7 @@ def test_launch_counts_per_forward(merged_weights, shared_dir, monkeypatch):
     candidates, groups = open_jev_candidates("drone")
     results = {}
     for name, tree in (("fused", False), ("tree", True)):
-        engine = EngineBackbone(merged_weights, fused=True, tree=tree)
+        engine = build_engine(merged_weights, "tree" if tree else "fused")
         counts = count_launches(engine, engine.prepare(candidates, groups), monkeypatch)
         monkeypatch.undo()
         results[name] = (counts, predict_27b(counts))

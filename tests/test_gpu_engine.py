@@ -25,7 +25,7 @@ on the CPU (per-state relative RMSE up to 1.4e-2 there) scaled for 64 layers; th
 the measured values (plus a stated margin) after the first H200 run.
 
 Kernels per fused forward. The brief's target is 700. The CPU count of tests/test_engine_tree.py predicts 836 for the
-drone: 256 GEMMs, 241 FLA (5 forward kernels x 48 layers, launched directly by engine.gdn_core.FlaForwardCore, + one
+drone: 256 GEMMs, 241 FLA (5 forward kernels x 48 layers, launched directly by kernels.gdn_core.FlaForwardCore, + one
 zero fill of its solve buffer per forward; FLA's own function fills it in every layer: 883), 16 attention, 321 of
 ours, 2 torch gathers. The floor with FLA's kernels is about there: reaching 700 needs a GDN core in fewer launches
 (5 -> 2 would give 692) or norms and SiLU-mul folded into GEMM epilogues (later stages). Asserted: the kernels
@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.backbone import EngineBackbone
+from engine.stages import build_engine
 from engine.weights import MergedWeights
 from reference.data import open_jev_workloads
 from reference.model import HFBackbone
@@ -180,14 +180,14 @@ def checks() -> dict:
     torch.cuda.reset_peak_memory_stats()
     merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
     engines = {
-        "merged": EngineBackbone(merged_weights, fused=False),
-        "fused": EngineBackbone(merged_weights, fused=True),
+        "merged": build_engine(merged_weights, "merged"),
+        "fused": build_engine(merged_weights, "fused"),
     }
     paths |= {name: states_of(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
-    nvtx = EngineBackbone(merged_weights, fused=True, nvtx_ranges=True)
+    nvtx = build_engine(merged_weights, "fused", nvtx_ranges=True)
     nvtx_equal = torch.equal(nvtx.forward(nvtx.prepare(plan.candidates, plan.groups)).cpu(), paths["fused"]["last"])
-    # fused on FLA's public function instead of its forward kernels launched directly (engine.gdn_core)
-    fla_function = states_of(EngineBackbone(merged_weights, fused=True, gdn_core="fla"), plan)
+    # fused on FLA's public function instead of its forward kernels launched directly (kernels.gdn_core)
+    fla_function = states_of(build_engine(merged_weights, "fused", gdn_core="fla"), plan)
     core_states_equal = [torch.equal(a, b) for a, b in zip(fla_function["states"], paths["fused"]["states"])]
     core_equal = all(core_states_equal) and torch.equal(fla_function["last"], paths["fused"]["last"])
     engine_peak = torch.cuda.max_memory_allocated() / GIB
@@ -230,8 +230,8 @@ def results(checks) -> dict:
 
     merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
     engines = {
-        "merged": EngineBackbone(merged_weights, fused=False),
-        "fused": EngineBackbone(merged_weights, fused=True),
+        "merged": build_engine(merged_weights, "merged"),
+        "fused": build_engine(merged_weights, "fused"),
     }
     paths |= {name: measure(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
     del engines, merged_weights

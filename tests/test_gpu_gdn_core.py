@@ -1,4 +1,4 @@
-"""GPU: `engine.gdn_core.FlaForwardCore` (FLA's forward kernels launched directly, the solve buffer reused through a
+"""GPU: `kernels.gdn_core.FlaForwardCore` (FLA's forward kernels launched directly, the solve buffer reused through a
 workspace) against FLA's public `chunk_gated_delta_rule`, bit for bit, at the 27B's GDN head shapes.
 
 Fresh random inputs per call (never zeros), odd sequence lengths (1, 7, 63, 65, 277, 1000 rows: partial chunks, chunk
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gdn_core import FlaForwardCore, fla_chunk_function
+from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference.shapes import QWEN38_27B as S
 
 pytestmark = pytest.mark.gpu

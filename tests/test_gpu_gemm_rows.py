@@ -10,7 +10,7 @@ defaults and with `CUBLAS_WORKSPACE_CONFIG=:0:0` (no cuBLAS workspace, which rul
 one). Measured on 2026-11-30 (results/gpu/20261130T135022Z-nvidia-h200-b388a0d-gemm-rows.json): by default the down
 projection (K = 17408) is not row-count invariant at 150-199 rows (no equal row), every other case is; without the
 workspace every case is, at 5-15 us more per small down GEMM. The engine runs without it
-(`engine.backbone.use_row_invariant_gemms`). Writes $OUT/gpu_gemm_rows.json; asserts that both processes measured
+(`engine.gemm.prepare_process`). Writes $OUT/gpu_gemm_rows.json; asserts that both processes measured
 every case and that without the workspace every GEMM is row-count invariant.
 """
 
@@ -68,7 +68,7 @@ def measure() -> list[dict]:
 
 @pytest.mark.gpu
 def test_gpu_gemm_row_count_invariance_27b():
-    from engine.backbone import ROW_INVARIANT_CUBLAS
+    from engine.gemm import ROW_INVARIANT_CUBLAS
 
     runs = {}
     default_env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}  # conftest sets it

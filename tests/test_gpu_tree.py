@@ -44,22 +44,25 @@ import torch
 import torch.nn.functional as F
 
 from ablations import envinfo, timing
-from engine.backbone import EngineBackbone
-from engine.gdn_core import FlaForwardCore, fla_chunk_function
 from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
+from engine.stages import build_engine
 from engine.tree import (
     choose_gdn_mode,
     flash_node_core,
-    gather_paths,
     gdn_mode_costs,
+    tree_gdn_core,
+)
+from engine.weights import MergedWeights
+from kernels.gdn_core import FlaForwardCore, fla_chunk_function
+from reference.shapes import QWEN38_27B as S
+from reference.tree import (
+    attention_mask,
+    gather_paths,
     scatter_rows,
     sdpa_varlen_causal,
     tree_attention,
     tree_conv1d_silu,
-    tree_gdn_core,
 )
-from engine.weights import MergedWeights
-from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")  # the deterministic Triton path (reference-math §4.3)
@@ -297,7 +300,7 @@ def test_gpu_masked_sdpa_gqa_backend():
     q = torch.randn(1, hq, n, d, generator=gen, device=DEVICE).bfloat16()
     k = torch.randn(1, hkv, n, d, generator=gen, device=DEVICE).bfloat16()
     v = torch.randn(1, hkv, n, d, generator=gen, device=DEVICE).bfloat16()
-    mask = torch.zeros(n, n, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~flat.attention_mask, float("-inf"))
+    mask = torch.zeros(n, n, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~attention_mask(flat), float("-inf"))
     mask = mask[None, None]
     rep = hq // hkv
 
@@ -547,10 +550,10 @@ def gemm_time(merged: MergedWeights, rows: int) -> dict:
 
     def run():
         for layer in merged.layers:
-            F.linear(x(S.hidden_size), layer.w_in)
-            F.linear(x(layer.w_out.shape[1]), layer.w_out)
-            F.linear(x(S.hidden_size), layer.w_gate_up)
-            F.linear(x(S.intermediate_size), layer.w_down)
+            F.linear(x(S.hidden_size), layer.w_in.data)
+            F.linear(x(layer.w_out.shape[1]), layer.w_out.data)
+            F.linear(x(S.hidden_size), layer.w_gate_up.data)
+            F.linear(x(S.intermediate_size), layer.w_down.data)
 
     return time_ms(run)
 
@@ -581,12 +584,12 @@ def model_engines():
         "head": head,
         "merged": merged,
         "engines": {
-            "merged": EngineBackbone(merged, fused=False),
-            "fused": EngineBackbone(merged, fused=True),
-            "tree": EngineBackbone(merged, fused=True, tree=True),
+            "merged": build_engine(merged, "merged"),
+            "fused": build_engine(merged, "fused"),
+            "tree": build_engine(merged, "tree"),
             # the tree-off twin in one batch (long4k's 20k flat rows exceed the default 8192 rows per batch): the same
             # layout as the tree's paths, for the comparison with GEMMs over the paths
-            "fused_one_batch": EngineBackbone(merged, fused=True, max_batch_rows=1 << 20),
+            "fused_one_batch": build_engine(merged, "fused", max_batch_rows=1 << 20),
         },
     }
     del weights, head, merged
@@ -692,7 +695,7 @@ def test_gpu_model_tree_rows(model_checks, workload):
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_gpu_model_tree_matches_fused(model_checks, workload):
-    """Stage `tree` is declared bitwise against `fused` (ablations/registry.py): measured on the H200 on 2026-11-30
+    """Stage `tree` is declared bitwise against `fused` (engine/stages/__init__.py): measured on the H200 on 2026-11-30
     for all three workloads, both as the stage runs (cuBLAS over the tree's own rows) and with the GEMMs over the flat
     rows (results/gpu/20261130T110928Z-nvidia-h200-31c29be-gate-tree.json). Needs only `model_checks` (no timing)."""
     r = model_checks[workload]

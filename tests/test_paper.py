@@ -15,7 +15,7 @@ import pytest
 import typst
 
 from ablations import records
-from ablations.registry import STAGE_LIST, get_stage
+from engine.stages import STAGE_LIST, get_stage
 from paper import build, figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,6 +13,7 @@ import copy
 import http.client
 import io
 import json
+import os
 import select
 import socket
 import subprocess
@@ -598,17 +599,26 @@ def test_overhead_without_forward_meets_target():
 
 
 @pytest.mark.slow
-def test_command_line_server_prints_ready_line_and_stops_on_sigterm():
-    command = [sys.executable, "-m", "engine.server", "--shapes", "tiny", "--backend", "hf_torch", "--port", "0"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as process:
+@pytest.mark.parametrize("backend", ["hf_torch", "tree"])
+def test_command_line_server_prints_ready_line_and_stops_on_sigterm(backend, drone):
+    """As a user starts it on a CPU, without TRITON_INTERPRET in the environment: the engine's kernel stages switch
+    the interpreter on themselves (engine.stages.prepare_process) and answer the drone request with 200."""
+    command = [sys.executable, "-m", "engine.server", "--shapes", "tiny", "--backend", backend, "--port", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) as process:
         try:
             readable, _, _ = select.select([process.stdout], [], [], 300.0)  # the model loads before the port binds
             assert readable, "no ready line within 300 s"
             ready = json.loads(process.stdout.readline())
             assert ready["model"] == "jevlab/tiny-twin" and ready["method"] == "synthetic_weights"
-            connection = http.client.HTTPConnection(ready["url"].removeprefix("http://"), timeout=TIMEOUT_S)
+            connection = http.client.HTTPConnection(ready["url"].removeprefix("http://"), timeout=120)
             connection.request("GET", "/health")
             assert connection.getresponse().status == 200
+            connection.request("POST", "/v1/systemone", json.dumps(drone), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            assert response.status == 200, body
+            assert body["metadata"]["backend"] == backend and body["answers"]
             connection.close()
             process.terminate()
             assert process.wait(TIMEOUT_S) == 0
@@ -651,7 +661,7 @@ def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
             assert post(engine_server, INVALID_SCHEMA)[0] == 422
         answers[backend] = body["answers"]  # probabilities, noul scores, choices and confidences as JSON floats
     assert answers["tree"] == answers["fused"]
-    with pytest.raises(ValueError, match="unknown backend 'graphs'"):
+    with pytest.raises(ValueError, match="unknown stage 'graphs'"):
         build_decision_model("graphs", "tiny")
 
 
@@ -677,3 +687,16 @@ def test_gpu_27b_server_answers_as_decide(drone, backend):
     finally:
         del model
         torch.cuda.empty_cache()
+
+
+def test_command_line_server_refuses_a_stage_this_machine_cannot_run(capsys):
+    """`--backend hf_fla` on a CPU: one line saying why and exit 2, before any weights are made (no traceback)."""
+    import torch
+
+    from engine.server import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine can run hf_fla")
+
+    assert main(["--backend", "hf_fla", "--shapes", "tiny", "--port", "0"]) == 2
+    assert "runs on cuda only, not on cpu" in capsys.readouterr().err

@@ -28,17 +28,20 @@ from engine.tree import (
     blockwise_causal_attention,
     blockwise_node_core,
     choose_gdn_mode,
-    gather_paths,
     gdn_mode_costs,
-    scatter_rows,
-    sdpa_varlen_causal,
     torch_chunk_core,
-    tree_attention,
-    tree_conv1d_silu,
     tree_gdn_core,
 )
 from reference import ops
 from reference.shapes import TINY
+from reference.tree import (
+    attention_mask,
+    gather_paths,
+    scatter_rows,
+    sdpa_varlen_causal,
+    tree_attention,
+    tree_conv1d_silu,
+)
 
 TEMPLATE_HEAD = [151644, 872, 198, 1972, 510]  # fixed tokens before the state ("<|im_start|>user\nContext:\n")
 ANSWER = [5, 80, 9]  # fixed tokens between a question and its option ("Proposed answer: ")
@@ -242,7 +245,7 @@ def test_plan_tree_invariants_adversarial(request_tokens):
     for start, end in zip(cu[:-1], cu[1:]):
         path = tree.path_rows[start:end].numpy()
         visible[np.ix_(path, path)] |= np.tril(np.ones((end - start, end - start), dtype=bool))
-    assert np.array_equal(tree.attention_mask.numpy(), visible)
+    assert np.array_equal(attention_mask(tree).numpy(), visible)
     # node attention sees exactly the mask: query j of a node with q queries and k keys sees keys 0..k-q+j
     a, seen = tree.attention, np.zeros_like(visible)
     cu_q, cu_k, key_rows = a.cu_seqlens_q_cpu.tolist(), a.cu_seqlens_k_cpu.tolist(), a.key_rows.numpy()
@@ -261,7 +264,7 @@ def test_plan_flat_layout():
     assert np.array_equal(flat.path_rows.numpy(), np.arange(lens.sum()))
     assert np.array_equal(flat.read_rows.numpy(), np.cumsum(lens) - 1)
     assert np.array_equal(flat.gdn["handoff"].calls[0].rows.numpy(), np.arange(lens.sum()))
-    mask = flat.attention_mask.numpy()
+    mask = attention_mask(flat).numpy()
     blocks = np.zeros_like(mask)
     for start, end in zip(np.cumsum(lens) - lens, np.cumsum(lens)):
         blocks[start:end, start:end] = np.tril(np.ones((end - start, end - start), dtype=bool))

@@ -16,11 +16,12 @@ o     = scale · (Q h + causal(Q Kᵀ ⊙ decay) v')                            
   the backend-dispatch wrapper peeled off. The `merged` stage calls it, as `hf_fla` does.
 * `FlaForwardCore`: the five forward launches above, called directly, without the autograd Function, the input
   guard's per-tensor contiguity pass, or FLA's zero fill of the solve buffer `A` on every call: with a `workspace`
-  dict, each call layout (its `chunk_indices` tensor) gets one zeroed `A` per workspace, and every later layer of
-  the forward reuses it. That is exact because the fused kkt + solve kernel writes the same elements on every call
-  of one layout (the chunk's lower 16x16 blocks of its valid rows) and never the upper blocks, which stay zero and
-  are read as zeros by `recompute_w_u`. A workspace must therefore not outlive the plan whose `chunk_indices` key
-  it (the engine makes one per batch forward).
+  (`engine.plan.SolveWorkspace`, a plan arena's), each call layout (the arena position of its `chunk_indices`) gets
+  one `A`, zeroed at its first use in a forward, and every later layer of the forward reuses it. That is exact
+  because the fused kkt + solve kernel writes the same elements on every call of one layout (the chunk's lower 16x16
+  blocks of its valid rows) and never the upper blocks, which stay zero and are read as zeros by `recompute_w_u`. The
+  buffers are zeroed again at the start of each forward (`begin_forward`), so a refilled arena never reads what
+  another request wrote.
 
 Measured on the H200 (drone, `fused`; records results/runs/20261130T120702Z-nvidia-h200-a12d567.json with FLA's
 function, 20261130T131815Z-nvidia-h200-89aea6c.json with this core): kernels per forward 887 -> 840, host time until
@@ -65,7 +66,8 @@ class FlaForwardCore:
     """FLA's GDN forward kernels launched directly; same signature and bits as `chunk_gated_delta_rule` (varlen).
 
     Call: `core(q, k, v, g, beta, *, cu_seqlens, chunk_indices, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, scale=None, workspace=None, cu_seqlens_cpu=None)`; q, k [1, T, H, K] bf16,
+    use_qk_l2norm_in_kernel=False, scale=None, workspace=None, cu_seqlens_cpu=None)` (workspace: an
+    `engine.plan.SolveWorkspace`); q, k [1, T, H, K] bf16,
     v [1, T, Hv, V] bf16, g fp32 and beta bf16 [1, T, Hv], all contiguous; initial_state [N, Hv, K, V] fp32.
     Returns o [1, T, Hv, V] in q's dtype and the final state (fp32) or None.
     """
@@ -102,7 +104,7 @@ class FlaForwardCore:
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
         scale: float | None = None,
-        workspace: dict | None = None,
+        workspace=None,
         cu_seqlens_cpu: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, tokens, key_heads, key_dim = k.shape
@@ -161,11 +163,9 @@ class FlaForwardCore:
         return o.to(q.dtype), final_state
 
     @staticmethod
-    def _solve_buffer(workspace: dict | None, chunk_indices: torch.Tensor, shape: tuple, like: torch.Tensor):
-        """The zeroed `A` of this call layout: from the workspace (zeroed when first made), else a new one."""
+    def _solve_buffer(workspace, chunk_indices: torch.Tensor, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """The zeroed `A` of this call layout: from the workspace (`engine.plan.SolveWorkspace`: zeroed at its first
+        use in a forward), else a new one."""
         if workspace is None:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
-        key = (id(chunk_indices), shape, like.dtype)
-        if key not in workspace:
-            workspace[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        return workspace[key]
+        return workspace.zeros(chunk_indices, shape, like)

@@ -1,0 +1,140 @@
+"""The engine config: one frozen value that decides what a backbone runs (nano-vllm's `Config` is the model).
+
+A registry stage (`engine/stages`) is a delta of its parent's config; `engine.stages.build_backbone` turns a stage
+name (or a config) into a backbone for the runner, the server, the JevBench runner and the tests alike. Every field
+is one choice; `FIELD_VALUES` lists what each may be and `describe_value` what each value means, so the registry's
+"switches" text and the README's stage table are derived from the deltas, not written twice.
+
+Fields (values; what each picks):
+* `backbone` (`hf`, `engine`): transformers' `Qwen3_5TextModel` over padded per-candidate batches, or our backbone
+  over packed rows with merged GEMM weights (`engine/backbone.py`).
+* `layout` (`padded`, `flat`, `tree`): HF's padded batches; candidates back to back; the two-level prefix tree
+  (`engine/plan.py`).
+* `elementwise` (`torch`, `triton`): element-wise ops as torch compositions at HF's rounding points
+  (`reference/ops.py`), or the fused Triton kernels of `kernels/`.
+* `attention` (`sdpa_padded`, `mask`, `varlen`): HF's SDPA per padded batch; one SDPA call with an additive mask over
+  the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise fp32 on the CPU).
+* `gdn_core` (`torch`, `fla`, `fla_forward`): HF's torch chunk rule; FLA 0.6.0's `chunk_gated_delta_rule`; the same
+  FLA kernels launched directly (`kernels/gdn_core.py`).
+* `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
+  forced.
+* `gemm` (`cublas`, `cublas_row_invariant`): `F.linear` with cuBLAS's default workspace, or without a workspace (no
+  split-K: a row's bits do not depend on the row count); `engine/gemm.py`.
+* `graphs` (`False`): CUDA graphs (stage `graphs`, not built yet: only `False` is legal).
+* `weight_format` (`bf16`): GEMM weight storage (`engine.weights.Weight`; FP8 later).
+* `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
+
+Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter computes bf16 `tl.dot` wrongly,
+reference-math.md §6), so an engine config's FLA core becomes `torch` there; an HF config with `gdn_core="fla"`
+(stage `hf_fla`) has no CPU form and is refused. Illegal combinations are refused in `__post_init__`, where a config
+is built, with the reason; tests/test_stages.py tries every one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+FIELD_VALUES: dict[str, tuple[Any, ...]] = {
+    "backbone": ("hf", "engine"),
+    "layout": ("padded", "flat", "tree"),
+    "elementwise": ("torch", "triton"),
+    "attention": ("sdpa_padded", "mask", "varlen"),
+    "gdn_core": ("torch", "fla", "fla_forward"),
+    "gdn_mode": ("cost", "replicated", "handoff"),
+    "gemm": ("cublas", "cublas_row_invariant"),
+    "graphs": (False,),
+    "weight_format": ("bf16",),
+}
+
+VALUE_TEXT: dict[tuple[str, Any], str] = {
+    ("backbone", "hf"): "transformers 5.23 Qwen3_5TextModel, eager",
+    ("backbone", "engine"): "our backbone over packed rows with merged GEMM weights (4 GEMMs per layer)",
+    ("layout", "padded"): "padded per-candidate batches",
+    ("layout", "flat"): "candidates back to back (no padding)",
+    ("layout", "tree"): "two-level prefix tree: shared text computed once",
+    ("elementwise", "torch"): "element-wise ops as torch compositions at HF's rounding points",
+    ("elementwise", "triton"): "fused Triton kernels for the element-wise ops at the reference rounding points",
+    ("attention", "sdpa_padded"): "SDPA per padded batch",
+    ("attention", "mask"): "one masked SDPA call over the packed rows",
+    ("attention", "varlen"): "one varlen causal call per layer over the plan's nodes (FlashAttention-2 on CUDA)",
+    ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
+    ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
+    ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
+    ("gdn_mode", "cost"): "GDN mode per batch by the cost rule (replicated paths or fp32 state hand-off)",
+    ("gdn_mode", "replicated"): "GDN over replicated candidate paths",
+    ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",
+    ("gemm", "cublas"): "GEMMs through cuBLAS with its default workspace",
+    ("gemm", "cublas_row_invariant"): "GEMMs through cuBLAS without a workspace (row-count invariant)",
+    ("graphs", False): "eager launches",
+    ("weight_format", "bf16"): "bf16 GEMM weights",
+}
+
+CPU_GDN_CORE = "torch"
+
+
+def describe_value(field: str, value: Any) -> str:
+    """What one field value means, in a few words (`max_batch_rows` is a number)."""
+    if field == "max_batch_rows":
+        return f"at most {value:,} rows per forward"
+    return VALUE_TEXT[(field, value)]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a backbone runs; every field is one choice (module docstring). Built only in legal combinations."""
+
+    backbone: str
+    layout: str
+    elementwise: str
+    attention: str
+    gdn_core: str
+    gdn_mode: str = "cost"
+    gemm: str = "cublas"
+    graphs: bool = False
+    weight_format: str = "bf16"
+    max_batch_rows: int = 8192
+
+    def __post_init__(self) -> None:
+        for name, allowed in FIELD_VALUES.items():
+            value = getattr(self, name)
+            if value not in allowed or type(value) is not type(allowed[0]):
+                raise ValueError(f"{name}={value!r} is not one of {allowed}")
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
+        if self.backbone == "hf":
+            hf = {"layout": "padded", "elementwise": "torch", "attention": "sdpa_padded", "gdn_mode": "cost"}
+            wrong = {name: getattr(self, name) for name, value in hf.items() if getattr(self, name) != value}
+            if wrong:
+                raise ValueError(f"the hf backbone runs transformers' own layout and ops; it cannot take {wrong}")
+            if self.gdn_core == "fla_forward":
+                raise ValueError(
+                    "gdn_core='fla_forward' is the engine's direct launch; the hf backbone calls FLA's fla"
+                )
+        else:
+            if self.layout == "padded" or self.attention == "sdpa_padded":
+                raise ValueError("the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or 'varlen'")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes` applied (validated like any config)."""
+        return dataclasses.replace(self, **changes)
+
+    def on(self, device_type: str) -> EngineConfig:
+        """This config as it runs on `device_type` ("cuda" or "cpu"): the device rule of the module docstring."""
+        if device_type == "cuda" or self.gdn_core == CPU_GDN_CORE:
+            return self
+        if self.backbone == "hf":
+            raise ValueError(f"the hf backbone with gdn_core={self.gdn_core!r} needs CUDA (FLA cannot run on the CPU)")
+        return self.replace(gdn_core=CPU_GDN_CORE)
+
+    def delta(self, parent: EngineConfig) -> dict[str, Any]:
+        """The fields where this config differs from `parent`, in field order."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(parent, f.name)
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
