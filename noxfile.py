@@ -1,11 +1,21 @@
 """Sessions of the lab. `nox -l` lists them; options after `--` pass through to the command each one runs.
 
+Sessions that install the same dependency groups share one venv: `.nox/lab` (the project alone: answer, serve,
+jevbench), `.nox/lab-dev` (tests, gpu_tests, ablate), `.nox/lab-report`, `.nox/lab-notebooks`; each holds one copy of
+torch (about 2.5 GB). nox itself gives every session a venv of its own and has no option to share one (wntrblm/nox#167),
+so these sessions are declared without one (`python=False`) and build theirs in `_lab_python`. A shared venv is
+created on first use and updated by pip on every run; delete its folder to rebuild it. `lint` needs only ruff and
+keeps nox's own venv, `.nox/lint`.
+
 Every session also works with `--no-venv` (nox's passthrough mode): it then runs in the current interpreter and
 installs nothing. That is how the sessions run on the H200, whose image already has torch, triton and cupy and
 reaches no package index (the missing wheels travel in `.whl/`, see README.md).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import nox
 
@@ -16,27 +26,36 @@ nox.options.reuse_venv = "yes"
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 
 
-def _install(session: nox.Session, *groups: str) -> None:
-    """Install the project and dependency groups into the session's venv; nothing with `--no-venv`."""
-    if isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
-        return
+def _lab_python(session: nox.Session, *groups: str) -> str:
+    """The interpreter to run a session's commands with: the venv shared by every session that installs `groups`,
+    created if missing and brought up to date (the project in editable mode, the CPU torch wheel, the groups), or the
+    current interpreter, untouched, when nox runs with `--no-venv` / `--force-venv-backend none`."""
+    # From nox's configuration: these sessions declare no venv, so `session.virtualenv` is a passthrough either way.
+    if session._runner.global_config.force_venv_backend == "none":
+        return "python"
+    venv = session.env_dir.parent / "-".join(("lab", *groups))
+    python = str(venv / "bin" / "python")
+    if not Path(python).exists():
+        session.run_install(sys.executable, "-m", "venv", str(venv))
+    pip = (python, "-m", "pip", "install", "-q")
     # The CPU torch wheel first and alone, so that resolving the rest never pulls a CUDA build.
-    session.install(*nox.project.dependency_groups(PYPROJECT, "cpu"))
-    session.install("-e", ".", *nox.project.dependency_groups(PYPROJECT, *groups))
+    session.run_install(*pip, *nox.project.dependency_groups(PYPROJECT, "cpu"))
+    session.run_install(*pip, "-e", ".", *nox.project.dependency_groups(PYPROJECT, *groups))
+    return python
 
 
-@nox.session
+@nox.session(python=False)
 def tests(session: nox.Session) -> None:
     """The CPU suite (what CI runs): every test not marked `gpu`, Triton kernels under TRITON_INTERPRET=1."""
-    _install(session, "dev")
-    session.run("python", "-m", "pytest", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    python = _lab_python(session, "dev")
+    session.run(python, "-m", "pytest", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
-@nox.session
+@nox.session(python=False)
 def gpu_tests(session: nox.Session) -> None:
     """The GPU suite (`-m gpu`) on a CUDA machine, 27B shapes. On the H200: `nox --no-venv -s gpu_tests`."""
-    _install(session, "dev")
-    session.run("python", "-m", "pytest", "-m", "gpu", *session.posargs)
+    python = _lab_python(session, "dev")
+    session.run(python, "-m", "pytest", "-m", "gpu", *session.posargs)
 
 
 @nox.session
@@ -48,42 +67,54 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@nox.session(python=False)
 def answer(session: nox.Session) -> None:
     """Answer a request file (default: the drone request): 27B shapes on a GPU, the tiny twin on the CPU."""
-    _install(session)
-    session.run("python", "-m", "reference.answer", *session.posargs)
+    python = _lab_python(session)
+    session.run(python, "-m", "reference.answer", *session.posargs)
 
 
-@nox.session
+@nox.session(python=False)
 def ablate(session: nox.Session) -> None:
     """The main job: gate, build and time every stage of the ladder, write a run record, regenerate the figures.
 
     27B plan where CUDA is present, the tiny plan on the CPU otherwise. Options: `-- --plan gpu-27b --stages ...
     --workloads ...` (see `python -m ablations.run --help`).
     """
-    _install(session, "dev")
-    session.run("python", "-m", "ablations.run", *session.posargs)
-    session.run("python", "-m", "paper.figures")
+    python = _lab_python(session, "dev")
+    session.run(python, "-m", "ablations.run", *session.posargs)
+    session.run(python, "-m", "paper.figures")
 
 
-@nox.session
+@nox.session(python=False)
 def report(session: nox.Session) -> None:
     """Build results/report.pdf from results/ alone (figures, then typst). Needs no GPU."""
-    _install(session, "report")
-    session.run("python", "-m", "paper.figures", *session.posargs)
-    session.run("python", "-m", "paper.build")
+    python = _lab_python(session, "report")
+    session.run(python, "-m", "paper.figures", *session.posargs)
+    session.run(python, "-m", "paper.build")
 
 
-@nox.session
+@nox.session(python=False)
+def notebooks(session: nox.Session) -> None:
+    """Execute every notebook headless in a Jupyter kernel (`jupytext --execute`), outputs to the session's tmp folder.
+
+    The kernel runs in notebooks/ and defines no `__file__`, as when a user runs `jupytext --execute` on a fresh clone.
+    """
+    python = _lab_python(session, "notebooks")
+    out = Path(session.create_tmp())
+    for path in sorted(Path("notebooks").glob("*.py")):
+        session.run(python, "-m", "jupytext", "--execute", "--to", "ipynb", "-o", str(out / f"{path.stem}.ipynb"), path)
+
+
+@nox.session(python=False)
 def serve(session: nox.Session) -> None:
     """The drop-in decision server on 127.0.0.1:8791 (`-- --backend hf_fla --host ... --port ...`)."""
-    _install(session)
-    session.run("python", "-m", "engine.server", *session.posargs)
+    python = _lab_python(session)
+    session.run(python, "-m", "engine.server", *session.posargs)
 
 
-@nox.session
+@nox.session(python=False)
 def jevbench(session: nox.Session) -> None:
     """JevBench public tasks against a running server, both passes; records under results/jevbench/."""
-    _install(session)
-    session.run("python", "-m", "ablations.jevbench", *session.posargs)
+    python = _lab_python(session)
+    session.run(python, "-m", "ablations.jevbench", *session.posargs)

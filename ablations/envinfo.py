@@ -1,9 +1,15 @@
 """The machine and code a run measured: read at run time, never typed in.
 
 GPU name and driver come from torch and `nvidia-smi`; versions from the imported packages; the commit and dirty flag
-from `git` in the checkout. A copy of the tree without `.git` (as on a lent GPU machine) falls back to the
-`JEVLAB_GIT_COMMIT` / `JEVLAB_GIT_DIRTY` variables set by whoever sent the copy, and says so in `git_source`;
-without either the commit is "unknown".
+from `git`, only where the project root is itself the top level of a git checkout. A copy of the tree without its own
+`.git` (as on a lent GPU machine, or an exported copy placed inside another repository, whose commit is not this
+code's) falls back to the `JEVLAB_GIT_COMMIT` / `JEVLAB_GIT_DIRTY` variables set by whoever sent the copy, and says so
+in `git_source`; without either the commit is "unknown".
+
+The dirty flag describes the code, not what the runs write: a tracked file that differs from HEAD makes the checkout
+dirty, except files under `results/` (run records, figures, logs, the report) and README.md when everything outside its
+generated block (between the `<!-- results:ladder -->` markers that `paper.figures` rewrites) is as committed. So a
+second `nox -s ablate` on a clean clone is still clean. Untracked files never count.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+OUTPUTS = "results/"  # every tracked file under it is written by runs
+README = "README.md"
+README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")  # paper.figures.README_START, README_END
 
 
-def _run(args: list[str]) -> str | None:
+def _run(args: list[str], cwd: Path = REPO) -> str | None:
     try:
-        out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=20, cwd=REPO)
+        out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=20, cwd=cwd)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
@@ -36,11 +45,38 @@ def _version(package: str) -> str | None:
         return None
 
 
-def git_state() -> dict[str, object]:
-    commit = _run(["git", "rev-parse", "HEAD"])
+def _outside_readme_block(text: str | None) -> str | None:
+    """README text with the generated block cut out (markers kept) and the ends stripped (as `_run` strips git's
+    output); None unless each marker occurs once, in order."""
+    start, end = README_BLOCK
+    if text is None or text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        return None
+    return (text[: text.index(start)] + text[text.index(end) :]).strip()
+
+
+def code_dirty(root: Path = REPO) -> bool:
+    """Whether the code at `root` differs from HEAD: tracked files only, outputs excepted (see the module docstring)."""
+    changed = _run(["git", "diff", "--name-only", "--no-renames", "HEAD"], cwd=root)
+    if changed is None:
+        return True
+    for path in changed.splitlines():
+        if path.startswith(OUTPUTS):
+            continue
+        if path == README:
+            committed = _outside_readme_block(_run(["git", "show", f"HEAD:{README}"], cwd=root))
+            here = root / README
+            if committed is not None and here.is_file() and _outside_readme_block(here.read_text()) == committed:
+                continue
+        return True
+    return False
+
+
+def git_state(root: Path = REPO) -> dict[str, object]:
+    """Commit, dirty flag and their source for the project at `root`: git when `root` is a checkout's top level."""
+    top = _run(["git", "rev-parse", "--show-toplevel"], cwd=root)
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=root) if top and Path(top).resolve() == root.resolve() else None
     if commit:
-        status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-        return {"git_commit": commit, "git_dirty": bool(status), "git_source": "git"}
+        return {"git_commit": commit, "git_dirty": code_dirty(root), "git_source": "git"}
     if os.environ.get("JEVLAB_GIT_COMMIT"):
         dirty = os.environ.get("JEVLAB_GIT_DIRTY", "").lower() in ("1", "true", "yes")
         return {"git_commit": os.environ["JEVLAB_GIT_COMMIT"], "git_dirty": dirty, "git_source": "env"}

@@ -1,15 +1,17 @@
 """Compile every kernel for a CUDA target without a GPU, as the engine launches it: catches Triton compiler failures on
 machines (CI) that can only interpret the kernels.
 
-    python -m kernels.compile_check            # every launch of engine_launches(), for sm_90, with the installed Triton
+    python -m kernels.compile_check                    # every launch of engine_launches(), for sm_90, installed Triton
+    python -m kernels.compile_check --capability 103   # the same for sm_103 (B300); 100: B200
 
 How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
 at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
 it (argument types, constexprs, num_warps, fp options) is exactly what the wrapper would launch on a GPU. The captured
-launch is then compiled by `triton.compile` for sm_90, down to a cubin with Triton's bundled ptxas, twice: with every
-pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and with none
-(unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does. Nothing
-runs.
+launch is then compiled by `triton.compile` for one target (sm_90 by default; `CAPABILITIES` lists the targets the
+tests check: the H200's sm_90, Blackwell's sm_100 and sm_103), down to a cubin with Triton's bundled ptxas, twice: with
+every pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and
+with none (unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does.
+Nothing runs.
 
 Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
 fail to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 to 128
@@ -23,8 +25,10 @@ tests run it in a subprocess (tests/test_kernels.py).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 SM90 = 90
+CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300, sm_103, is the design target)
 META = torch.device("meta")
 SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
@@ -196,14 +201,34 @@ def check(capability: int = SM90) -> list[tuple[str, str, bool, str | None]]:
     return results
 
 
-def main() -> int:
+def ptxas_lacks(capability: int) -> str | None:
+    """None where the ptxas that Triton uses for `capability` lists its arch (`sm_<capability>a`) among the GPU names
+    it can target (`ptxas --help`); otherwise why the check cannot run for it."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    ptxas, arch = get_ptxas(capability).path, sm_arch_from_capability(capability)
+    listed = subprocess.run([ptxas, "--help"], capture_output=True, text=True, timeout=60).stdout
+    if f"'{arch}'" in listed:
+        return None
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    return f"{ptxas} ({version.splitlines()[-1] if version else 'no version'}) cannot target {arch}"
+
+
+def main(argv: list[str] | None = None) -> int:
     import triton
 
+    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capability", type=int, default=SM90, help="CUDA compute capability, e.g. 90, 100, 103")
+    capability = parser.parse_args(argv).capability
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
-    results = check()
-    print(f"kernels for sm_{SM90}, Triton {triton.__version__}: {len(results)} compiles")
+    lacking = ptxas_lacks(capability)
+    if lacking:
+        print(f"compile_check: {lacking}", file=sys.stderr)
+        return 2
+    results = check(capability)
+    print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")
     for label, name, aligned, error in results:
         print(f"  {label:<34} {name:<26} {'aligned' if aligned else 'unaligned':<9} {error or 'ok'}")
     failed = sum(error is not None for *_, error in results)

@@ -34,7 +34,11 @@ matplotlib.use(os.environ.get("MPLBACKEND", "Agg"))
 import matplotlib.pyplot as plt
 import pandas as pd
 
-REPO = Path.cwd() if (Path.cwd() / "results").is_dir() else Path(__file__).resolve().parents[1]
+# The checkout: the working directory or the nearest folder above it that holds ablations/ (a Jupyter kernel runs in
+# notebooks/ and defines no __file__).
+REPO = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "ablations" / "records.py").is_file()), None)
+if REPO is None:
+    raise SystemExit(f"run from inside the jevlab checkout, not {Path.cwd()}")
 RESULTS = Path(os.environ.get("JEVLAB_RESULTS", REPO / "results"))
 PLAN = os.environ.get("JEVLAB_PLAN", "gpu-27b")
 sys.path.insert(0, str(REPO))
