@@ -24,6 +24,9 @@ and the report read (nesting as shown; a record may hold more):
                        records)}]}: every fused kernel against its reference composition on activations
                   captured from the reference forward (ablations/bit_identity.py); `error` (and no rows) when that
                   step failed; `interpreter` true on the CPU (Triton interpreter numerics, explained in `note`)
+    probes        (CUDA plans, from the runner that added them on; absent in older records and with --no-probes)
+                  {name: {error, seconds, ...fields}}: the measurements of ablations/probes.py (GEMM row-count
+                  invariance, GDN hand-off timing, kernel tiles, whole-model engine checks); validated there
 
 Stage `status`: `ok` (gate green, built, timed), `gate-red` (its gate failed: not timed), `unavailable` (its code is
 missing or it cannot run on this device, with the reason), `error` (building or running it raised, with the reason),
@@ -51,6 +54,8 @@ import statistics
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from ablations.probes import validate_probes
 
 SCHEMA = "jevlab-run/1"
 ATTEMPTS_SCHEMA = "jevlab-attempts/1"
@@ -178,6 +183,8 @@ def validate_record(record: Any) -> None:
         _check_attempt(attempt, f"attempts[{i}]", problems)
     if "bit_identity" in record:
         _check_bit_identity(record["bit_identity"], problems)
+    if "probes" in record:
+        problems += validate_probes(record["probes"])
     if problems:
         raise RecordError("; ".join(problems))
 
