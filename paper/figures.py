@@ -1,4 +1,5 @@
-"""Figures and report tables from run records alone (results/runs/*.json); no GPU, no model code.
+"""Figures and the report summary from run records alone (results/runs/*.json); no GPU, no model code. The tables
+come from paper/tables.py, the README block from paper/readme.py.
 
     python -m paper.figures [--results DIR] [--plan NAME] [--record PATH ...] [--svg]
 
@@ -22,9 +23,9 @@ it holds, and its figure files end in `-partial`. For each record it writes, und
   bit-identical states on a labelled floor band and each stage's first departing state starred; full-attention
   layers shaded (records older than the per-state comparison get a figure that says so).
 * `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
-  them out (it reads this file and the PNGs, nothing else); among them the targets of issues 4 and 5 (`TARGETS`) on
-  the headline workload, each met, missed or not measured (issue 5's hand-off target from the newest
-  `gpu/*-gdn-handoff.json` of tests/test_gpu_tree.py, on GPU plans).
+  them out (it reads this file and the PNGs, nothing else); among them a one-page overview, the targets of issues 4
+  and 5 (ablations/targets.py) each met, missed or not measured, and the tables of the record's probes
+  (ablations/probes.py), or that the runner has not measured them yet.
 
 When the results folder is the checkout's own, the ladder table of each plan is also written into README.md between
 the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers, so the README never carries a hand-typed figure.

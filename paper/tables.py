@@ -539,14 +539,15 @@ def class_speedups(record: dict) -> list[list[str]]:
     """Per stage timed (rows) and workload class (columns, ablations/workloads.py's groups): the geometric mean over
     the class's workloads of the baseline stage's median over the stage's, with how many workloads both timed."""
     baseline = stage_by_name(record, record["plan"]["baseline"])
-    groups = list(dict.fromkeys(w["group"] for w in record["workloads"]))
-    table = [["stage", *(f"{group} ({sum(w['group'] == group for w in record['workloads'])})" for group in groups)]]
+    group_of = {w["id"]: w.get("group", "ungrouped") for w in record["workloads"]}  # older records: no groups
+    groups = list(dict.fromkeys(group_of.values()))
+    table = [["stage", *(f"{group} ({list(group_of.values()).count(group)})" for group in groups)]]
     for stage in (s for s in record["stages"] if has_timings(s) and baseline is not None):
         cells = []
         for group in groups:
             ratios = []
-            for w in (w for w in record["workloads"] if w["group"] == group):
-                mine, theirs = measured(stage, w["id"]), measured(baseline, w["id"])
+            for workload_id in (i for i, g in group_of.items() if g == group):
+                mine, theirs = measured(stage, workload_id), measured(baseline, workload_id)
                 if mine is not None and theirs is not None:
                     ratios.append(theirs["median_ms"] / mine["median_ms"])
             cells.append(f"{statistics.geometric_mean(ratios):.2f}× ({len(ratios)})" if ratios else DASH)
