@@ -221,6 +221,7 @@ def cuda_time_ms(fn, inner: int = 10, rounds: int = 15) -> float:
 
 def gdn_handoff() -> dict[str, Any]:
     """GDN-core time of the `handoff` and `replicated` schedules against prefilling the shared context once."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # the deterministic Triton path (reference-math §4.3), before FLA loads
     import torch
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -229,7 +230,6 @@ def gdn_handoff() -> dict[str, Any]:
     from engine.plan import plan_tree
     from engine.tree import choose_gdn_mode, tree_gdn_core
 
-    os.environ.setdefault("FLA_FLASH_QLA", "0")  # the deterministic Triton path (reference-math §4.3)
     core = FlaForwardCore()
     options = {"workspace": {}, **ENGINE_CORE_OPTIONS}  # as the `tree` engine calls the core
     tree = plan_tree(*long_single_question(), device="cuda")
