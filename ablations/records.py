@@ -24,6 +24,9 @@ and the report read (nesting as shown; a record may hold more):
                        records)}]}: every fused kernel against its reference composition on activations
                   captured from the reference forward (ablations/bit_identity.py); `error` (and no rows) when that
                   step failed; `interpreter` true on the CPU (Triton interpreter numerics, explained in `note`)
+    probes        (CUDA plans, from the runner that added them on; absent in older records and with --no-probes)
+                  {name: {error, seconds, ...fields}}: the measurements of ablations/probes.py (GEMM row-count
+                  invariance, GDN hand-off timing, kernel tiles, whole-model engine checks); validated there
 
 Stage `status`: `ok` (gate green, built, timed), `gate-red` (its gate failed: not timed), `unavailable` (its code is
 missing or it cannot run on this device, with the reason), `error` (building or running it raised, with the reason),
@@ -51,6 +54,8 @@ import statistics
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from ablations.probes import validate_probes
 
 SCHEMA = "jevlab-run/1"
 ATTEMPTS_SCHEMA = "jevlab-attempts/1"
@@ -178,6 +183,8 @@ def validate_record(record: Any) -> None:
         _check_attempt(attempt, f"attempts[{i}]", problems)
     if "bit_identity" in record:
         _check_bit_identity(record["bit_identity"], problems)
+    if "probes" in record:
+        problems += validate_probes(record["probes"])
     if problems:
         raise RecordError("; ".join(problems))
 
@@ -291,3 +298,47 @@ def newest_records(runs_dir: Path) -> list[tuple[Path, dict]]:
 def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:
     """The newest complete record of each plan among `newest_records`."""
     return {r["plan"]["name"]: (path, r) for path, r in newest_records(runs_dir) if r["complete"]}
+
+
+# ---------------------------------------------------------------------------------------------- reading a record
+STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "error",
+               "pending": "not reached (run stopped)"}  # fmt: skip
+DASH = "–"  # a number that is absent
+
+
+def ms(value: float | None) -> str:
+    """Milliseconds with 3-4 significant digits (1 decimal from 100 ms, 2 from 1 ms, else 3), or a dash."""
+    if value is None:
+        return DASH
+    return f"{value:.1f}" if value >= 100 else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+
+def sci(value: float | None) -> str:
+    """A small quantity (|dp|, relative RMSE) in scientific notation, exact 0 as "0", or a dash."""
+    return DASH if value is None else "0" if value == 0 else f"{value:.2e}"
+
+
+def stage_by_name(record: dict, name: str) -> dict | None:
+    return next((s for s in record["stages"] if s["name"] == name), None)
+
+
+def measured(stage: dict, workload_id: str) -> dict | None:
+    """The stage's measurement of one workload, or None."""
+    return next((w for w in stage["workloads"] if w["id"] == workload_id), None)
+
+
+def has_timings(stage: dict) -> bool:
+    """Timed stages: `ok`, or `pending` with workloads (a partial record's stage that was cut short)."""
+    return stage["status"] == "ok" or (stage["status"] == "pending" and bool(stage["workloads"]))
+
+
+def headline_of(record: dict, name: str) -> tuple[dict | None, str]:
+    """The headline measurement of stage `name`, or None and why it is missing."""
+    stage = stage_by_name(record, name)
+    if stage is None:
+        return None, f"{name} is not in this plan"
+    w = measured(stage, record["plan"]["headline"]) if has_timings(stage) else None
+    if w is None:
+        status = STATUS_TEXT.get(stage["status"], stage["status"])
+        return None, f"{name} not timed on {record['plan']['headline']}: {status}"
+    return w, ""

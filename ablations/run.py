@@ -1,10 +1,13 @@
 """The ablation runner: gate, build and time every stage of a plan on every workload, in one run, into one record.
 
     python -m ablations.run [--plan gpu-27b | cpu-tiny] [--stages hf_torch,hf_fla] [--workloads drone,jevbench]
-                            [--runs N] [--warmup N] [--results DIR] [--nvtx] [--list]
+                            [--runs N] [--warmup N] [--results DIR] [--nvtx] [--no-probes] [--list]
 
 Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
 
+0. Probes, on a CUDA plan unless `--no-probes`: before anything else touches the GPU, each probe of
+   ablations/probes.py runs in its own fresh process (GEMM row-count invariance, GDN hand-off timing, kernel tiles,
+   whole-model engine checks) into `record["probes"]`; a failed probe is recorded with its error.
 1. Stages are taken in registry order (HF stages before engine stages). A stage whose code is missing, or which
    cannot run on this device, is recorded `unavailable` with the reason.
 2. Gates: the remaining stages' gate nodes run first, all in one fresh `python -m pytest -q <nodes>` process (`-m gpu`
@@ -57,7 +60,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ablations import envinfo, records, timing
+from ablations import envinfo, probes, records, timing
 from ablations.plans import Plan, load_plan, plan_names
 from ablations.workloads import Workload, resolve
 from engine.stages import STAGE_LIST, BuildContext, Stage, build_backbone, get_stage, in_ladder_order, prepare_process
@@ -638,6 +641,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nvtx", action="store_true", help="keep per-layer NVTX ranges on during timed calls too")
     parser.add_argument("--gate-timeout", type=float, default=900.0, help="seconds per gate test (default 900)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-probes", action="store_true", help="skip the probes (ablations/probes.py) of a CUDA plan")
     parser.add_argument("--list", action="store_true", help="list the plan's stages and workloads, then exit")
     return parser.parse_args(argv)
 
@@ -661,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  workload {workload.id:<34} {workload.description}")
         return 0
     run = Run(plan, stages, workloads, args)
+    if plan.device == "cuda" and not args.no_probes:  # before the stages, on an empty GPU; written with the record
+        run.record["probes"] = probes.run_probes()
     path = run.run()
     print("\n".join(summary_lines(run.record)))
     print(f"\nrun record: {path}")

@@ -204,8 +204,8 @@ class PlanShape:
 
 
 class SolveWorkspace:
-    """The FLA solve buffers of one arena: one per GDN call layout, keyed by the position of that call's
-    `chunk_indices` in the arena (a view's storage offset, stable for the arena's life; no object ids).
+    """The FLA solve buffers of one arena: one per GDN call layout, keyed by the device address of that call's
+    `chunk_indices` (an arena view: the same address for the arena's life and every refill; no object ids).
 
     `begin_forward()` marks every buffer stale; `zeros(chunk_indices, shape, like)` returns the layout's buffer,
     zeroed at its first use in a forward (one fill per layout and forward, as `kernels.gdn_core.FlaForwardCore`
@@ -218,8 +218,11 @@ class SolveWorkspace:
     def begin_forward(self) -> None:
         self._fresh.clear()
 
+    def __len__(self) -> int:
+        return len(self._buffers)
+
     def zeros(self, chunk_indices: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        key = (chunk_indices.storage_offset(), tuple(shape), like.dtype)
+        key = (chunk_indices.data_ptr(), tuple(shape), like.dtype)
         buffer = self._buffers.get(key)
         if buffer is None:
             buffer = self._buffers[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typst
 
-from paper.figures import results_dir
+from paper.tables import results_dir
 
 REPORT_SOURCE = Path(__file__).resolve().parent / "report.typ"
 SUMMARY = "figures/summary.json"

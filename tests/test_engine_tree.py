@@ -281,7 +281,7 @@ def count_launches(engine: EngineBackbone, prepared, monkeypatch) -> dict:
         counts["gdn_final_states"] += bool(output_final_state)
         counter.total += FLA_KERNELS_PER_CALL + FLA_FINAL_STATE_FILL * bool(output_final_state)
         assert kwargs["workspace"] is prepared.batches[0].plan.arena.workspace  # FlaForwardCore's: the plan arena's
-        layout = chunk_indices.storage_offset()  # one zeroed A per call layout, counted once per forward
+        layout = chunk_indices.data_ptr()  # one zeroed A per call layout, counted once per forward
         if layout not in solve_layouts:
             solve_layouts.add(layout)
             counts["solve_fills"] += 1

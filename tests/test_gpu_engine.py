@@ -3,6 +3,8 @@ HF reference with the FLA core (`hf_fla`) and with the torch core (`hf_torch`).
 
     nox --no-venv -s gpu_tests -- tests/test_gpu_engine.py        (prints the table; JSON to $OUT if set)
 
+The correctness half (`checks`) is the runner's `engine_checks` probe (ablations/probes.py).
+
 Two module fixtures, each in two phases so that the 27B weights are never held twice:
 - `checks` (correctness; all that the `merged` and `fused` gates trigger, no timing or profiling):
   1. synthetic weights (seed 0) -> HF model: hidden states and last-token states of hf_fla and hf_torch (kept on the
@@ -35,7 +37,6 @@ counted apart and printed).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -45,11 +46,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ablations import probes
 from engine.stages import build_engine
 from engine.weights import MergedWeights
 from reference.data import open_jev_workloads
 from reference.model import HFBackbone
-from reference.readout import head_scores, record_probabilities
 from reference.service import DecisionModel
 from reference.shapes import QWEN38_27B
 from reference.weights import synthetic_weights
@@ -66,12 +67,6 @@ STATE_REL_RMSE_BOUND = 5e-2  # provisional (module docstring)
 LAST_REL_RMSE_BOUND = 5e-2  # provisional
 MAX_DP_BOUND = 2e-2  # provisional
 TIMED_RUNS, WARMUP_RUNS = 30, 5
-GIB = 2**30
-
-
-def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
-    d = x.float() - ref.float()
-    return (d.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
 
 
 def time_forward(backbone, prepared) -> dict:
@@ -112,105 +107,18 @@ def count_kernels(backbone, prepared) -> dict:
     return {"kernels": len(names) - copies, "gemm_kernels": gemms, "memcpy_memset": copies}
 
 
-def states_of(backbone, plan) -> dict:
-    """Hidden states (host) and last-token states (host) of one backbone on the plan."""
-    prepared = backbone.prepare(plan.candidates, plan.groups)
-    states = [s.cpu() for s in backbone.hidden_states(prepared)]
-    return {"states": states, "last": backbone.forward(prepared).cpu()}
-
-
 def measure(backbone, plan) -> dict:
     """Forward times and kernel counts of one backbone on the plan."""
     prepared = backbone.prepare(plan.candidates, plan.groups)
     return {"time": time_forward(backbone, prepared), **count_kernels(backbone, prepared)}
 
 
-def release_cuda_memory() -> None:
-    """Free what the phase left (its objects deleted by the caller) and check that no copy of the weights is left."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated() / GIB
-    assert left < 1.0, f"{left:.2f} GiB still allocated after freeing a phase: the next phase would hold the 27B twice"
-
-
-def probabilities(last: torch.Tensor, plan, head_weight, head_bias, temperature) -> list[float]:
-    """Every candidate probability of the request, question by question (synthetic: fidelity only)."""
-    scores = head_scores(last, head_weight, head_bias).tolist()
-    out, start = [], 0
-    for record in plan.records:
-        out += record_probabilities(record, scores[start : start + record.candidate_count], temperature)
-        start += record.candidate_count
-    return out
-
-
-def compare(got: dict, ref: dict, plan, head) -> dict:
-    per_state = [rel_rmse(g, r) for g, r in zip(got["states"], ref["states"])]
-    identical = [torch.equal(g, r) for g, r in zip(got["states"], ref["states"])]
-    p_got, p_ref = probabilities(got["last"], plan, *head), probabilities(ref["last"], plan, *head)
-    return {
-        "first_departing_state": identical.index(False) if False in identical else None,
-        "per_state_rel_rmse": per_state,
-        "last_rel_rmse": rel_rmse(got["last"], ref["last"]),
-        "max_dp": max(abs(a - b) for a, b in zip(p_got, p_ref)),
-    }
-
-
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    """Correctness, no timing and no profiling (all that the `merged` and `fused` gates trigger): hidden and
-    last-token states of the four paths on the drone request, their comparisons, the peak GPU memory of each phase,
-    and the NVTX check. Two phases so that the 27B weights are never held twice; both freed before returning."""
-    torch.manual_seed(SEED)
-    request = open_jev_workloads()[WORKLOAD]["request"]
-    device = torch.device("cuda")
-
-    # Phase 1: the HF reference, both GDN cores, on one copy of the weights.
-    torch.cuda.reset_peak_memory_stats()
-    weights = synthetic_weights(QWEN38_27B, seed=SEED, device=device)
-    hf = {"hf_fla": HFBackbone(weights, "fla")}
-    hf["hf_torch"] = HFBackbone(weights, "torch", model=hf["hf_fla"].model)
-    plan = DecisionModel(hf["hf_fla"], weights).plan(request)
-    head = (weights.head_weight.cpu(), weights.head_bias.cpu(), weights.temperature)
-    paths = {name: states_of(backbone, plan) for name, backbone in hf.items()}
-    hf_peak = torch.cuda.max_memory_allocated() / GIB
-    del hf, weights
-    release_cuda_memory()
-
-    # Phase 2: the engine, one merged copy of the weights shared by both stages.
-    torch.cuda.reset_peak_memory_stats()
-    merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
-    engines = {
-        "merged": build_engine(merged_weights, "merged"),
-        "fused": build_engine(merged_weights, "fused"),
-    }
-    paths |= {name: states_of(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
-    nvtx = build_engine(merged_weights, "fused", nvtx_ranges=True)
-    nvtx_equal = torch.equal(nvtx.forward(nvtx.prepare(plan.candidates, plan.groups)).cpu(), paths["fused"]["last"])
-    # fused on FLA's public function instead of its forward kernels launched directly (kernels.gdn_core)
-    fla_function = states_of(build_engine(merged_weights, "fused", gdn_core="fla"), plan)
-    core_states_equal = [torch.equal(a, b) for a, b in zip(fla_function["states"], paths["fused"]["states"])]
-    core_equal = all(core_states_equal) and torch.equal(fla_function["last"], paths["fused"]["last"])
-    engine_peak = torch.cuda.max_memory_allocated() / GIB
-    del engines, nvtx, merged_weights
-    release_cuda_memory()
-
-    pairs = [("merged", "hf_fla"), ("merged", "hf_torch"), ("fused", "hf_fla"), ("fused", "hf_torch")]
-    pairs += [("fused", "merged"), ("hf_torch", "hf_fla")]
-    checks = {
-        "plan": plan,
-        "peak_gib": {"hf": hf_peak, "engine": engine_peak},
-        "comparisons": {f"{a} vs {b}": compare(paths[a], paths[b], plan, head) for a, b in pairs},
-        "nvtx_ranges_bitwise": nvtx_equal,
-        "fla_forward_core_bitwise": core_equal,
-        "fla_forward_core_first_departing_state": None if core_equal else core_states_equal.index(False),
-    }
-    if os.environ.get("OUT"):
-        from ablations import envinfo
-
-        written = {k: v for k, v in checks.items() if k != "plan"} | {"workload": WORKLOAD, "synthetic_weights": True}
-        written["env"] = envinfo.collect("cuda")  # commit, GPU, versions, time
-        Path(os.environ["OUT"], "gpu_engine_checks.json").write_text(json.dumps(written, indent=1))
-    return checks
+    """Correctness, no timing and no profiling (all that the `merged` and `fused` gates trigger): the runner's
+    `engine_checks` probe (ablations/probes.py): the four paths' comparisons on the drone request, the peak GPU memory
+    of each phase, the NVTX and FLA-core checks. Two phases so that the 27B weights are never held twice."""
+    return probes.engine_checks(SEED)
 
 
 @pytest.fixture(scope="module")
@@ -218,15 +126,15 @@ def results(checks) -> dict:
     """Measurements: forward times and kernel counts of the four paths, on weights built again phase by phase (the
     HF model and the merged weights never at once; `checks` freed its copies), beside `checks`' comparisons, peaks and
     NVTX check. Written to $OUT/gpu_engine.json when OUT is set."""
-    plan = checks["plan"]
     device = torch.device("cuda")
 
     weights = synthetic_weights(QWEN38_27B, seed=SEED, device=device)
     hf = {"hf_fla": HFBackbone(weights, "fla")}
     hf["hf_torch"] = HFBackbone(weights, "torch", model=hf["hf_fla"].model)
+    plan = DecisionModel(hf["hf_fla"], weights).plan(open_jev_workloads()[WORKLOAD]["request"])
     paths = {name: measure(backbone, plan) for name, backbone in hf.items()}
     del hf, weights
-    release_cuda_memory()
+    probes.release_cuda_memory()
 
     merged_weights = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=SEED, device=device))
     engines = {
@@ -235,7 +143,7 @@ def results(checks) -> dict:
     }
     paths |= {name: measure(backbone, plan) for name, backbone in engines.items()}  # no loop variable keeps one
     del engines, merged_weights
-    release_cuda_memory()
+    probes.release_cuda_memory()
 
     out = {
         "workload": WORKLOAD,

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.plan import SolveWorkspace
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference.shapes import QWEN38_27B as S
 
@@ -69,7 +70,7 @@ def test_fla_forward_core_workspace_reuse_is_bitwise():
     workspace holds one solve buffer per layout (the zero fill happens once per layout)."""
     public, direct = fla_chunk_function(), FlaForwardCore()
     layouts = [varlen(ODD_LENGTHS), varlen([130, 5, 64])]
-    workspace: dict = {}
+    workspace = SolveWorkspace()
     for layer in range(6):
         lengths = ODD_LENGTHS if layer % 2 == 0 else [130, 5, 64]
         cu, chunk_indices = layouts[layer % 2]

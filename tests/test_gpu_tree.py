@@ -34,7 +34,6 @@ import gc
 import importlib.util
 import json
 import os
-import random
 import statistics
 import warnings
 from pathlib import Path
@@ -43,8 +42,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ablations import envinfo, timing
-from engine.plan import CONV_WIDTH, TreePlan, plan_flat, plan_tree
+from ablations import probes, timing
+from ablations.probes import ENGINE_CORE_OPTIONS, cuda_time_ms, engine_gdn_inputs, gdn_inputs, long_single_question
+from engine.plan import CONV_WIDTH, SolveWorkspace, TreePlan, plan_flat, plan_tree
 from engine.stages import build_engine
 from engine.tree import (
     choose_gdn_mode,
@@ -80,70 +80,13 @@ def open_jev_candidates(workload: str) -> tuple[list[list[int]], list[int]]:
     return request_candidates(open_jev_workloads()[workload]["request"])
 
 
-def long_single_question(seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """4,000 shared tokens (template, context, question), then 5 options of 31-45 tokens each."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(150_000) for _ in range(4000)]
-    candidates = [
-        shared + [1000 + o] + [rng.randrange(150_000) for _ in range(rng.randrange(30, 45))] for o in range(5)
-    ]
-    return candidates, [0] * 5
-
-
 def plans(workload: str) -> tuple[TreePlan, TreePlan]:
     candidates, groups = long_single_question() if workload == "long4k" else open_jev_candidates(workload)
     return plan_tree(candidates, groups, device=DEVICE), plan_flat(candidates, groups, device=DEVICE)
 
 
-def gdn_inputs(num_rows: int, seed: int):
-    """27B GDN core inputs: q, k [N, 16, 128], v [N, 48, 128] bf16; g = -exp(A_log) softplus(a + dt_bias) fp32."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    h, hv, d = S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=DEVICE)
-
-    q, k, v = randn(num_rows, h, d).bfloat16(), randn(num_rows, h, d).bfloat16(), randn(num_rows, hv, d).bfloat16()
-    a_log = torch.log(torch.rand(hv, generator=gen, device=DEVICE) * 15 + 1)
-    g = -torch.exp(a_log) * F.softplus(randn(num_rows, hv) + randn(hv))
-    beta = torch.sigmoid(randn(num_rows, hv)).bfloat16()
-    return q, k, v, g, beta
-
-
-def engine_gdn_inputs(num_rows: int, seed: int):
-    """`gdn_inputs` as the `fused` and `tree` engines hand them to the core: q and k already L2-normalised per head
-    (by `kernels.gdn_prep`), so the core runs with use_qk_l2norm_in_kernel=False (ENGINE_CORE_OPTIONS)."""
-    q, k, v, g, beta = gdn_inputs(num_rows, seed)
-    q, k = (F.normalize(t.float(), dim=-1).bfloat16() for t in (q, k))
-    return q, k, v, g, beta
-
-
-ENGINE_CORE_OPTIONS = {"use_qk_l2norm_in_kernel": False}  # engine/backbone.py `_gdn` with the fused kernels
-
-
 def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a != b).flatten(1).any(1).sum())
-
-
-def cuda_time_ms(fn, inner: int = 10, rounds: int = 15) -> float:
-    """GPU time per call: median over `rounds` of CUDA-event time for `inner` back-to-back calls, divided by `inner`.
-
-    Back-to-back calls let the host run ahead, as in a forward pass, so host-side launch overhead is not counted
-    where the GPU work covers it. Three warm-up calls first (autotuning, caches).
-    """
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -215,7 +158,9 @@ def test_gpu_gdn_fla_tree_bitwise(workload, mode, tree_core):
     tree, flat = plans(workload)
     q, k, v, g, beta = gdn_inputs(tree.num_rows, seed=2)
     poisoned = torch.full((tree.num_rows, *v.shape[1:]), float("nan"), dtype=v.dtype, device=DEVICE)
-    direct = {"core": FlaForwardCore(), "workspace": {}} if tree_core == "fla_forward" else {"core": core}
+    direct = (
+        {"core": FlaForwardCore(), "workspace": tree.arena.workspace} if tree_core == "fla_forward" else {"core": core}
+    )
     o_tree = tree_gdn_core(q, k, v, g, beta, tree, mode=mode, out=poisoned, use_qk_l2norm_in_kernel=True, **direct)
     per_path = [gather_paths(t, tree).unsqueeze(0) for t in (q, k, v, g, beta)]
     o_flat, _ = core(
@@ -375,65 +320,25 @@ def test_gpu_gemm_row_count_dependence(workload):
 def engine_tree_core() -> dict:
     """The GDN core as the `tree` engine calls it on CUDA: FLA's kernels launched directly, q/k normalised before (no
     in-kernel l2norm), one workspace for the solve buffers (engine/backbone.py `_forward_batch`)."""
-    return {"core": FlaForwardCore(), "workspace": {}, **ENGINE_CORE_OPTIONS}
+    return {"core": FlaForwardCore(), "workspace": SolveWorkspace(), **ENGINE_CORE_OPTIONS}
 
 
 def test_gpu_gdn_handoff_time():
     """Issue 5 target: GDN-core time with state hand-off <= 1.3x prefilling the shared context once (long4k), with
-    the core called as the `tree` engine calls it (`engine_tree_core`). The asserted figure is the GPU kernel time
-    (profiler busy time per call); the wall time of back-to-back calls is recorded beside it and is bound by the
-    host's launch time at this size (the prefill call's wall time is about 3x its kernel time). Runs before
-    2026-11-30T13:18Z (results/gpu/*-gdn-handoff.json) called FLA's public function (with the l2norm on in the
-    first)."""
-    options = engine_tree_core()
-    core = options.pop("core")
-    tree, _ = plans("long4k")
-    q, k, v, g, beta = engine_gdn_inputs(tree.num_rows, seed=6)
-    context = torch.arange(tree.root_len + tree.question_lens[0], device=DEVICE)  # the shared rows, in order
-    ctx = [t.index_select(0, context).unsqueeze(0) for t in (q, k, v, g, beta)]
-    cu = torch.tensor([0, len(context)], device=DEVICE)
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    chunk_indices = prepare_chunk_indices(cu, 64)
-
-    def prefill():
-        core(*ctx, cu_seqlens=cu, chunk_indices=chunk_indices, **options)
-
-    calls = {
-        mode: lambda mode=mode: tree_gdn_core(q, k, v, g, beta, tree, mode=mode, core=core, **options)
-        for mode in ("replicated", "handoff")
-    }
-    t_prefill = cuda_time_ms(prefill)
-    t = {mode: cuda_time_ms(call) for mode, call in calls.items()}
-    # Beside the wall time (back-to-back calls, so host launch time shows where it exceeds the GPU work), the GPU
-    # kernel time alone (profiler busy time per call): what the same calls cost once launches are off the host.
-    busy = {name: timing.profile_kernels(fn, 5).gpu_busy_ms for name, fn in (("prefill", prefill), *calls.items())}
+    the core called as the `tree` engine calls it: the runner's `gdn_handoff` probe (ablations/probes.py). The
+    asserted figure is the GPU kernel time (profiler busy time per call); the wall time of back-to-back calls is
+    printed beside it and is bound by the host's launch time at this size (the prefill call's wall time is about 3x
+    its kernel time). Runs before 2026-11-30T13:18Z (results/gpu/*-gdn-handoff.json) called FLA's public function
+    (with the l2norm on in the first)."""
+    r = probes.gdn_handoff()
+    busy = r["gpu_busy_ms"]
     print(
-        f"\nlong4k GDN core (one layer): prefill context once {t_prefill:.3f} ms, handoff {t['handoff']:.3f} ms "
-        f"({t['handoff'] / t_prefill:.2f}x), replicated {t['replicated']:.3f} ms; chosen {choose_gdn_mode(tree)}; "
-        f"GPU busy ms per call {busy} (handoff {busy['handoff'] / busy['prefill']:.2f}x prefill)"
+        f"\nlong4k GDN core (one layer): prefill context once {r['prefill_context_ms']:.3f} ms, handoff "
+        f"{r['handoff_ms']:.3f} ms ({r['handoff_over_prefill']:.2f}x), replicated {r['replicated_ms']:.3f} ms; "
+        f"chosen {r['chosen_mode']}; GPU busy ms per call {busy} (handoff {r['gpu_busy_handoff_over_prefill']:.2f}x "
+        "prefill)"
     )
-    if os.environ.get("OUT"):
-        out = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "workload": "long4k",
-            "rows": tree.num_rows,
-            "context_rows": len(context),
-            "prefill_context_ms": t_prefill,
-            "handoff_ms": t["handoff"],
-            "replicated_ms": t["replicated"],
-            "handoff_over_prefill": t["handoff"] / t_prefill,
-            "gpu_busy_ms": busy,
-            "gpu_busy_handoff_over_prefill": busy["handoff"] / busy["prefill"],
-            "target": 1.3,
-            "chosen_mode": choose_gdn_mode(tree),
-            "timer": "cuda_time_ms (tests/test_gpu_tree.py)",
-            "core_options": ENGINE_CORE_OPTIONS,
-        }
-        out["env"] = envinfo.collect("cuda")  # commit, GPU, versions, time
-        Path(os.environ["OUT"], "gpu_gdn_handoff.json").write_text(json.dumps(out, indent=1))
-    assert choose_gdn_mode(tree) == "handoff"
+    assert r["chosen_mode"] == "handoff"
     assert busy["handoff"] <= 1.3 * busy["prefill"]
 
 

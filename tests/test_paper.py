@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import typst
 
-from ablations import records
+from ablations import records, targets
 from engine.stages import STAGE_LIST, get_stage
-from paper import build, figures
+from paper import build, figures, readme, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
-            "Correctness", "Where each path departs", "GPU tests beside the run records", "Stages", "Failed attempts",
+            "Correctness", "Where each path departs", "Probes", "Stages", "Failed attempts",
             "Limits"]  # fmt: skip
 PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
 
@@ -159,7 +159,7 @@ def test_a_newer_record_without_the_headline_workload_is_not_chosen_and_omission
     _write(tmp_path / "runs", "split.json", split)
     chosen = figures.select_records(tmp_path, None, [])
     assert [path.name for path, _ in chosen] == ["main.json"]
-    assert figures.completeness(with_headline) == "complete run (without synthetic-1024-choice-32: not requested)"
+    assert tables.completeness(with_headline) == "complete run (without synthetic-1024-choice-32: not requested)"
 
 
 def test_a_newer_record_of_some_stages_is_not_chosen_but_settles_an_errored_tree_workload(tmp_path):
@@ -168,7 +168,7 @@ def test_a_newer_record_of_some_stages_is_not_chosen_but_settles_an_errored_tree
     medians = {"hf_fla": 100.0, "fused": 60.0, "tree": 40.0}
     ladder = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
     ladder["plan"]["stages"] = list(medians)
-    tree = figures.stage_by_name(ladder, "tree")
+    tree = tables.stage_by_name(ladder, "tree")
     errored = tree["workloads"].pop(1)
     tree["workload_errors"] = [{"id": errored["id"], "error": "RuntimeError: PassManager::run failed"}]
     tree["workloads"][0]["vs_builds_on"] = {"stage": "fused", "bitwise": True, "max_abs_dp": 0.0}
@@ -179,13 +179,13 @@ def test_a_newer_record_of_some_stages_is_not_chosen_but_settles_an_errored_tree
     assert [path.name for path, _ in figures.select_records(tmp_path, None, [])] == ["ladder.json"]
 
     def identity() -> dict:
-        rows = figures.plan_target_rows(ladder, tmp_path)
+        rows = tables.plan_targets(ladder, tmp_path)
         return next(row for row in rows if row["id"] == "tree_bitwise_vs_fused")
 
     row = identity()  # the rerun's tree has no vs_builds_on for it: not compared, so not met
     assert (row["outcome"], row["measured"]) == ("missed", "1 of 2 workloads")
     assert f"tree errored on {errored['id']} (RuntimeError: PassManager::run failed), not compared" in row["note"]
-    for w in figures.stage_by_name(rerun, "tree")["workloads"]:
+    for w in tables.stage_by_name(rerun, "tree")["workloads"]:
         w["vs_builds_on"] = {"stage": "fused", "bitwise": True, "max_abs_dp": 0.0}
     _write(tmp_path / "runs", "rerun.json", rerun)
     row = identity()
@@ -261,7 +261,7 @@ def test_time_table_families_idle_and_host_time(results, monkeypatch):
     assert fused["GPU idle ms"] == "9.00"  # 60 - (40 + 5 + 1 + 4 + 1)
     assert fused["host launch ms"] == "45.00" and fused["host / median"] == "75%" and fused["× core"] == "1.30×"
     assert by_stage["hf_torch"]["GPU idle ms"] == "8.00" and by_stage["hf_fla"]["GPU idle ms"] == "8.00"
-    assert not complete["time"]["measured"] and complete["time"]["text"] == figures.NO_FAMILIES
+    assert not complete["time"]["measured"] and complete["time"]["text"] == tables.NO_FAMILIES
     time_texts = [t for t in texts if "Where the time goes" in t]
     assert len(time_texts) == 2 and "No per-family kernel times" in time_texts[1]
 
@@ -269,22 +269,22 @@ def test_time_table_families_idle_and_host_time(results, monkeypatch):
 def test_gpu_idle_is_clipped_at_zero():
     record = partial_record("2026-11-30T11:00:00Z")
     add_families(record["stages"][0]["workloads"][0], 100.0, 0.0, 10.0, 0.0, 60.0, 150.0)  # 170 ms of kernels > 160
-    (first, *_) = figures.time_rows(record)
+    (first, *_) = tables.time_rows(record)
     assert first["kernel_ms"] == 170.0 and first["idle_ms"] == 0.0
 
 
 def test_family_order_is_the_runners():
     from ablations.timing import CORE_FAMILIES, FAMILIES
 
-    assert set(figures.FAMILY_ORDER) == set(FAMILIES) and set(CORE_FAMILIES) <= set(figures.FAMILY_ORDER)
+    assert set(tables.FAMILY_ORDER) == set(FAMILIES) and set(CORE_FAMILIES) <= set(tables.FAMILY_ORDER)
 
 
 def _outcomes(record: dict) -> dict[str, str]:
-    return {row["id"]: row["outcome"] for row in figures.target_rows(record)}
+    return {row["id"]: row["outcome"] for row in targets.evaluate(record)}
 
 
 def _headline(record: dict, stage: str) -> dict:
-    return figures.measured(figures.stage_by_name(record, stage), "drone")
+    return figures.measured(tables.stage_by_name(record, stage), "drone")
 
 
 def test_targets_met_missed_and_not_measured():
@@ -297,17 +297,18 @@ def test_targets_met_missed_and_not_measured():
     merged["rows"], tree["rows"] = 1000, 450  # 45.0 % of the packed rows: met
     assert _outcomes(record) == {"fused_kernels": "met", "fused_core_multiple": "missed", "fused_fidelity": "met",
                                  "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
-                                 "tree_bitwise_vs_fused": "not measured"}  # fmt: skip
-    tree_stage, fused_stage = figures.stage_by_name(record, "tree"), figures.stage_by_name(record, "fused")
+                                 "tree_bitwise_vs_fused": "not measured",
+                                 "tree_handoff_core_time": "not measured"}  # no probes in this record  # fmt: skip
+    tree_stage, fused_stage = tables.stage_by_name(record, "tree"), tables.stage_by_name(record, "fused")
     for w in fused_stage["workloads"]:
         w["probabilities"] = [[0.25, 0.75]]
     for w in tree_stage["workloads"]:  # an older record: equal probabilities stand for equal bits
         w["probabilities"] = [[0.25, 0.75]]
-    identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
+    identity = {row["id"]: row for row in targets.evaluate(record)}["tree_bitwise_vs_fused"]
     assert (identity["outcome"], identity["measured"]) == ("met", "2 of 2 workloads")
     assert identity["note"] == "every workload compared; from equal probabilities (record older than vs_builds_on)"
     tree_stage["workloads"][1]["vs_builds_on"] = {"stage": "fused", "bitwise": False, "max_abs_dp": 3e-3}
-    identity = {row["id"]: row for row in figures.target_rows(record)}["tree_bitwise_vs_fused"]
+    identity = {row["id"]: row for row in targets.evaluate(record)}["tree_bitwise_vs_fused"]
     assert (identity["outcome"], identity["measured"]) == ("missed", "1 of 2 workloads")
     assert identity["note"].startswith(f"differ: {tree_stage['workloads'][1]['id']} (max |dp| 3.00e-03)")
     add_families(tree, 32.0, 1.0, 1.0, 1.0, 1.0, 30.0)  # 40 / 32 = 1.25x: met
@@ -315,11 +316,12 @@ def test_targets_met_missed_and_not_measured():
     tree["rows"] = 451
     assert _outcomes(record) == {"fused_kernels": "missed", "fused_core_multiple": "missed",
                                  "fused_fidelity": "missed", "tree_gemm_multiple": "met",
-                                 "tree_rows_share": "missed", "tree_bitwise_vs_fused": "missed"}  # fmt: skip
-    rows = {row["id"]: row for row in figures.target_rows(record)}
+                                 "tree_rows_share": "missed", "tree_bitwise_vs_fused": "missed",
+                                 "tree_handoff_core_time": "not measured"}  # fmt: skip
+    rows = {row["id"]: row for row in targets.evaluate(record)}
     assert rows["fused_fidelity"]["note"].startswith("against hf_fla, fused <= hf_torch on 1 of 2 workloads;")
     fused["state_rel_rmse"], _headline(record, "hf_torch")["state_rel_rmse"] = [0.0, 1e-3, 3e-2], [0.0, 2e-3, 2e-2]
-    note = {row["id"]: row for row in figures.target_rows(record)}["fused_fidelity"]["note"]
+    note = {row["id"]: row for row in targets.evaluate(record)}["fused_fidelity"]["note"]
     assert ", hidden states: fused no farther than hf_torch at 2 of 3 residual states;" in note
     busy = tree["gpu_busy_ms"]
     assert rows["tree_gemm_multiple"]["note"] == (
@@ -328,54 +330,75 @@ def test_targets_met_missed_and_not_measured():
     )
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
-    assert set(figures.TARGETS) - {"tree_handoff_core_time"} == set(rows)  # that one comes from a GPU test file
+    assert {t.id for t in targets.TARGETS} == set(rows)
     assert {r["issue"] for r in rows.values()} == {4, 5}
 
 
-def test_the_handoff_target_comes_from_the_newest_gpu_test_file_with_kernel_time(tmp_path):
+# Fabricated probe results (not measurements): the shapes the runner's probes write, with made-up numbers, to test
+# how the targets and the report read them.
+FAKE_HANDOFF = {"error": None, "seconds": 12.0, "workload": "long4k", "rows": 4200, "context_rows": 4010,
+                "prefill_context_ms": 1.2, "handoff_ms": 2.0, "replicated_ms": 5.0, "handoff_over_prefill": 1.67,
+                "gpu_busy_ms": {"prefill": 0.4, "handoff": 0.524, "replicated": 1.1},
+                "gpu_busy_handoff_over_prefill": 1.31, "chosen_mode": "handoff"}  # fmt: skip
+FAKE_COMPARISON = {"first_departing_state": 1, "per_state_rel_rmse": [0.0, 1e-3], "last_rel_rmse": 3e-2,
+                   "max_dp": 5e-3}  # fmt: skip
+FAKE_ENGINE = {"error": None, "seconds": 300.0, "workload": "drone", "peak_gib": {"hf": 49.7, "engine": 49.6},
+               "comparisons": {"fused vs hf_fla": FAKE_COMPARISON}, "nvtx_ranges_bitwise": True,
+               "fla_forward_core_bitwise": False, "fla_forward_core_first_departing_state": 3}  # fmt: skip
+FAKE_CASE = {"gemm": "down", "n": 5120, "k": 17408, "flat_rows": 359, "tree_rows": 199, "flat_us": 100.0}
+FAKE_GEMM_ROWS = {"error": None, "seconds": 40.0, "default": [FAKE_CASE | {"equal_row_share": 0.0, "tree_us": 68.0}],
+                  "no_workspace": [FAKE_CASE | {"equal_row_share": 1.0, "tree_us": 75.0}]}  # fmt: skip
+
+
+def test_the_handoff_target_comes_from_the_records_probe():
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0, "tree": 40.0})
-    assert "tree_handoff_core_time" not in {r["id"] for r in figures.plan_target_rows(record, tmp_path)}
-    gpu = tmp_path / "gpu"
-    gpu.mkdir()
-    wall_only = {"handoff_over_prefill": 1.7}  # an older file: wall time only, skipped
-    (gpu / "20261130T120000Z-nvidia-h200-aaaaaaa-gdn-handoff.json").write_text(json.dumps(wall_only))
-    assert figures.handoff_target(tmp_path) is None
-    timed = {"handoff_over_prefill": 1.67, "gpu_busy_handoff_over_prefill": 1.31,
-             "gpu_busy_ms": {"prefill": 0.4, "handoff": 0.524}}  # fmt: skip
-    (gpu / "20261130T130000Z-nvidia-h200-bbbbbbb-gdn-handoff.json").write_text(json.dumps(timed))
-    row = figures.plan_target_rows(record, tmp_path)[-1]
-    assert (row["id"], row["issue"], row["outcome"], row["measured"]) == (
-        "tree_handoff_core_time",
-        5,
-        "missed",
-        "1.31×",
-    )
-    assert row["note"].startswith("gpu/20261130T130000Z-nvidia-h200-bbbbbbb-gdn-handoff.json: kernel ms per call 0.524")
-    (gpu / "20261130T140000Z-nvidia-h200-ccccccc-gdn-handoff.json").write_text(
-        json.dumps(timed | {"gpu_busy_handoff_over_prefill": 1.3})
-    )
-    assert figures.handoff_target(tmp_path)["outcome"] == "met"  # the newest, at the limit
+    row = {r["id"]: r for r in targets.evaluate(record)}["tree_handoff_core_time"]
+    assert (row["outcome"], row["note"]) == ("not measured", targets.NO_PROBES)
+    record["probes"] = {"gdn_handoff": FAKE_HANDOFF}
+    records.validate_record(record)
+    row = {r["id"]: r for r in targets.evaluate(record)}["tree_handoff_core_time"]
+    assert (row["issue"], row["outcome"], row["measured"], row["limit_text"]) == (5, "missed", "1.31×", "1.30×")
+    assert row["note"].startswith("probe gdn_handoff: kernel ms per call 0.524 vs 0.400")
+    record["probes"]["gdn_handoff"] = FAKE_HANDOFF | {"gpu_busy_handoff_over_prefill": 1.3}
+    assert {r["id"]: r for r in targets.evaluate(record)}["tree_handoff_core_time"]["outcome"] == "met"  # at the limit
+    record["probes"]["gdn_handoff"] = {"error": "exit 1: CUDA out of memory", "seconds": 3.0}
+    row = {r["id"]: r for r in targets.evaluate(record)}["tree_handoff_core_time"]
+    assert (row["outcome"], row["note"]) == ("not measured", "the gdn_handoff probe failed: exit 1: CUDA out of memory")
     cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0})
-    assert "tree_handoff_core_time" not in {r["id"] for r in figures.plan_target_rows(cpu, tmp_path)}
+    assert "tree_handoff_core_time" not in {r["id"] for r in targets.evaluate(cpu)}
+
+
+def test_probe_results_are_validated():
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
+    record["probes"] = {"gdn_handoff": FAKE_HANDOFF, "engine_checks": FAKE_ENGINE, "gemm_rows": FAKE_GEMM_ROWS}
+    records.validate_record(record)
+    incomplete = {k: v for k, v in FAKE_HANDOFF.items() if k != "gpu_busy_ms"}
+    record["probes"] = {"gdn_handoff": incomplete, "tiles": {"error": None, "seconds": 1.0}}
+    with pytest.raises(records.RecordError) as error:
+        records.validate_record(record)
+    assert "probes.gdn_handoff.gpu_busy_ms: missing" in str(error.value)
+    assert "probes.tiles: not a known probe" in str(error.value)
+    record["probes"] = {"gemm_rows": {"error": "timed out after 600 s", "seconds": 600.0}}  # a failed probe: no fields
+    records.validate_record(record)
 
 
 def test_targets_not_measured_and_the_token_count_fallback():
     medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": None, "fused": None, "tree": 40.0}
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
     _headline(record, "tree")["rows"] = 300
-    rows = {row["id"]: row for row in figures.target_rows(record)}
+    rows = {row["id"]: row for row in targets.evaluate(record)}
     assert {k: r["outcome"] for k, r in rows.items()} == {
         "fused_kernels": "not measured", "fused_core_multiple": "not measured", "fused_fidelity": "not measured",
         "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
-        "tree_bitwise_vs_fused": "not measured"}  # fmt: skip
+        "tree_bitwise_vs_fused": "not measured", "tree_handoff_core_time": "not measured"}  # fmt: skip
     assert rows["fused_kernels"]["note"] == "fused not timed on drone: gate red"
     assert rows["tree_rows_share"]["measured"] == "30.9% (300 of 971 rows)"  # the workload's 971 tokens
     assert rows["tree_rows_share"]["note"] == "unshared rows: the drone request's tokens"
-    partial = {row["id"]: row for row in figures.target_rows(partial_record("2026-11-30T11:00:00Z"))}
+    partial = {row["id"]: row for row in targets.evaluate(partial_record("2026-11-30T11:00:00Z"))}
     assert partial["tree_rows_share"]["outcome"] == "not measured"
     assert partial["tree_rows_share"]["note"] == "tree not timed on drone: not reached (run stopped)"
     cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0, "fused": 40.0})
-    cpu_rows = {row["id"]: row for row in figures.target_rows(cpu)}
+    cpu_rows = {row["id"]: row for row in targets.evaluate(cpu)}
     assert cpu_rows["fused_kernels"]["outcome"] == "not measured"  # no CUDA kernels on the CPU
     assert cpu_rows["fused_fidelity"]["outcome"] == "not measured"  # hf_torch is the CPU plan's reference
 
@@ -441,15 +464,16 @@ def test_report_builds_a_pdf_with_every_section_and_the_synthetic_statement(resu
     assert pdf == results / "report.pdf" and pdf.read_bytes()[:5] == b"%PDF-"
     assert build.build(results, results / "again.pdf").read_bytes() == pdf.read_bytes()  # same results, same PDF
     assert len(_query(results, "<synthetic-weights>")) == 1
-    headings = [h["text"] for h in _query(results, "heading.where(level: 1)", "body")]
-    assert headings == SECTIONS
+    glance, *headings = [h["text"] for h in _query(results, "heading.where(level: 1)", "body")]
+    assert glance == "At a glance: gpu-27b on NVIDIA H200 — partial run" and headings == SECTIONS
+    assert len(_query(results, "<at-a-glance>")) == 1
     plan_headings = [h["text"] for h in _query(results, "heading.where(level: 2)", "body")]
     assert any("cpu-tiny" in h and "CPU plan" in h for h in plan_headings)
     assert any(h == "gpu-27b on NVIDIA H200" for h in plan_headings)
     assert any(h == "gpu-27b on NVIDIA H200 — partial run" for h in plan_headings)
     assert len(_query(results, "<targets-table>")) == 3
     assert len(_query(results, "<time-table>")) == 1 and len(_query(results, "<time-not-measured>")) == 2
-    assert len(_query(results, "<gpu-tests-none>")) == 1  # the fixture's results hold no gpu/ folder
+    assert len(_query(results, "<probe-not-measured>")) == 2 * len(tables.PROBE_TABLES)  # no probes in these records
 
 
 def test_report_without_records_says_so(tmp_path):
@@ -465,7 +489,7 @@ def test_build_needs_the_figures_first(tmp_path):
 
 
 def test_readme_markers_are_replaced_and_nothing_else():
-    from paper.figures import README_END, README_START, replace_between_markers
+    from paper.readme import README_END, README_START, replace_between_markers
 
     text = f"intro\n{README_START}\nold table\n{README_END}\noutro\n"
     out = replace_between_markers(text, "| new |\n")
@@ -478,7 +502,10 @@ def test_readme_markers_are_replaced_and_nothing_else():
 
 def test_the_readme_carries_the_generated_ladder_of_the_committed_records():
     """README.md's ladder block is exactly what paper.figures writes from the committed records (never hand-edited)."""
-    from paper.figures import README_END, README_START, REPO, readme_ladder, replace_between_markers, select_records
+    from paper.figures import select_records
+    from paper.readme import README_END, README_START, replace_between_markers
+    from paper.readme import ladder as readme_ladder
+    from paper.tables import REPO
 
     root = REPO / "results"
     readme = (REPO / "README.md").read_text()
@@ -573,7 +600,7 @@ def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_re
 
 
 def test_the_readme_block_carries_both_records_partial_first(results):
-    block = figures.readme_ladder(figures.select_records(results, "gpu-27b", []), results)
+    block = readme.ladder(figures.select_records(results, "gpu-27b", []), results)
     partial_at = block.index("**gpu-27b on NVIDIA H200 — partial run**")
     complete_at = block.index("**gpu-27b on NVIDIA H200**")
     assert partial_at < complete_at
@@ -613,7 +640,7 @@ def departures_record() -> dict:
 
 
 def test_departures_table_names_the_first_departing_state_and_handles_zeros():
-    summary = figures.departures_summary(departures_record())
+    summary = tables.departures_summary(departures_record())
     assert summary["measured"]
     header, *rows = summary["table"]
     assert header == ["stage", "first departing state", "rel RMSE layer 1", "rel RMSE layer 64",
@@ -637,7 +664,7 @@ def test_departures_layer_k_and_a_stage_without_the_fields():
                                                                                 "fused": 50.0})  # fmt: skip
     peak = [0.0, 0.0, 0.0, 0.0, 3e-4, 9e-3, 2e-3, 2e-3, 2e-3, 2.2e-3]  # largest after layer 5, not at the end
     with_states(cpu, "merged", peak, 4)
-    summary = figures.departures_summary(cpu)
+    summary = tables.departures_summary(cpu)
     by_stage = {row[0]: row[1:] for row in summary["table"][1:]}
     assert by_stage["merged"] == ["layer 4", "0", "2.00e-03", "2.20e-03", "9.00e-03 (layer 5)", "1.00e-03"]
     assert by_stage["fused"] == ["not measured", *[figures.DASH] * 4, "1.00e-03"]
@@ -646,15 +673,15 @@ def test_departures_layer_k_and_a_stage_without_the_fields():
     # fake_record's weights say qwen3.8-27b (64 layers): a pattern that does not fit 10 states is not shown
     assert "Full-attention" not in summary["text"]
     cpu["weights"]["shapes"] = "tiny"
-    assert "Full-attention layers: 4, 8; the others are Gated DeltaNet." in figures.departures_summary(cpu)["text"]
-    assert [figures.state_name(i, 10) for i in (0, 1, 8, 9)] == ["embedding", "layer 1", "layer 8", "final norm"]
+    assert "Full-attention layers: 4, 8; the others are Gated DeltaNet." in tables.departures_summary(cpu)["text"]
+    assert [tables.state_name(i, 10) for i in (0, 1, 8, 9)] == ["embedding", "layer 1", "layer 8", "final norm"]
 
 
 def test_a_record_without_the_fields_says_not_measured_and_still_gets_a_figure(results, monkeypatch):
     texts = _titles(monkeypatch)
     figures.main(["--results", str(results), "--plan", "cpu-tiny"])
     (cpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
-    assert cpu["departures"] == {"measured": False, "text": f"{figures.NO_STATES} Synthetic weights.", "table": []}
+    assert cpu["departures"] == {"measured": False, "text": f"{tables.NO_STATES} Synthetic weights.", "table": []}
     assert cpu["figures"]["states"] == "/figures/states-cpu-tiny.png"
     assert (results / "figures" / "states-cpu-tiny.png").read_bytes()[:8] == PNG_MAGIC
     (states_text,) = [t for t in texts if "Where each path departs" in t]
@@ -729,26 +756,39 @@ def test_paper_figures_imports_no_torch():
     import sys
 
     code = "import sys, paper.figures; assert 'torch' not in sys.modules, 'paper.figures pulled in torch'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=figures.REPO)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tables.REPO)
 
 
-def test_gpu_test_tables_read_the_newest_file_of_each_kind(tmp_path):
-    assert figures.gpu_test_tables(tmp_path) == []
-    gpu = tmp_path / "gpu"
-    gpu.mkdir()
-    comparison = {"first_departing_state": 1, "per_state_rel_rmse": [0.0, 1e-3], "last_rel_rmse": 3e-2, "max_dp": 5e-3}
-    checks = {"peak_gib": {"hf": 49.7, "engine": 49.6}, "comparisons": {"fused vs hf_fla": comparison},
-              "nvtx_ranges_bitwise": True, "fla_forward_core_bitwise": False}  # fmt: skip
-    (gpu / "20261130T130000Z-nvidia-h200-aaaaaaa-engine-checks.json").write_text(json.dumps(checks))
-    case = {"gemm": "down", "n": 5120, "k": 17408, "flat_rows": 359, "tree_rows": 199, "flat_us": 100.0}
-    rows = {"default": [case | {"equal_row_share": 0.0, "tree_us": 68.0}],
-            "no_workspace": [case | {"equal_row_share": 1.0, "tree_us": 75.0}]}  # fmt: skip
-    (gpu / "20261130T130000Z-nvidia-h200-aaaaaaa-gemm-rows.json").write_text(json.dumps(rows))
-    tables = {t["title"]: t for t in figures.gpu_test_tables(tmp_path)}
-    engine = tables["Whole-model checks of the engine"]
+def test_probe_tables_come_from_the_record_and_say_when_not_measured():
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
+    none = {t["title"]: t for t in tables.probe_tables(record)}
+    assert all(t["table"] == [] and t["text"].startswith("Not measured by the runner yet") for t in none.values())
+    record["probes"] = {"engine_checks": FAKE_ENGINE, "gemm_rows": FAKE_GEMM_ROWS,
+                        "kernel_tiles": {"error": "exit 1: boom", "seconds": 2.0}}  # fmt: skip
+    found = {t["title"]: t for t in tables.probe_tables(record)}
+    engine = found["Whole-model checks of the engine"]
     assert engine["table"][1] == ["fused vs hf_fla", "1", "3.00e-02", "5.00e-03"]
     assert "NOT bit-identical at every state" in engine["text"]
-    gemm = tables["cuBLAS row-count invariance (27B GEMM shapes)"]
+    gemm = found["cuBLAS row-count invariance (27B GEMM shapes)"]
     assert gemm["table"][1] == ["down (5120 × 17408)", "1", "0 of 1", "1 of 1", "68.0 → 75.0"]
-    assert gemm["source"] == "gpu/20261130T130000Z-nvidia-h200-aaaaaaa-gemm-rows.json"
-    assert "Tile shapes of the costliest fused kernels" not in tables
+    assert found["Tile shapes of the costliest fused kernels"]["text"] == "The kernel_tiles probe failed: exit 1: boom"
+    assert found["GDN state hand-off against prefilling once"]["table"] == []
+
+
+def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
+    medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": None, "tree": 40.0}
+    record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
+    header, *rows = tables.class_speedups(record)
+    by_stage = {row[0]: dict(zip(header, row)) for row in rows}
+    assert header == ["stage", "ungrouped (2)"]  # these fabricated workloads carry no group, as older records
+    assert by_stage["merged"]["ungrouped (2)"] == "1.25× (2)" and by_stage["tree"]["ungrouped (2)"] == "2.50× (2)"
+    record["workloads"][1]["group"] = "jevbench"
+    header, *rows = tables.class_speedups(record)
+    assert header == ["stage", "ungrouped (1)", "jevbench (1)"] and rows[2][1:] == ["1.25× (1)", "1.25× (1)"]
+    assert "fused" not in by_stage  # gate red: not timed
+    header, *rows = tables.measured_exactness(record)
+    assert rows[3][0] == "fused (gate-red)"
+    missing = tables.still_missing(record, targets.evaluate(record))
+    assert "stage fused: gate-red" in missing
+    assert "stages not built yet: gemm, graphs" in missing
+    assert any(m.startswith("probes (") for m in missing)

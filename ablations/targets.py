@@ -1,0 +1,251 @@
+"""The issues' targets as data (`TARGETS`: issue, stage, metric, limit, text), evaluated on a run record by `evaluate`.
+
+A target is met when its metric, measured on the record's headline workload (or by the record's probes), is at most
+its limit; missed when it is above; not measured when the record lacks the metric (stage not timed, CPU run, no probe)
+or the limit. A limit is a number, or a stage's name: then it is the same metric of that stage in the same record.
+Each metric (`METRICS`) returns the value, how the table shows it and a note that says where it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ablations.records import DASH, headline_of, measured, ms, sci, stage_by_name
+
+MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
+NO_FAMILIES_SHORT = "no per-family kernel times in this record (older runner or CPU run)"
+# The ladder as planned (engine/stages): stages the report names as not built while the registry lacks them.
+PLANNED_STAGES = ("hf_torch", "hf_fla", "merged", "fused", "tree", "gemm", "graphs")
+NO_PROBES = "not measured by the runner yet (this record has no probes)"
+
+
+@dataclass(frozen=True)
+class Target:
+    id: str
+    issue: int
+    stage: str
+    metric: str  # a key of METRICS
+    limit: float | str  # a number, or the stage whose same metric is the limit
+    text: str
+    device: str | None = None  # only on plans of this device
+
+
+TARGETS = (
+    Target("fused_kernels", 4, "fused", "kernels_per_forward", 700, "kernels per fused forward <= 700"),
+    Target("fused_core_multiple", 4, "fused", "core_multiple", 1.10,
+           "fused median <= 1.10 × its core kernel time (GEMM + GDN core + attention core)"),
+    Target("fused_fidelity", 4, "fused", "max_abs_dp", "hf_torch",
+           "fused max |dp| vs the reference <= hf_torch's max |dp| in the same record"),
+    Target("tree_gemm_multiple", 5, "tree", "gemm_multiple", 1.25, "tree median <= 1.25 × its GEMM kernel time"),
+    Target("tree_rows_share", 5, "tree", "rows_share", 0.45, "tree rows <= 45 % of the unshared packed rows"),
+    Target("tree_bitwise_vs_fused", 5, "tree", "workloads_differing", 0,
+           "tree answers bit-identical to fused (tree off) on every workload of the record"),
+    Target("tree_handoff_core_time", 5, "tree", "handoff_busy_ratio", 1.30,
+           "GDN-core kernel time with state hand-off <= 1.3 × prefilling the context once (4k-token single question, "
+           "5 candidates; the runner's gdn_handoff probe)", device="cuda"),
+)  # fmt: skip
+
+
+@dataclass
+class Measure:
+    value: float | None
+    shown: str = DASH
+    note: str = ""
+    limit: float | None = None  # set by metrics whose limit is another stage's measurement
+    limit_text: str | None = None
+
+
+Followups = Sequence[tuple[Path, dict]]
+
+
+def kernels_per_forward(record: dict, target: Target, followups: Followups) -> Measure:
+    w, why = headline_of(record, target.stage)
+    kernels = None if w is None else w.get("kernels_per_forward")
+    if kernels is None:
+        return Measure(None, note=why or "no CUDA kernels counted (CPU run)")
+    return Measure(kernels, f"{kernels:,.0f}")
+
+
+def kernel_multiple(record: dict, target: Target, followups: Followups) -> Measure:
+    """median / kernel ms, kernels "core" (GEMM + GDN core + attention core) or "gemm" by the metric's name."""
+    kind = target.metric.removesuffix("_multiple")
+    w, why = headline_of(record, target.stage)
+    multiple = None if w is None else w.get(target.metric)
+    if multiple is None:
+        return Measure(None, note=why or NO_FAMILIES_SHORT)
+    kernel_ms = w[f"{kind}_ms"]
+    note = f"median {ms(w['median_ms'])} ms, {'core' if kind == 'core' else 'GEMM'} kernels {ms(kernel_ms)} ms"
+    busy = w.get("gpu_busy_ms")
+    if busy is not None and kernel_ms:  # what the multiple would be with no host time in the way
+        note += f"; GPU busy {ms(busy)} ms = {busy / kernel_ms:.2f}× (the multiple if launches cost nothing)"
+    return Measure(multiple, f"{multiple:.2f}×", note)
+
+
+def max_abs_dp(record: dict, target: Target, followups: Followups) -> Measure:
+    """The stage's max |dp| against the reference, with the limit stage's max |dp| as the limit."""
+    (mine, why), (theirs, their_why) = headline_of(record, target.stage), headline_of(record, target.limit)
+    dp, limit = (None if w is None else w.get("max_abs_dp") for w in (mine, theirs))
+    reference = record["plan"]["reference"]
+    if reference == target.limit:
+        note, limit = f"{reference} is this plan's reference: its own max |dp| is 0 by construction", None
+    elif dp is not None and limit is not None:
+        tally = _fidelity_tally(record, target.stage, target.limit) + _state_tally(mine, theirs, target)
+        note = f"against {reference}{tally}; synthetic weights: fidelity only, not accuracy"
+    else:
+        note = why or their_why or "max |dp| not recorded"
+    limit_text = f"{sci(limit)} ({target.limit})" if limit is not None else DASH
+    return Measure(dp, sci(dp), note, limit, limit_text)
+
+
+def _state_tally(mine: dict, theirs: dict, target: Target) -> str:
+    """ ", hidden states: <stage> no farther than <limit stage> at k of n residual states", or "" without them."""
+    a, b = mine.get("state_rel_rmse"), theirs.get("state_rel_rmse")
+    if not a or not b or len(a) != len(b):
+        return ""
+    closer = sum(x <= y for x, y in zip(a, b, strict=True))
+    return f", hidden states: {target.stage} no farther than {target.limit} at {closer} of {len(a)} residual states"
+
+
+def _fidelity_tally(record: dict, name: str, other: str) -> str:
+    """ ", <name> <= <other> on k of n workloads" over every workload where both have a max |dp|, or ""."""
+    stage, other_stage = stage_by_name(record, name), stage_by_name(record, other)
+    if stage is None or other_stage is None:
+        return ""
+    pairs = []
+    for w in stage["workloads"]:
+        t = measured(other_stage, w["id"])
+        if t is not None and w.get("max_abs_dp") is not None and t.get("max_abs_dp") is not None:
+            pairs.append(w["max_abs_dp"] <= t["max_abs_dp"])
+    return f", {name} <= {other} on {sum(pairs)} of {len(pairs)} workloads" if pairs else ""
+
+
+def rows_share(record: dict, target: Target, followups: Followups) -> Measure:
+    """The stage's rows over the unshared rows: `merged`'s or else `fused`'s packed rows, else the request's tokens."""
+    w, why = headline_of(record, target.stage)
+    for name in ("merged", "fused"):
+        unshared_w, _ = headline_of(record, name)
+        if unshared_w is not None:
+            unshared, basis = unshared_w["rows"], f"{name}'s packed rows"
+            break
+    else:
+        headline = record["plan"]["headline"]
+        unshared = next(x["tokens"] for x in record["workloads"] if x["id"] == headline)
+        basis = f"the {headline} request's tokens"
+    if w is None:
+        return Measure(None, note=why)
+    share = w["rows"] / unshared
+    return Measure(share, f"{share:.1%} ({w['rows']:,} of {unshared:,} rows)", f"unshared rows: {basis}")
+
+
+def _followup_comparison(followups: Followups, name: str, workload_id: str) -> tuple[Path, dict] | None:
+    """The first follow-up record whose stage `name` compared `workload_id` with the stage it builds on."""
+    for path, other in followups:
+        stage = stage_by_name(other, name)
+        for w in stage["workloads"] if stage else []:
+            versus = w.get("vs_builds_on") or {}
+            if w["id"] == workload_id and versus.get("bitwise") is not None:
+                return path, versus
+    return None
+
+
+def workloads_differing(record: dict, target: Target, followups: Followups) -> Measure:
+    """Workloads where the stage's answers are not bit-identical to `fused`'s: from `vs_builds_on` (hidden bits and
+    probabilities), or, in records older than it, from equal probabilities. A workload on which the stage errored in
+    this record is taken from the first of `followups` (newer records of the plan, e.g. a rerun of the fixed stage)
+    that compares it, and named in the note; without one it counts as not bit-identical."""
+    tree, fused = stage_by_name(record, target.stage), stage_by_name(record, "fused")
+    compared, differing, worst, from_probabilities = 0, [], 0.0, False
+    for w in tree["workloads"] if tree else []:
+        base = measured(fused, w["id"]) if fused else None
+        versus = w.get("vs_builds_on")
+        if versus is not None and versus.get("bitwise") is not None:
+            same, dp = versus["bitwise"], versus["max_abs_dp"]
+        elif base is not None and w.get("probabilities") is not None and base.get("probabilities") is not None:
+            pairs = [(a, b) for mine, theirs in zip(w["probabilities"], base["probabilities"])
+                     for a, b in zip(mine, theirs)]  # fmt: skip
+            same, dp, from_probabilities = all(a == b for a, b in pairs), max(abs(a - b) for a, b in pairs), True
+        else:
+            continue
+        compared += 1
+        if not same:
+            differing.append(w["id"])
+            worst = max(worst, dp)
+    errored, errored_notes = 0, []
+    for error in tree.get("workload_errors", []) if tree else []:
+        here = f"{target.stage} errored on {error['id']}"
+        later = _followup_comparison(followups, target.stage, error["id"])
+        if later is None:
+            errored += 1
+            errored_notes.append(f"{here} ({error['error']}), not compared")
+            continue
+        path, versus = later
+        compared += 1
+        if versus["bitwise"]:
+            errored_notes.append(f"{here} here ({error['error']}); bitwise in runs/{path.name}")
+        else:
+            differing.append(error["id"])
+            worst = max(worst, versus["max_abs_dp"])
+            errored_notes.append(f"{here} here ({error['error']}); compared in runs/{path.name}")
+    if not compared and not errored:
+        return Measure(None, note=f"{target.stage} or fused not timed here")
+    note = f"differ: {', '.join(differing)} (max |dp| {sci(worst)})" if differing else "every workload compared"
+    if from_probabilities:
+        note += "; from equal probabilities (record older than vs_builds_on)"
+    shown = f"{compared - len(differing)} of {compared + errored} workloads"
+    return Measure(len(differing) + errored, shown, "; ".join([note, *errored_notes]))
+
+
+def handoff_busy_ratio(record: dict, target: Target, followups: Followups) -> Measure:
+    """GPU kernel time of the hand-off schedule over prefilling once, from the record's `gdn_handoff` probe."""
+    probe = record.get("probes", {}).get("gdn_handoff")
+    if probe is None:
+        return Measure(None, note=NO_PROBES)
+    if probe["error"]:
+        return Measure(None, note=f"the gdn_handoff probe failed: {probe['error']}")
+    ratio, busy = probe["gpu_busy_handoff_over_prefill"], probe["gpu_busy_ms"]
+    note = (
+        f"probe gdn_handoff: kernel ms per call {busy['handoff']:.3f} vs {busy['prefill']:.3f}; wall time of "
+        f"back-to-back calls {probe['handoff_over_prefill']:.2f}× (host launch time dominates at this size)"
+    )
+    return Measure(ratio, f"{ratio:.2f}×", note)
+
+
+def _times(limit: float) -> str:
+    return f"{limit:.2f}×"
+
+
+# metric -> (how it is measured, how a numeric limit is written)
+METRICS: dict[str, tuple[Callable[[dict, Target, Followups], Measure], Callable[[Any], str]]] = {
+    "kernels_per_forward": (kernels_per_forward, str),
+    "core_multiple": (kernel_multiple, _times),
+    "gemm_multiple": (kernel_multiple, _times),
+    "max_abs_dp": (max_abs_dp, sci),
+    "rows_share": (rows_share, lambda limit: f"{limit:.0%}"),
+    "workloads_differing": (workloads_differing, lambda limit: f"{limit} differing"),
+    "handoff_busy_ratio": (handoff_busy_ratio, _times),
+}
+
+
+def evaluate(record: dict, followups: Followups = ()) -> list[dict[str, Any]]:
+    """Each target that applies to the record's plan: {id, issue, what, value, limit, measured (shown), limit_text,
+    outcome (met / missed / not measured), note}. `followups`: newer records of the same plan (see
+    `workloads_differing`)."""
+    rows = []
+    for target in TARGETS:
+        if target.device not in (None, record["plan"]["device"]):
+            continue
+        measure, limit_format = METRICS[target.metric]
+        m = measure(record, target, followups)
+        limit = m.limit if isinstance(target.limit, str) else target.limit
+        if m.value is None or limit is None:
+            outcome = NOT_MEASURED
+        else:
+            outcome = MET if m.value <= limit else MISSED
+        limit_text = m.limit_text if isinstance(target.limit, str) else limit_format(target.limit)
+        rows.append({"id": target.id, "issue": target.issue, "what": target.text, "value": m.value, "limit": limit,
+                     "measured": m.shown if m.value is not None else DASH, "limit_text": limit_text,
+                     "outcome": outcome, "note": m.note})  # fmt: skip
+    return rows

@@ -1,0 +1,54 @@
+"""The README's results block: per record, the ladder figure and table and (GPU plans) the targets table, written
+between the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers so the README carries no hand-typed
+figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paper.tables import (
+    completeness,
+    figure_path,
+    ladder_table,
+    plan_targets,
+    record_label,
+    relative_path,
+    targets_table,
+)
+
+README_START, README_END = "<!-- results:ladder -->", "<!-- /results:ladder -->"
+
+
+def ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
+    """Markdown: per record, its label and completeness, the ladder figure and the ladder table (headline workload)."""
+    parts = []
+    for path, record in chosen:
+        plan = record["plan"]
+        parts.append(
+            f"**{record_label(record)}**, workload `{plan['headline']}` (record `{relative_path(path, root)}`, "
+            f"{completeness(record)}; synthetic weights):\n"
+        )
+        figure = figure_path(root, "ladder", record).name
+        parts.append(f"![ladder](results/figures/{figure})\n")
+        parts += [_markdown_table(ladder_table(record)), ""]
+        if plan["device"] == "cuda":
+            parts.append(
+                "Targets of issues 4 and 5 in this record (synthetic weights: |dp| is fidelity, not accuracy):\n"
+            )
+            parts += [_markdown_table(targets_table(plan_targets(record, root))), ""]
+    return "\n".join(parts) if parts else "No run record yet.\n"
+
+
+def _markdown_table(table: list[list[str]]) -> str:
+    """A header row and data rows as a Markdown table (a `|` inside a cell escaped)."""
+    lines = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table]
+    return "\n".join([lines[0], "|" + "---|" * len(table[0]), *lines[1:]])
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """`text` with everything between the README markers replaced by `block`; the markers must each occur once."""
+    if text.count(README_START) != 1 or text.count(README_END) != 1:
+        raise ValueError(f"README needs exactly one {README_START} and one {README_END}")
+    head, rest = text.split(README_START)
+    _, tail = rest.split(README_END)
+    return f"{head}{README_START}\n{block.rstrip()}\n{README_END}{tail}"

@@ -1,0 +1,599 @@
+"""Report tables from run records alone: every table and sentence of `summary.json` (paper/figures.py writes it),
+already formatted, so `paper/report.typ` only lays them out. No torch, no GPU, no model code."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ablations import targets
+from ablations.records import DASH, STATUS_TEXT, all_records, has_timings, measured, ms, sci, stage_by_name
+from reference.shapes import get_shapes  # dataclasses only: no torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def results_dir(value: str | None) -> Path:
+    return Path(value or os.environ.get("JEVLAB_RESULTS") or REPO / "results")
+
+
+def machine(env: dict) -> str:
+    return env["gpu"] if env.get("gpu") else f"CPU only ({env.get('cpu') or 'unknown CPU'})"
+
+
+def plan_label(record: dict) -> str:
+    plan = record["plan"]
+    label = f"{plan['name']} on {machine(record['env'])}"
+    return label + " [CPU plan: tiny shapes, says nothing about GPU latency]" if plan["device"] == "cpu" else label
+
+
+def is_partial(record: dict) -> bool:
+    return not record["complete"]
+
+
+def completeness(record: dict) -> str:
+    """What the record holds: a complete run, or (partial) how many workloads each pending stage timed."""
+    omitted = record["plan"].get("omitted_workloads") or []
+    without = f" (without {', '.join(omitted)}: not requested)" if omitted else ""
+    if not is_partial(record):
+        return "complete run" + without
+    total = len(record["workloads"])
+    parts = ["partial run: stopped before completion" + without]
+    for stage in record["stages"]:
+        if stage["status"] == "pending":
+            done = len(stage["workloads"])
+            parts.append(
+                f"{stage['name']} timed on {done} of {total} workloads" if done else f"{stage['name']} not reached"
+            )
+    return "; ".join(parts)
+
+
+def record_label(record: dict) -> str:
+    """The plan label, marked when the record is partial."""
+    return f"{plan_label(record)} — partial run" if is_partial(record) else plan_label(record)
+
+
+def stage_heading(stage: dict, record: dict) -> str:
+    """The stage's name, with how far it got when it was still pending."""
+    if stage["status"] != "pending":
+        return stage["name"]
+    return f"{stage['name']} (partial: {len(stage['workloads'])} of {len(record['workloads'])})"
+
+
+def status_text(stage: dict, record: dict) -> str:
+    if stage["status"] != "pending":
+        return stage["status"]
+    if not stage["workloads"]:
+        return STATUS_TEXT["pending"]
+    return f"pending: timed on {len(stage['workloads'])} of {len(record['workloads'])} workloads"
+
+
+def ladder_rows(record: dict) -> list[dict[str, Any]]:
+    """One row per stage on the headline workload, with the speed-up over the baseline stage where both ran."""
+    headline, baseline_name = record["plan"]["headline"], record["plan"]["baseline"]
+    baseline_stage = stage_by_name(record, baseline_name)
+    baseline = measured(baseline_stage, headline) if baseline_stage else None
+    rows = []
+    for stage in record["stages"]:
+        w = measured(stage, headline) if has_timings(stage) else None
+        rows.append(
+            {
+                "stage": stage["name"],
+                "status": stage["status"],
+                "status_text": status_text(stage, record),
+                "heading": stage_heading(stage, record) if w else stage["name"],
+                "reason": stage["reason"],
+                "gate": stage["gate"]["outcome"] if stage["gate"] else DASH,
+                "median_ms": w["median_ms"] if w else None,
+                "p10_ms": w["p10_ms"] if w else None,
+                "p90_ms": w["p90_ms"] if w else None,
+                "speedup": baseline["median_ms"] / w["median_ms"] if w and baseline else None,
+                "floor_ms": w["floor_ms"] if w else None,
+                "floor_multiple": w["median_ms"] / w["floor_ms"] if w else None,
+                "kernels": w["kernels_per_forward"] if w else None,
+                "gpu_busy_ms": w["gpu_busy_ms"] if w else None,
+                "rows": w["rows"] if w else None,
+            }
+        )
+    return rows
+
+
+def ladder_table(record: dict) -> list[list[str]]:
+    baseline = record["plan"]["baseline"]
+    header = ["stage", "status", "gate", "rows", "median ms", "p10–p90 ms", f"× vs {baseline}", "floor ms",
+              "× floor", "kernels", "GPU busy ms"]  # fmt: skip
+    table = [header]
+    for r in ladder_rows(record):
+        spread = f"{ms(r['p10_ms'])}–{ms(r['p90_ms'])}" if r["median_ms"] is not None else DASH
+        table.append(
+            [
+                r["stage"],
+                r["status_text"],
+                r["gate"],
+                DASH if r["rows"] is None else f"{r['rows']:,}",
+                ms(r["median_ms"]),
+                spread,
+                DASH if r["speedup"] is None else f"{r['speedup']:.2f}×",
+                ms(r["floor_ms"]),
+                DASH if r["floor_multiple"] is None else f"{r['floor_multiple']:.1f}",
+                DASH if r["kernels"] is None else f"{r['kernels']:,.0f}",
+                ms(r["gpu_busy_ms"]),
+            ]
+        )
+    return table
+
+
+def workload_table(record: dict) -> list[list[str]]:
+    """Median ms (p10–p90) per workload (rows) and stage (columns); a stage cut short by a partial run says so."""
+    timed = [s for s in record["stages"] if has_timings(s)]
+    table = [["workload", "candidates", "tokens", *(stage_heading(s, record) for s in timed)]]
+    for workload in record["workloads"]:
+        cells = []
+        for stage in timed:
+            w = measured(stage, workload["id"])
+            cells.append(DASH if w is None else f"{ms(w['median_ms'])} ({ms(w['p10_ms'])}–{ms(w['p90_ms'])})")
+        table.append([workload["id"], str(workload["candidates"]), f"{workload['tokens']:,}", *cells])
+    return table
+
+
+def correctness_table(record: dict) -> list[list[str]]:
+    reference = record["plan"]["reference"]
+    table = [["stage", "workload", f"max |dp| vs {reference}", "hidden rel RMSE", "argmax flips"]]
+    for stage in record["stages"]:
+        for w in stage["workloads"]:
+            flips = DASH if w.get("argmax_flips") is None else str(w["argmax_flips"])
+            name = stage_heading(stage, record)
+            table.append([name, w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]), flips])
+    return table
+
+
+NOT_MEASURED = "Not measured in this record"
+LAYER_KIND = {"linear_attention": "GDN", "full_attention": "attention"}
+
+
+def share_text(identical: int, elements: int) -> str:
+    """Percent bit-identical, never rounded up to 100 % unless every element is identical."""
+    if identical == elements:
+        return "100 %"
+    return f"{int(1_000_000 * identical / max(1, elements)) / 10_000:.4f} %"
+
+
+def bit_identity_summary(record: dict) -> dict[str, Any]:
+    """The per-kernel bit-identity table of a record (`record["bit_identity"]`) with the sentence that introduces it;
+    `measured` false (and the sentence says why) when the record has no such table or the step failed."""
+    result = record.get("bit_identity")
+    if result is None:
+        text = f"{NOT_MEASURED} (it predates the bit-identity step, or its plan has no fused stage)."
+        return {"measured": False, "text": text, "table": []}
+    if result["error"]:
+        return {"measured": False, "text": f"{NOT_MEASURED}: the step failed ({result['error']}).", "table": []}
+    layers = ", ".join(f"{one['index']} ({LAYER_KIND.get(one['type'], one['type'])})" for one in result["layers"])
+    rows = result["rows"]
+    as_expected = sum(1 for r in rows if r["as_expected"])
+    text = (
+        f"Inputs captured from the {result['reference']} forward of the {result['workload']} request "
+        f"({result.get('candidates')} candidates, {result.get('tokens')} real tokens) at layers {layers}; each kernel "
+        f"wrote NaN-poisoned outputs and was compared with its reference composition (reference/ops.py) on the same "
+        f"inputs. {as_expected} of {len(rows)} outputs meet their declared exactness."
+    )
+    missed = [f"layer {r['layer']} {r['kernel']}.{r['output']}" for r in rows if not r["as_expected"]]
+    if missed:
+        text += f" NOT as declared ({len(missed)}, marked NO below): {', '.join(missed)}."
+    if result["interpreter"]:
+        text += f" {result['note']}."
+    table = [["layer", "kernel", "output", "elements", "bit-identical", "max ulp", "max |diff|", "unexplained",
+              "expected", "met"]]  # fmt: skip
+    for r in rows:
+        diff = "NaN left" if r["max_abs_diff"] is None else sci(r["max_abs_diff"])
+        unexplained = DASH if r.get("unexplained") is None else f"{r['unexplained']:,}"  # flip-model outputs only
+        table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
+                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, unexplained,
+                      r["expected"], "yes" if r["as_expected"] else "NO"])  # fmt: skip
+    return {"measured": True, "text": text, "table": table}
+
+
+NO_STATES = (
+    "Not measured in this record: the runner compares every residual state of the headline with the reference "
+    "from commit 8eaec7d on (older records have only the final hidden states)."
+)
+
+
+def state_name(index: int, count: int) -> str:
+    """Residual state `index` of `count` (num_layers + 2): "embedding", "layer k" (the stream after the k-th layer,
+    counted from 1) or "final norm"."""
+    if index == 0:
+        return "embedding"
+    return "final norm" if index == count - 1 else f"layer {index}"
+
+
+def layer_types_of(record: dict) -> list[str] | None:
+    """The record's layer pattern from reference/shapes.py (its shapes name), or None for shapes not known here."""
+    name = record["weights"].get("shapes") or record["plan"]["shapes"]
+    try:
+        return get_shapes(name).layer_types
+    except ValueError:
+        return None
+
+
+def departure_rows(record: dict) -> list[dict[str, Any]]:
+    """Per stage other than the reference, on the headline: the relative RMSE of every residual state and the first
+    state that is not bit-identical (`states` None when the record does not carry them), and why when not timed."""
+    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
+    rows = []
+    for stage in record["stages"]:
+        if stage["name"] == reference:
+            continue
+        w = measured(stage, headline) if has_timings(stage) else None
+        rows.append(
+            {
+                "stage": stage["name"],
+                "heading": stage_heading(stage, record) if w else stage["name"],
+                "timed": w is not None,
+                "status_text": STATUS_TEXT.get(stage["status"], stage["status"]),
+                "states": None if w is None else w.get("state_rel_rmse"),
+                "first": None if w is None else w.get("first_departing_state"),
+                "max_abs_dp": None if w is None else w.get("max_abs_dp"),
+            }
+        )
+    return rows
+
+
+def departure_text(row: dict[str, Any]) -> str:
+    """The first departing state of a row as the table shows it."""
+    if not row["timed"]:
+        return f"not timed: {row['status_text']}"
+    if row["states"] is None:
+        return "not measured"
+    if row["first"] is None:
+        return "none: bitwise"
+    return state_name(row["first"], len(row["states"]))
+
+
+def departures_summary(record: dict) -> dict[str, Any]:
+    """The table beside the states figure and the sentence that introduces it; `measured` false (and the sentence
+    says why) when no stage carries the per-state comparison."""
+    rows = departure_rows(record)
+    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
+    statement = record["weights"].get("statement") or "Synthetic weights."
+    if not any(r["states"] is not None for r in rows):
+        return {"measured": False, "text": f"{NO_STATES} {statement}", "table": []}
+    count = len(next(r["states"] for r in rows if r["states"] is not None))
+    last = count - 2
+    workload = next(w for w in record["workloads"] if w["id"] == headline)
+    types = layer_types_of(record)
+    text = (
+        f"Against {reference} (the plan's reference), on the {headline} request: the relative RMSE "
+        f"||h − h_ref|| / ||h_ref|| of every residual state over all real tokens of all {workload['candidates']} "
+        f"candidates ({workload['tokens']:,} tokens), and the first state that is not bit-identical to the "
+        f"reference's. Layers count from 1: layer k is the residual stream after the k-th of {last} layers."
+    )
+    if types is not None and len(types) == last:
+        attention = [str(i + 1) for i, t in enumerate(types) if t == "full_attention"]
+        text += f" Full-attention layers: {', '.join(attention)}; the others are Gated DeltaNet."
+    text += f" {statement} The states measure how far two code paths drift apart, not decision accuracy."
+    header = ["stage", "first departing state", "rel RMSE layer 1", f"rel RMSE layer {last}",
+              "rel RMSE final norm", "largest rel RMSE (state)", f"max |dp| vs {reference}"]  # fmt: skip
+    table = [header]
+    for r in rows:
+        states = r["states"]
+        if states is None:
+            table.append([r["heading"], departure_text(r), DASH, DASH, DASH, DASH, sci(r["max_abs_dp"])])
+            continue
+        largest = max(range(len(states)), key=states.__getitem__)
+        largest_text = "0" if states[largest] == 0 else f"{sci(states[largest])} ({state_name(largest, len(states))})"
+        table.append([r["heading"], departure_text(r), sci(states[1]), sci(states[-2]), sci(states[-1]),
+                      largest_text, sci(r["max_abs_dp"])])  # fmt: skip
+    missing = [r["stage"] for r in rows if r["timed"] and r["states"] is None]
+    if missing:
+        text += f" No per-state comparison for: {', '.join(missing)}."
+    return {"measured": True, "text": text, "table": table}
+
+
+# Kernel families in drawing order (the runner's ablations.timing.FAMILIES; a test checks the two agree).
+FAMILY_ORDER = ("gemm", "gdn_core", "attention_core", "ours", "other")
+FAMILY_TEXT = {"gemm": "GEMM", "gdn_core": "GDN core", "attention_core": "attention core", "ours": "our",
+               "other": "other"}  # fmt: skip
+NO_FAMILIES = (
+    "No per-family kernel times in this record: the runner records them on the GPU only, from commit a12d567 on "
+    "(older records and CPU runs have none)."
+)
+
+
+def time_rows(record: dict) -> list[dict[str, Any]]:
+    """Per stage timed on the headline with per-family kernel times: family ms and calls per forward, GPU idle =
+    median minus the summed kernel ms (clipped at 0), and the host's launch time."""
+    headline = record["plan"]["headline"]
+    rows = []
+    for stage in record["stages"]:
+        w = measured(stage, headline) if has_timings(stage) else None
+        families = w.get("kernel_families") if w else None
+        if not families:
+            continue
+        names = [f for f in FAMILY_ORDER if f in families] + sorted(set(families) - set(FAMILY_ORDER))
+        kernel_ms = sum(families[f]["ms_per_forward"] for f in names)
+        rows.append(
+            {
+                "stage": stage["name"],
+                "heading": stage_heading(stage, record),
+                "median_ms": w["median_ms"],
+                "families": {f: families[f] for f in names},
+                "kernel_ms": kernel_ms,
+                "idle_ms": max(0.0, w["median_ms"] - kernel_ms),
+                "host_median_ms": w.get("host_median_ms"),
+                "core_multiple": w.get("core_multiple"),
+                "gemm_multiple": w.get("gemm_multiple"),
+            }
+        )
+    return rows
+
+
+def time_summary(record: dict) -> dict[str, Any]:
+    """The table beside the time figure; `measured` false (with the reason) when the record has no families."""
+    rows = time_rows(record)
+    if not rows:
+        return {"measured": False, "text": NO_FAMILIES, "table": []}
+    families = list(dict.fromkeys(f for r in rows for f in r["families"]))
+    header = ["stage", "median ms", *(f"{FAMILY_TEXT.get(f, f)} ms (calls)" for f in families), "GPU idle ms",
+              "host launch ms", "host / median", "× core", "× GEMM"]  # fmt: skip
+    table = [header]
+    for r in rows:
+        cells = []
+        for f in families:
+            family = r["families"].get(f)
+            cells.append(
+                DASH if family is None else f"{ms(family['ms_per_forward'])} ({family['calls_per_forward']:,.0f})"
+            )
+        host = r["host_median_ms"]
+        table.append([r["heading"], ms(r["median_ms"]), *cells, ms(r["idle_ms"]), ms(host),
+                      DASH if host is None else f"{host / r['median_ms']:.0%}",
+                      DASH if r["core_multiple"] is None else f"{r['core_multiple']:.2f}×",
+                      DASH if r["gemm_multiple"] is None else f"{r['gemm_multiple']:.2f}×"])  # fmt: skip
+    missing = [s["name"] for s in record["stages"] if has_timings(s) and s["name"] not in {r["stage"] for r in rows}]
+    text = (
+        f"Kernel time per family of one profiled {record['plan']['headline']} forward (torch profiler; kernels that "
+        "overlap are each counted), GPU idle = median minus those kernels (launch gaps and host waits), and the "
+        "median host time until the timed call returned (close to the median: the forward is launch-bound). "
+        "× core = median / (GEMM + GDN core + attention core); × GEMM = median / GEMM."
+    )
+    if missing:
+        text += f" No per-family times for: {', '.join(missing)}."
+    return {"measured": True, "text": text, "table": table}
+
+
+def targets_table(rows: list[dict[str, Any]]) -> list[list[str]]:
+    table = [["issue", "target", "measured", "limit", "outcome", "note"]]
+    for r in rows:
+        table.append([str(r["issue"]), r["what"], r["measured"], r["limit_text"], r["outcome"], r["note"] or DASH])
+    return table
+
+
+def stage_table(record: dict) -> list[list[str]]:
+    """The registry as the run saw it, with what happened to each stage in this run."""
+    table = [["stage", "builds on", "switches", "exactness", "registry", "this run"]]
+    for stage in record["stages"]:
+        registry = stage["registry"]
+        if stage["status"] in ("ok", "pending"):
+            this_run = status_text(stage, record)
+        else:
+            this_run = f"{stage['status']}: {stage['reason']}"
+        table.append(
+            [
+                stage["name"],
+                registry["builds_on"] or DASH,
+                registry["switches"],
+                registry["exactness"]["text"],
+                registry["registry_status"],
+                this_run,
+            ]  # fmt: skip
+        )
+    return table
+
+
+def env_table(record: dict) -> list[list[str]]:
+    env, ceilings, weights = record["env"], record["ceilings"], record["weights"]
+    dirty = " (uncommitted changes)" if env["git_dirty"] else ""
+    rows = [
+        ["machine", machine(env)],
+        ["driver", env.get("driver") or DASH],
+        ["CUDA", env.get("cuda") or DASH],
+        ["torch", env["torch"]],
+        ["triton", env.get("triton") or DASH],
+        ["transformers", env.get("transformers") or DASH],
+        ["FLA", env.get("fla") or DASH],
+        ["python", env.get("python") or DASH],
+        ["CPU", f"{env.get('cpu') or DASH} ({env.get('cpu_count') or DASH} cores)"],
+        ["commit", f"{env['git_commit'][:12]}{dirty}"],
+        ["run (UTC)", env["utc"]],
+        ["copy rate", f"{ceilings['copy_tbps']:.3g} TB/s (bytes read + written)"],
+        ["bf16 matmul rate", f"{ceilings['bf16_tflops']:.4g} TFLOP/s ({ceilings.get('gemm_n', '?')}³)"],
+        ["weights", f"{weights.get('shapes', DASH)}, {weights['method']}, seed {weights.get('seed', DASH)}"],
+        ["linear parameters", f"{weights['linear_params']:,}"],
+    ]
+    return rows
+
+
+def method_table(record: dict) -> list[list[str]]:
+    plan = record["plan"]
+    timer = (
+        "CUDA events, device synchronized before and after each call"
+        if plan["timer"] == "cuda-events"
+        else "time.perf_counter around each call (CPU plan)"
+    )
+    return [
+        ["plan", f"{plan['name']}: {plan.get('description', '')}"],
+        ["timed call", "forward + fp32 head, inputs tokenized and on the device"],
+        ["timer", timer],
+        ["per workload", f"{plan['warmup']} warm-up, {plan['runs']} timed runs; median, p10, p90"],
+        ["reference", f"{plan['reference']} (max |dp| and hidden-state rel RMSE against it)"],
+        ["speed-up over", plan["baseline"]],
+        ["headline workload", plan["headline"]],
+    ]
+
+
+def attempt_table(records: list[dict]) -> list[list[str]]:
+    """Failed attempts (the attempts record copied into each run record) and registry stages marked failed."""
+    table = [["attempt", "stage", "what", "outcome", "why", "numbers", "evidence", "date"]]
+    seen = set()
+    for record in records:
+        for a in record["attempts"]:
+            if a["id"] not in seen:
+                seen.add(a["id"])
+                numbers = ", ".join(f"{k} {v}" for k, v in a["numbers"].items())
+                table.append([a["id"], a["stage"], a["title"], a["outcome"], a["reason"], numbers, a["evidence"],
+                              a["date"]])  # fmt: skip
+        for stage in record.get("registry", []):
+            if stage["registry_status"] == "failed" and f"stage:{stage['name']}" not in seen:
+                seen.add(f"stage:{stage['name']}")
+                numbers = ", ".join(f"{k} {v}" for k, v in (stage["numbers"] or {}).items())
+                table.append([stage["name"], stage["name"], stage["switches"], "failed", stage["reason"] or DASH,
+                              numbers or DASH, "registry", DASH])  # fmt: skip
+    return table
+
+
+def plan_targets(record: dict, root: Path) -> list[dict[str, Any]]:
+    """`ablations.targets.evaluate` on the record, with the plan's newer records under root/runs as follow-ups."""
+    followups = [
+        (path, other)
+        for path, other in all_records(root / "runs")
+        if other["plan"]["name"] == record["plan"]["name"] and other["env"]["utc"] > record["env"]["utc"]
+    ]
+    return targets.evaluate(record, followups)
+
+
+def _gemm_rows_table(probe: dict) -> tuple[str, list[list[str]]]:
+    table = [["GEMM (out × in)", "row pairs", "row-invariant (default)", "row-invariant (no workspace)",
+              "small-call µs default → no workspace"]]  # fmt: skip
+    for name in dict.fromkeys(c["gemm"] for c in probe["default"]):
+        default, bare = ([c for c in probe[setting] if c["gemm"] == name] for setting in ("default", "no_workspace"))
+        invariant = [sum(c["equal_row_share"] == 1.0 for c in cases) for cases in (default, bare)]
+        timing = " → ".join(f"{statistics.median(c['tree_us'] for c in cases):.1f}" for cases in (default, bare))
+        table.append([f"{name} ({default[0]['n']} × {default[0]['k']})", str(len(default)),
+                      f"{invariant[0]} of {len(default)}", f"{invariant[1]} of {len(bare)}", timing])  # fmt: skip
+    return "Each row pair: a GEMM over the tree's row count inside one over the flat row count (medians of µs).", table
+
+
+def _handoff_table(probe: dict) -> tuple[str, list[list[str]]]:
+    busy = probe["gpu_busy_ms"]
+    table = [["call", "wall ms (back-to-back)", "GPU kernel ms"],
+             ["prefill the context once", ms(probe["prefill_context_ms"]), ms(busy["prefill"])],
+             ["hand-off schedule", ms(probe["handoff_ms"]), ms(busy["handoff"])],
+             ["replicated schedule", ms(probe["replicated_ms"]), ms(busy["replicated"])]]  # fmt: skip
+    text = (
+        f"One GDN layer's core as the tree engine calls it on the {probe['workload']} request ({probe['rows']:,} "
+        f"rows, {probe['context_rows']:,} shared); hand-off over prefill: {probe['gpu_busy_handoff_over_prefill']:.2f}×"
+        f" kernel time, {probe['handoff_over_prefill']:.2f}× wall time; the cost rule picks {probe['chosen_mode']}."
+    )
+    return text, table
+
+
+def _tiles_table(probe: dict) -> tuple[str, list[list[str]]]:
+    table = [["kernel", "tile", "µs", "TB/s", "bit-equal to the shipped tile"]]
+    for c in probe["cases"]:
+        table.append([c["kernel"], c["tile"], f"{c['us']:.1f}", f"{c['tbps']:.2f}", f"{c['equal_share']:.6f}"])
+    return f"{probe['rows']} rows at the 27B widths; the first row of each kernel is the shipped tile.", table
+
+
+def _engine_table(probe: dict) -> tuple[str, list[list[str]]]:
+    table = [[f"comparison ({probe['workload']})", "first departing state", "last-token rel RMSE", "max |dp|"]]
+    for name, c in probe["comparisons"].items():
+        first = "none" if c["first_departing_state"] is None else str(c["first_departing_state"])
+        table.append([name, first, sci(c["last_rel_rmse"]), sci(c["max_dp"])])
+    core, nvtx = ("bit-identical" if probe[k] else "NOT bit-identical" for k in ("fla_forward_core_bitwise",
+                                                                               "nvtx_ranges_bitwise"))  # fmt: skip
+    text = (
+        f"fused with FLA's kernels launched directly against fused on FLA's function: {core} at every state; NVTX "
+        f"ranges on: {nvtx}; peak GPU memory {probe['peak_gib']['engine']:.1f} GiB (engine phase). Synthetic weights."
+    )
+    return text, table
+
+
+PROBE_TABLES = {
+    "engine_checks": ("Whole-model checks of the engine", _engine_table),
+    "gemm_rows": ("cuBLAS row-count invariance (27B GEMM shapes)", _gemm_rows_table),
+    "gdn_handoff": ("GDN state hand-off against prefilling once", _handoff_table),
+    "kernel_tiles": ("Tile shapes of the costliest fused kernels", _tiles_table),
+}
+
+
+def probe_tables(record: dict) -> list[dict[str, Any]]:
+    """One {title, text, table} per probe of `PROBE_TABLES`: its table from the record's `probes`, or a sentence that
+    the runner has not measured it in this record (older records, CPU plans, --no-probes) or that it failed."""
+    found = record.get("probes", {})
+    tables = []
+    for name, (title, tabulate) in PROBE_TABLES.items():
+        probe = found.get(name)
+        if probe is None:
+            tables.append({"title": title, "text": f"Not measured by the runner yet: this record has no {name} probe.",
+                           "table": []})  # fmt: skip
+        elif probe["error"]:
+            tables.append({"title": title, "text": f"The {name} probe failed: {probe['error']}", "table": []})
+        else:
+            text, table = tabulate(probe)
+            tables.append({"title": title, "text": f"{text} ({probe['seconds']:.0f} s)", "table": table})
+    return tables
+
+
+def class_speedups(record: dict) -> list[list[str]]:
+    """Per stage timed (rows) and workload class (columns, ablations/workloads.py's groups): the geometric mean over
+    the class's workloads of the baseline stage's median over the stage's, with how many workloads both timed."""
+    baseline = stage_by_name(record, record["plan"]["baseline"])
+    group_of = {w["id"]: w.get("group", "ungrouped") for w in record["workloads"]}  # older records: no groups
+    groups = list(dict.fromkeys(group_of.values()))
+    table = [["stage", *(f"{group} ({list(group_of.values()).count(group)})" for group in groups)]]
+    for stage in (s for s in record["stages"] if has_timings(s) and baseline is not None):
+        cells = []
+        for group in groups:
+            ratios = []
+            for workload_id in (i for i, g in group_of.items() if g == group):
+                mine, theirs = measured(stage, workload_id), measured(baseline, workload_id)
+                if mine is not None and theirs is not None:
+                    ratios.append(theirs["median_ms"] / mine["median_ms"])
+            cells.append(f"{statistics.geometric_mean(ratios):.2f}× ({len(ratios)})" if ratios else DASH)
+        table.append([stage_heading(stage, record), *cells])
+    return table
+
+
+def measured_exactness(record: dict) -> list[list[str]]:
+    """Per stage: its declared exactness, and what the record measured: the largest max |dp| and hidden rel RMSE
+    against the reference over every workload, and on how many workloads it was bit-identical to its builds-on
+    stage (`vs_builds_on`)."""
+    reference = record["plan"]["reference"]
+    table = [["stage", "declared", f"largest max |dp| vs {reference}", "largest hidden rel RMSE",
+              "bit-identical to builds-on"]]  # fmt: skip
+    for stage in record["stages"]:
+        timed = stage["workloads"]
+        dps, rmses = ([w[k] for w in timed if w.get(k) is not None] for k in ("max_abs_dp", "hidden_rel_rmse"))
+        versus = [w["vs_builds_on"] for w in timed if (w.get("vs_builds_on") or {}).get("bitwise") is not None]
+        same = f"{sum(v['bitwise'] for v in versus)} of {len(versus)} vs {versus[0]['stage']}" if versus else DASH
+        table.append([stage_heading(stage, record) if timed else f"{stage['name']} ({status_text(stage, record)})",
+                      stage["registry"]["exactness"]["text"], sci(max(dps, default=None)),
+                      sci(max(rmses, default=None)), same])  # fmt: skip
+    return table
+
+
+def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
+    """What the record does not show yet: targets missed or not measured, stages not timed, planned stages absent
+    from the registry, probes not run."""
+    items = [f"issue {r['issue']} target {r['outcome']}: {r['what']} ({r['measured']})"
+             for r in target_rows if r["outcome"] != targets.MET]  # fmt: skip
+    items += [f"stage {s['name']}: {status_text(s, record)}" for s in record["stages"] if not has_timings(s)]
+    registered = {s["name"] for s in record.get("registry", [])} | {s["name"] for s in record["stages"]}
+    planned = [name for name in targets.PLANNED_STAGES if name not in registered]
+    if planned:
+        items.append(f"stages not built yet: {', '.join(planned)}")
+    if record["plan"]["device"] == "cuda" and "probes" not in record:
+        items.append("probes (engine checks, GEMM rows, hand-off, tiles): not measured by the runner yet")
+    return items
+
+
+def figure_path(root: Path, kind: str, record: dict) -> Path:
+    """`<root>/figures/<kind>-<plan>[-partial].png`."""
+    suffix = "-partial" if is_partial(record) else ""
+    return root / "figures" / f"{kind}-{record['plan']['name']}{suffix}.png"
+
+
+def relative_path(path: Path, root: Path) -> str:
+    path, root = Path(path).resolve(), root.resolve()
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
