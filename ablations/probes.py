@@ -380,9 +380,9 @@ def gdn_prep_cases() -> list[dict[str, Any]]:
     def tile(block_t, warps):
         def launch(outs):
             _gdn_prep_kernel[(triton.cdiv(rows, block_t), 2 * hk + hv + 1)](
-                proj, conv_weight, a_log, dt_bias, cu, *outs, rows, len(lengths), proj.stride(0), 1e-6,
+                proj, conv_weight, a_log, dt_bias, cu, cu, *outs, rows, len(lengths), proj.stride(0), 1e-6,
                 KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim, WIDTH=4,
-                SEARCH_STEPS=(len(lengths) - 1).bit_length(), QK_L2NORM=True, BLOCK_T=block_t,
+                SEARCH_STEPS=(len(lengths) - 1).bit_length(), QK_L2NORM=True, HAS_ROWS=False, BLOCK_T=block_t,
                 BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)), BLOCK_HV=triton.next_power_of_2(hv),
                 TORCH_CPU=False, num_warps=warps, **LAUNCH_OPTIONS,
             )  # fmt: skip
