@@ -2,9 +2,9 @@
 
 GPU name and driver come from torch and `nvidia-smi`; versions from the imported packages; the commit and dirty flag
 from `git`, only where the project root is itself the top level of a git checkout. A copy of the tree without its own
-`.git` (as on a lent GPU machine, or an exported copy placed inside another repository, whose commit is not this
-code's) falls back to the `JEVLAB_GIT_COMMIT` / `JEVLAB_GIT_DIRTY` variables set by whoever sent the copy, and says so
-in `git_source`; without either the commit is "unknown".
+`.git` (an exported copy placed inside another repository, whose commit is not this code's) has no commit of its own.
+The `JEVLAB_GIT_COMMIT` / `JEVLAB_GIT_DIRTY` variables, set by whoever sent a copy (a lent GPU machine's), take
+precedence over git when set; `git_source` says which answered; without either the commit is "unknown".
 
 The dirty flag describes the code, not what the runs write: a tracked file that differs from HEAD makes the checkout
 dirty, except files under `results/` (run records, figures, logs, the report) and README.md when everything outside its
@@ -73,13 +73,14 @@ def code_dirty(root: Path = REPO) -> bool:
 
 def git_state(root: Path = REPO) -> dict[str, object]:
     """Commit, dirty flag and their source for the project at `root`: git when `root` is a checkout's top level."""
+    if os.environ.get("JEVLAB_GIT_COMMIT"):  # the sender of a copy says what it is: a lent GPU machine's copy may
+        # carry a stale `.git` of its own (seen on the H200: it named the session's first commit)
+        dirty = os.environ.get("JEVLAB_GIT_DIRTY", "").lower() in ("1", "true", "yes")
+        return {"git_commit": os.environ["JEVLAB_GIT_COMMIT"], "git_dirty": dirty, "git_source": "env"}
     top = _run(["git", "rev-parse", "--show-toplevel"], cwd=root)
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root) if top and Path(top).resolve() == root.resolve() else None
     if commit:
         return {"git_commit": commit, "git_dirty": code_dirty(root), "git_source": "git"}
-    if os.environ.get("JEVLAB_GIT_COMMIT"):
-        dirty = os.environ.get("JEVLAB_GIT_DIRTY", "").lower() in ("1", "true", "yes")
-        return {"git_commit": os.environ["JEVLAB_GIT_COMMIT"], "git_dirty": dirty, "git_source": "env"}
     return {"git_commit": "unknown", "git_dirty": True, "git_source": "none"}
 
 

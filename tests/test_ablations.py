@@ -618,6 +618,16 @@ def test_a_copy_inside_another_repository_records_no_commit_of_it(tmp_path, monk
     assert envinfo.git_state(copy) == {"git_commit": "feedbeef", "git_dirty": False, "git_source": "env"}
 
 
+def test_the_senders_variables_win_over_a_copys_own_git(tmp_path, monkeypatch):
+    """A lent GPU machine's copy carried a stale `.git` of its own: the variables the sender set name the code."""
+    _committed_checkout(tmp_path)
+    monkeypatch.delenv("JEVLAB_GIT_COMMIT", raising=False)
+    assert envinfo.git_state(tmp_path)["git_source"] == "git"
+    monkeypatch.setenv("JEVLAB_GIT_COMMIT", "feedbeef")
+    monkeypatch.setenv("JEVLAB_GIT_DIRTY", "0")
+    assert envinfo.git_state(tmp_path) == {"git_commit": "feedbeef", "git_dirty": False, "git_source": "env"}
+
+
 def test_layer_ranges_hooks_leave_inputs_and_outputs_alone(monkeypatch):
     """nvtx push/pop return the range depth; a hook that passed it on would replace the module's input or output
     (this broke every timed workload of the first H200 run)."""
