@@ -19,6 +19,7 @@ over-length batch of `batch_size` candidates: the same number whenever the reque
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -39,14 +40,25 @@ INDEPENDENT_CANDIDATES = {"enabled": False, "mode": "independent_candidates"}
 
 
 def git_commit(repo: Path = REPO) -> str | None:
-    """HEAD of the checkout this code runs from, or None outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
+    """The commit of the code at `repo` (the response's `code_commit`): `JEVLAB_GIT_COMMIT` where the sender of a copy
+    set it, else HEAD where `repo` is itself a git checkout's top level, else None (a copy placed inside another
+    repository has no commit of its own). The same rule as `ablations.envinfo.git_state`."""
+    if os.environ.get("JEVLAB_GIT_COMMIT"):
+        return os.environ["JEVLAB_GIT_COMMIT"]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() or None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(repo).resolve():
         return None
-    return out.stdout.strip() or None
+    return git("rev-parse", "HEAD")
 
 
 @dataclass(frozen=True)

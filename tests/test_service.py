@@ -293,3 +293,27 @@ def test_tiny_twin_end_to_end():
     response["metadata"].pop("inference_seconds")
     again["metadata"].pop("inference_seconds")
     assert again == response
+
+
+def test_code_commit_is_this_repositorys_only(tmp_path, monkeypatch):
+    """`code_commit`: the sender's JEVLAB_GIT_COMMIT, else HEAD of a checkout whose top level is the project; a copy
+    placed inside another repository reports none of that repository's commit."""
+    import subprocess
+
+    from reference.service import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout
+
+    monkeypatch.delenv("JEVLAB_GIT_COMMIT", raising=False)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD").strip()
+    assert git_commit(tmp_path) == head
+    copy = tmp_path / "vendored" / "jevlab"
+    copy.mkdir(parents=True)
+    assert git_commit(copy) is None
+    monkeypatch.setenv("JEVLAB_GIT_COMMIT", "feedbeef")
+    assert git_commit(copy) == git_commit(tmp_path) == "feedbeef"
