@@ -50,15 +50,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 from matplotlib.ticker import NullLocator  # noqa: E402
 
-from ablations.records import DASH, STATUS_TEXT, has_timings, measured, ms, newest_records, read_record  # noqa: E402
+from ablations.records import STATUS_TEXT, has_timings, measured, ms, newest_records, read_record  # noqa: E402
 from paper import readme, tables  # noqa: E402
 
 SUMMARY_SCHEMA = "jevlab-report-summary/1"
+SUMMARY_FILE = "figures/summary.json"  # under the results folder
 
 
 def _title(record: dict, what: str) -> str:
     title = f"{what}\n{tables.plan_label(record)} · synthetic weights · {record['env']['utc']}"
-    return f"{title}\n{tables.completeness(record).upper()}" if tables.is_partial(record) else title
+    return title if record["complete"] else f"{title}\n{tables.completeness(record).upper()}"
+
+
+def _lines(label: str) -> str:
+    """A stage label broken before its bracket, for a tick or a bar."""
+    return label.replace(" (", "\n(")
+
+
+def _message_figure(text: str, title: str, path: Path, svg: bool) -> None:
+    """A figure that only says why there is nothing to draw."""
+    fig, ax = plt.subplots(figsize=(9, 1.8))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
+    fig.suptitle(title, fontsize=9)
+    _save(fig, path, svg)
 
 
 def ladder_figure(record: dict, path: Path, svg: bool) -> None:
@@ -69,17 +84,17 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
     for x, r in enumerate(rows):
         if r["median_ms"] is None:
             ax.bar(x, top * 0.15, color="none", edgecolor="0.6", hatch="//", linestyle="--")
-            ax.text(x, top * 0.17, STATUS_TEXT.get(r["status"], r["status"]).replace(" (", "\n("), ha="center",
-                    va="bottom", fontsize=8)  # fmt: skip
+            ax.text(x, top * 0.17, _lines(STATUS_TEXT.get(r["status"], r["status"])), ha="center", va="bottom",
+                    fontsize=8)  # fmt: skip
             continue
         errors = [[r["median_ms"] - r["p10_ms"]], [r["p90_ms"] - r["median_ms"]]]
         ax.bar(x, r["median_ms"], color="#4C72B0", yerr=errors, capsize=4, error_kw={"elinewidth": 1})
         ax.hlines(r["floor_ms"], x - 0.45, x + 0.45, colors="#C44E52", linestyles="--", lw=1.5, label=floor_label)
         floor_label = None  # one legend entry
-        speedup = DASH if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        speedup = tables.number(r["speedup"], ".2f", "×")
         ax.text(x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}", ha="center", va="bottom",
                 fontsize=8)  # fmt: skip
-    ax.set_xticks(range(len(rows)), [r["heading"].replace(" (", "\n(") for r in rows])
+    ax.set_xticks(range(len(rows)), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("median ms (p10–p90), forward + head")
     ax.set_ylim(0, top * 1.25)
     baseline = record["plan"]["baseline"]
@@ -115,17 +130,18 @@ def workloads_figure(record: dict, path: Path, svg: bool) -> None:
 
 def kernels_figure(record: dict, path: Path, svg: bool) -> None:
     rows = [r for r in tables.ladder_rows(record) if r["median_ms"] is not None]
-    counted = [r for r in rows if r["kernels"] is not None]
+    counted = [r for r in rows if r["kernels_per_forward"] is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2 if counted else 1.6))
     if not counted:
         for ax in (left, right):
             ax.axis("off")
         left.text(0.5, 0.5, "no CUDA kernels counted (no GPU in this run)", ha="center", va="center")
     else:
-        names = [r["heading"].replace(" (", "\n(") for r in counted]
-        left.bar(names, [r["kernels"] for r in counted], color="#55A868")
+        names = [_lines(r["heading"]) for r in counted]
+        left.bar(names, [r["kernels_per_forward"] for r in counted], color="#55A868")
         for x, r in enumerate(counted):
-            left.text(x, r["kernels"], f"{r['kernels']:,.0f}", ha="center", va="bottom", fontsize=8)
+            kernels = r["kernels_per_forward"]
+            left.text(x, kernels, f"{kernels:,.0f}", ha="center", va="bottom", fontsize=8)
         left.set_ylabel("kernels per forward")
         xs = range(len(counted))
         right.bar([x - 0.2 for x in xs], [r["median_ms"] for r in counted], width=0.4, label="wall (median)")
@@ -147,11 +163,7 @@ def time_figure(record: dict, path: Path, svg: bool) -> None:
     rows = tables.time_rows(record)
     headline = record["plan"]["headline"]
     if not rows:
-        fig, ax = plt.subplots(figsize=(9, 1.8))
-        ax.axis("off")
-        ax.text(0.5, 0.5, tables.NO_FAMILIES.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
-        fig.suptitle(_title(record, f"Where the time goes: {headline}"), fontsize=9)
-        _save(fig, path, svg)
+        _message_figure(tables.NO_FAMILIES, _title(record, f"Where the time goes: {headline}"), path, svg)
         return
     families = list(dict.fromkeys(f for r in rows for f in r["families"]))
     fig, ax = plt.subplots(figsize=(max(6.5, 1.5 * len(rows) + 3.5), 4.8))
@@ -172,10 +184,10 @@ def time_figure(record: dict, path: Path, svg: bool) -> None:
             ax.hlines(r["host_median_ms"], x - 0.38, x + 0.38, colors="black", lw=2, label=host_label)
             ax.plot([x + 0.38], [r["host_median_ms"]], "o", color="black", ms=4)
             host_label = None  # one legend entry
-        core = DASH if r["core_multiple"] is None else f"{r['core_multiple']:.2f}× core"
+        core = tables.number(r["core_multiple"], ".2f", "× core")
         ax.text(x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}",
                 ha="center", va="bottom", fontsize=8)  # fmt: skip
-    ax.set_xticks(list(xs), [r["heading"].replace(" (", "\n(") for r in rows])
+    ax.set_xticks(list(xs), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("ms per forward (bar height = median)")
     ax.set_ylim(0, top * 1.2)
     ax.set_title(_title(record, f"Where the time goes: {headline} (kernel ms per family from one profiled call)"),
@@ -202,15 +214,12 @@ def state_ticks(count: int) -> tuple[list[int], list[str]]:
 def states_figure(record: dict, path: Path, svg: bool) -> None:
     """Relative RMSE against the reference per residual state and stage (log scale); zeros (bit-identical states)
     sit on a labelled floor band below the smallest non-zero value; each stage's first departing state starred."""
-    rows = [r for r in tables.departure_rows(record) if r["states"] is not None]
+    departures = tables.departure_rows(record)
+    rows = [r for r in departures if r["states"] is not None]
     headline, reference = record["plan"]["headline"], record["plan"]["reference"]
     title = _title(record, f"Where each path departs from {reference}: every residual state, {headline}")
     if not rows:
-        fig, ax = plt.subplots(figsize=(9, 1.8))
-        ax.axis("off")
-        ax.text(0.5, 0.5, tables.NO_STATES.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
-        fig.suptitle(title, fontsize=9)
-        _save(fig, path, svg)
+        _message_figure(tables.NO_STATES, title, path, svg)
         return
     count = len(rows[0]["states"])
     positive = [v for r in rows for v in r["states"] if v > 0]
@@ -254,7 +263,7 @@ def states_figure(record: dict, path: Path, svg: bool) -> None:
     ax.set_ylabel(f"relative RMSE vs {reference} (log)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    missing = [r["stage"] for r in tables.departure_rows(record) if r["timed"] and r["states"] is None]
+    missing = [r["stage"] for r in departures if r["timed"] and r["states"] is None]
     if missing:
         ax.text(1.01, 0.0, f"not measured: {', '.join(missing)}", transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()
@@ -273,16 +282,14 @@ FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": ke
            "states": states_figure}  # fmt: skip
 
 
-def plan_summary(record: dict, record_path: Path, root: Path, svg: bool) -> dict[str, Any]:
-    """Every table and sentence the report shows for one record, with its figures drawn."""
+def plan_summary(record: dict, record_path: Path, root: Path) -> dict[str, Any]:
+    """Every table and sentence the report (and the README block) shows for one record; its figures' paths."""
     figures = {kind: tables.figure_path(root, kind, record) for kind in FIGURES}
-    for kind, draw in FIGURES.items():
-        draw(record, figures[kind], svg)
     target_rows = tables.plan_targets(record, root)
     return {
         "name": record["plan"]["name"],
         "label": tables.record_label(record),
-        "partial": tables.is_partial(record),
+        "partial": not record["complete"],
         "completeness": tables.completeness(record),
         "is_cpu": record["plan"]["device"] == "cpu",
         "record": tables.relative_path(record_path, root),
@@ -329,20 +336,23 @@ def select_records(root: Path, plan: str | None, record_paths: list[str]) -> lis
     return sorted(newest_first, key=lambda item: (item[1]["plan"]["device"] == "cpu", item[1]["plan"]["name"]))
 
 
-def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False) -> Path:
-    """`<root>/figures/summary.json` (and every figure) for the chosen records."""
+def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False) -> dict[str, Any]:
+    """Every figure and `<root>/figures/summary.json` for the chosen records; returns the summary."""
+    for _, record in chosen:
+        for kind, draw in FIGURES.items():
+            draw(record, tables.figure_path(root, kind, record), svg)
     records = [record for _, record in chosen]
     summary = {
         "schema": SUMMARY_SCHEMA,
-        "plans": [plan_summary(record, path, root, svg) for path, record in chosen],
+        "plans": [plan_summary(record, path, root) for path, record in chosen],
         "attempts": tables.attempt_table(records),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),
     }
-    path = root / "figures" / "summary.json"
+    path = root / SUMMARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
-    return path
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,15 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = tables.results_dir(args.results)
     chosen = select_records(root, args.plan, args.record)
-    path = write_summary(root, chosen, args.svg)
+    summary = write_summary(root, chosen, args.svg)
     if not chosen:
         print(f"no run record under {root / 'runs'}; the report will say so", file=sys.stderr)
     for _, record in chosen:
         print(f"figures for {tables.record_label(record)} ({tables.completeness(record)})")
-    print(f"summary: {path}")
+    print(f"summary: {root / SUMMARY_FILE}")
     readme_path = tables.REPO / "README.md"
     if root.resolve() == (tables.REPO / "results").resolve() and readme_path.is_file():
-        readme_path.write_text(readme.replace_between_markers(readme_path.read_text(), readme.ladder(chosen, root)))
+        readme_path.write_text(readme.replace_between_markers(readme_path.read_text(), readme.ladder(summary["plans"])))
         print(f"ladder tables: {readme_path}")
     return 0
 

@@ -1,41 +1,30 @@
 """The README's results block: per record, the ladder figure and table and (GPU plans) the targets table, written
 between the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers so the README carries no hand-typed
-figure."""
+figure. It is laid out from the report summary's plans (paper/figures.py), so it shows the report's own tables."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from paper.tables import (
-    completeness,
-    figure_path,
-    ladder_table,
-    plan_targets,
-    record_label,
-    relative_path,
-    targets_table,
-)
+from typing import Any
 
 README_START, README_END = "<!-- results:ladder -->", "<!-- /results:ladder -->"
 
 
-def ladder(chosen: list[tuple[Path, dict]], root: Path) -> str:
-    """Markdown: per record, its label and completeness, the ladder figure and the ladder table (headline workload)."""
+def ladder(plans: list[dict[str, Any]]) -> str:
+    """Markdown: per plan summary, its label and completeness, the ladder figure and the ladder table (headline
+    workload), and on GPU plans the targets table."""
     parts = []
-    for path, record in chosen:
-        plan = record["plan"]
+    for plan in plans:
         parts.append(
-            f"**{record_label(record)}**, workload `{plan['headline']}` (record `{relative_path(path, root)}`, "
-            f"{completeness(record)}; synthetic weights):\n"
+            f"**{plan['label']}**, workload `{plan['headline']}` (record `{plan['record']}`, "
+            f"{plan['completeness']}; synthetic weights):\n"
         )
-        figure = figure_path(root, "ladder", record).name
-        parts.append(f"![ladder](results/figures/{figure})\n")
-        parts += [_markdown_table(ladder_table(record)), ""]
-        if plan["device"] == "cuda":
+        parts.append(f"![ladder](results{plan['figures']['ladder']})\n")
+        parts += [_markdown_table(plan["ladder"]), ""]
+        if not plan["is_cpu"]:
             parts.append(
                 "Targets of issues 4 and 5 in this record (synthetic weights: |dp| is fidelity, not accuracy):\n"
             )
-            parts += [_markdown_table(targets_table(plan_targets(record, root))), ""]
+            parts += [_markdown_table(plan["targets"]["table"]), ""]
     return "\n".join(parts) if parts else "No run record yet.\n"
 
 

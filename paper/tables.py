@@ -29,15 +29,11 @@ def plan_label(record: dict) -> str:
     return label + " [CPU plan: tiny shapes, says nothing about GPU latency]" if plan["device"] == "cpu" else label
 
 
-def is_partial(record: dict) -> bool:
-    return not record["complete"]
-
-
 def completeness(record: dict) -> str:
     """What the record holds: a complete run, or (partial) how many workloads each pending stage timed."""
     omitted = record["plan"].get("omitted_workloads") or []
     without = f" (without {', '.join(omitted)}: not requested)" if omitted else ""
-    if not is_partial(record):
+    if record["complete"]:
         return "complete run" + without
     total = len(record["workloads"])
     parts = ["partial run: stopped before completion" + without]
@@ -52,7 +48,7 @@ def completeness(record: dict) -> str:
 
 def record_label(record: dict) -> str:
     """The plan label, marked when the record is partial."""
-    return f"{plan_label(record)} — partial run" if is_partial(record) else plan_label(record)
+    return plan_label(record) if record["complete"] else f"{plan_label(record)} — partial run"
 
 
 def stage_heading(stage: dict, record: dict) -> str:
@@ -70,58 +66,47 @@ def status_text(stage: dict, record: dict) -> str:
     return f"pending: timed on {len(stage['workloads'])} of {len(record['workloads'])} workloads"
 
 
+def number(value: float | None, spec: str, unit: str = "") -> str:
+    """`value` in the format `spec`, followed by `unit`, or a dash when it is absent."""
+    return DASH if value is None else f"{value:{spec}}{unit}"
+
+
+# What the ladder takes from each stage's headline measurement (None where the stage was not timed on it).
+LADDER_FIELDS = ("rows", "median_ms", "p10_ms", "p90_ms", "floor_ms", "kernels_per_forward", "gpu_busy_ms")
+
+
 def ladder_rows(record: dict) -> list[dict[str, Any]]:
-    """One row per stage on the headline workload, with the speed-up over the baseline stage where both ran."""
-    headline, baseline_name = record["plan"]["headline"], record["plan"]["baseline"]
-    baseline_stage = stage_by_name(record, baseline_name)
+    """One row per stage on the headline workload: its `LADDER_FIELDS`, the speed-up over the baseline stage where both
+    ran and the median's multiple of the floor."""
+    headline = record["plan"]["headline"]
+    baseline_stage = stage_by_name(record, record["plan"]["baseline"])
     baseline = measured(baseline_stage, headline) if baseline_stage else None
     rows = []
     for stage in record["stages"]:
-        w = measured(stage, headline) if has_timings(stage) else None
-        rows.append(
-            {
-                "stage": stage["name"],
-                "status": stage["status"],
-                "status_text": status_text(stage, record),
-                "heading": stage_heading(stage, record) if w else stage["name"],
-                "reason": stage["reason"],
-                "gate": stage["gate"]["outcome"] if stage["gate"] else DASH,
-                "median_ms": w["median_ms"] if w else None,
-                "p10_ms": w["p10_ms"] if w else None,
-                "p90_ms": w["p90_ms"] if w else None,
-                "speedup": baseline["median_ms"] / w["median_ms"] if w and baseline else None,
-                "floor_ms": w["floor_ms"] if w else None,
-                "floor_multiple": w["median_ms"] / w["floor_ms"] if w else None,
-                "kernels": w["kernels_per_forward"] if w else None,
-                "gpu_busy_ms": w["gpu_busy_ms"] if w else None,
-                "rows": w["rows"] if w else None,
-            }
-        )
+        w = measured(stage, headline)  # None where not timed: only ok and pending stages have workloads
+        row = {
+            "stage": stage["name"],
+            "status": stage["status"],
+            "status_text": status_text(stage, record),
+            "heading": stage_heading(stage, record) if w else stage["name"],
+            "gate": stage["gate"]["outcome"] if stage["gate"] else DASH,
+            **{field: w[field] if w else None for field in LADDER_FIELDS},
+        }
+        row["speedup"] = baseline["median_ms"] / w["median_ms"] if w and baseline else None
+        row["floor_multiple"] = w["median_ms"] / w["floor_ms"] if w else None
+        rows.append(row)
     return rows
 
 
 def ladder_table(record: dict) -> list[list[str]]:
-    baseline = record["plan"]["baseline"]
-    header = ["stage", "status", "gate", "rows", "median ms", "p10–p90 ms", f"× vs {baseline}", "floor ms",
-              "× floor", "kernels", "GPU busy ms"]  # fmt: skip
+    header = ["stage", "status", "gate", "rows", "median ms", "p10–p90 ms", f"× vs {record['plan']['baseline']}",
+              "floor ms", "× floor", "kernels", "GPU busy ms"]  # fmt: skip
     table = [header]
     for r in ladder_rows(record):
         spread = f"{ms(r['p10_ms'])}–{ms(r['p90_ms'])}" if r["median_ms"] is not None else DASH
-        table.append(
-            [
-                r["stage"],
-                r["status_text"],
-                r["gate"],
-                DASH if r["rows"] is None else f"{r['rows']:,}",
-                ms(r["median_ms"]),
-                spread,
-                DASH if r["speedup"] is None else f"{r['speedup']:.2f}×",
-                ms(r["floor_ms"]),
-                DASH if r["floor_multiple"] is None else f"{r['floor_multiple']:.1f}",
-                DASH if r["kernels"] is None else f"{r['kernels']:,.0f}",
-                ms(r["gpu_busy_ms"]),
-            ]
-        )
+        table.append([r["stage"], r["status_text"], r["gate"], number(r["rows"], ","), ms(r["median_ms"]), spread,
+                      number(r["speedup"], ".2f", "×"), ms(r["floor_ms"]), number(r["floor_multiple"], ".1f"),
+                      number(r["kernels_per_forward"], ",.0f"), ms(r["gpu_busy_ms"])])  # fmt: skip
     return table
 
 
@@ -143,9 +128,8 @@ def correctness_table(record: dict) -> list[list[str]]:
     table = [["stage", "workload", f"max |dp| vs {reference}", "hidden rel RMSE", "argmax flips"]]
     for stage in record["stages"]:
         for w in stage["workloads"]:
-            flips = DASH if w.get("argmax_flips") is None else str(w["argmax_flips"])
-            name = stage_heading(stage, record)
-            table.append([name, w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]), flips])
+            table.append([stage_heading(stage, record), w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]),
+                          number(w.get("argmax_flips"), "")])  # fmt: skip
     return table
 
 
@@ -187,7 +171,7 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
               "expected", "met"]]  # fmt: skip
     for r in rows:
         diff = "NaN left" if r["max_abs_diff"] is None else sci(r["max_abs_diff"])
-        unexplained = DASH if r.get("unexplained") is None else f"{r['unexplained']:,}"  # flip-model outputs only
+        unexplained = number(r.get("unexplained"), ",")  # flip-model outputs only
         table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
                       share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, unexplained,
                       r["expected"], "yes" if r["as_expected"] else "NO"])  # fmt: skip
@@ -225,16 +209,16 @@ def departure_rows(record: dict) -> list[dict[str, Any]]:
     for stage in record["stages"]:
         if stage["name"] == reference:
             continue
-        w = measured(stage, headline) if has_timings(stage) else None
+        w = measured(stage, headline) or {}
         rows.append(
             {
                 "stage": stage["name"],
                 "heading": stage_heading(stage, record) if w else stage["name"],
-                "timed": w is not None,
+                "timed": bool(w),
                 "status_text": STATUS_TEXT.get(stage["status"], stage["status"]),
-                "states": None if w is None else w.get("state_rel_rmse"),
-                "first": None if w is None else w.get("first_departing_state"),
-                "max_abs_dp": None if w is None else w.get("max_abs_dp"),
+                "states": w.get("state_rel_rmse"),
+                "first": w.get("first_departing_state"),
+                "max_abs_dp": w.get("max_abs_dp"),
             }
         )
     return rows
@@ -279,12 +263,12 @@ def departures_summary(record: dict) -> dict[str, Any]:
     for r in rows:
         states = r["states"]
         if states is None:
-            table.append([r["heading"], departure_text(r), DASH, DASH, DASH, DASH, sci(r["max_abs_dp"])])
-            continue
-        largest = max(range(len(states)), key=states.__getitem__)
-        largest_text = "0" if states[largest] == 0 else f"{sci(states[largest])} ({state_name(largest, len(states))})"
-        table.append([r["heading"], departure_text(r), sci(states[1]), sci(states[-2]), sci(states[-1]),
-                      largest_text, sci(r["max_abs_dp"])])  # fmt: skip
+            cells = [DASH] * 4
+        else:
+            i = max(range(len(states)), key=states.__getitem__)
+            largest = "0" if states[i] == 0 else f"{sci(states[i])} ({state_name(i, len(states))})"
+            cells = [sci(states[1]), sci(states[-2]), sci(states[-1]), largest]
+        table.append([r["heading"], departure_text(r), *cells, sci(r["max_abs_dp"])])
     missing = [r["stage"] for r in rows if r["timed"] and r["states"] is None]
     if missing:
         text += f" No per-state comparison for: {', '.join(missing)}."
@@ -307,7 +291,7 @@ def time_rows(record: dict) -> list[dict[str, Any]]:
     headline = record["plan"]["headline"]
     rows = []
     for stage in record["stages"]:
-        w = measured(stage, headline) if has_timings(stage) else None
+        w = measured(stage, headline)
         families = w.get("kernel_families") if w else None
         if not families:
             continue
@@ -348,8 +332,7 @@ def time_summary(record: dict) -> dict[str, Any]:
         host = r["host_median_ms"]
         table.append([r["heading"], ms(r["median_ms"]), *cells, ms(r["idle_ms"]), ms(host),
                       DASH if host is None else f"{host / r['median_ms']:.0%}",
-                      DASH if r["core_multiple"] is None else f"{r['core_multiple']:.2f}×",
-                      DASH if r["gemm_multiple"] is None else f"{r['gemm_multiple']:.2f}×"])  # fmt: skip
+                      number(r["core_multiple"], ".2f", "×"), number(r["gemm_multiple"], ".2f", "×")])  # fmt: skip
     missing = [s["name"] for s in record["stages"] if has_timings(s) and s["name"] not in {r["stage"] for r in rows}]
     text = (
         f"Kernel time per family of one profiled {record['plan']['headline']} forward (torch profiler; kernels that "
@@ -374,35 +357,24 @@ def stage_table(record: dict) -> list[list[str]]:
     table = [["stage", "builds on", "switches", "exactness", "registry", "this run"]]
     for stage in record["stages"]:
         registry = stage["registry"]
-        if stage["status"] in ("ok", "pending"):
-            this_run = status_text(stage, record)
-        else:
-            this_run = f"{stage['status']}: {stage['reason']}"
-        table.append(
-            [
-                stage["name"],
-                registry["builds_on"] or DASH,
-                registry["switches"],
-                registry["exactness"]["text"],
-                registry["registry_status"],
-                this_run,
-            ]  # fmt: skip
-        )
+        timed = stage["status"] in ("ok", "pending")
+        this_run = status_text(stage, record) if timed else f"{stage['status']}: {stage['reason']}"
+        table.append([stage["name"], registry["builds_on"] or DASH, registry["switches"], registry["exactness"]["text"],
+                      registry["registry_status"], this_run])  # fmt: skip
     return table
+
+
+# env_table's version rows: label, key of the record's env.
+VERSIONS = {"driver": "driver", "CUDA": "cuda", "torch": "torch", "triton": "triton", "transformers": "transformers",
+            "FLA": "fla", "python": "python"}  # fmt: skip
 
 
 def env_table(record: dict) -> list[list[str]]:
     env, ceilings, weights = record["env"], record["ceilings"], record["weights"]
     dirty = " (uncommitted changes)" if env["git_dirty"] else ""
-    rows = [
+    return [
         ["machine", machine(env)],
-        ["driver", env.get("driver") or DASH],
-        ["CUDA", env.get("cuda") or DASH],
-        ["torch", env["torch"]],
-        ["triton", env.get("triton") or DASH],
-        ["transformers", env.get("transformers") or DASH],
-        ["FLA", env.get("fla") or DASH],
-        ["python", env.get("python") or DASH],
+        *([label, env.get(key) or DASH] for label, key in VERSIONS.items()),
         ["CPU", f"{env.get('cpu') or DASH} ({env.get('cpu_count') or DASH} cores)"],
         ["commit", f"{env['git_commit'][:12]}{dirty}"],
         ["run (UTC)", env["utc"]],
@@ -411,7 +383,6 @@ def env_table(record: dict) -> list[list[str]]:
         ["weights", f"{weights.get('shapes', DASH)}, {weights['method']}, seed {weights.get('seed', DASH)}"],
         ["linear parameters", f"{weights['linear_params']:,}"],
     ]
-    return rows
 
 
 def method_table(record: dict) -> list[list[str]]:
@@ -525,13 +496,13 @@ def probe_tables(record: dict) -> list[dict[str, Any]]:
     for name, (title, tabulate) in PROBE_TABLES.items():
         probe = found.get(name)
         if probe is None:
-            tables.append({"title": title, "text": f"Not measured by the runner yet: this record has no {name} probe.",
-                           "table": []})  # fmt: skip
+            text, table = f"Not measured by the runner yet: this record has no {name} probe.", []
         elif probe["error"]:
-            tables.append({"title": title, "text": f"The {name} probe failed: {probe['error']}", "table": []})
+            text, table = f"The {name} probe failed: {probe['error']}", []
         else:
             text, table = tabulate(probe)
-            tables.append({"title": title, "text": f"{text} ({probe['seconds']:.0f} s)", "table": table})
+            text = f"{text} ({probe['seconds']:.0f} s)"
+        tables.append({"title": title, "text": text, "table": table})
     return tables
 
 
@@ -590,7 +561,7 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
 
 def figure_path(root: Path, kind: str, record: dict) -> Path:
     """`<root>/figures/<kind>-<plan>[-partial].png`."""
-    suffix = "-partial" if is_partial(record) else ""
+    suffix = "" if record["complete"] else "-partial"
     return root / "figures" / f"{kind}-{record['plan']['name']}{suffix}.png"
 
 

@@ -239,9 +239,9 @@ def test_partial_figures_say_so_and_draw_the_pending_stage_where_it_was_timed(re
     by_stage = {row[0]: dict(zip(header, row)) for row in rows}
     assert by_stage["fused"]["status"] == "pending: timed on 1 of 2 workloads"
     assert by_stage["fused"]["median ms"] == "60.00" and by_stage["fused"]["× vs hf_fla"] == "1.67×"
-    assert by_stage["tree"]["status"] == "not reached (run stopped)" and by_stage["tree"]["median ms"] == figures.DASH
+    assert by_stage["tree"]["status"] == "not reached (run stopped)" and by_stage["tree"]["median ms"] == records.DASH
     assert partial["workloads"][0][-1] == "fused (partial: 1 of 2)"
-    assert partial["workloads"][2][-1] == figures.DASH  # fused never reached customer_service
+    assert partial["workloads"][2][-1] == records.DASH  # fused never reached customer_service
     assert "fused (partial: 1 of 2)" in {row[0] for row in partial["correctness"][1:]}
 
 
@@ -412,7 +412,7 @@ def test_ladder_table_speedups_floors_and_untimed_stages(results):
     assert by_stage["merged"]["× vs hf_fla"] == "2.00×"
     assert by_stage["hf_torch"]["× vs hf_fla"] == "0.62×"
     assert by_stage["merged"]["× floor"] == "4.3" and by_stage["merged"]["kernels"] == "4,000"
-    assert by_stage["fused"]["status"] == "gate-red" and by_stage["fused"]["median ms"] == figures.DASH
+    assert by_stage["fused"]["status"] == "gate-red" and by_stage["fused"]["median ms"] == records.DASH
     assert by_stage["fused"]["gate"] == "red"
     correctness_stages = {row[0] for row in gpu["correctness"][1:]}
     assert correctness_stages == {"hf_torch", "hf_fla", "merged"}
@@ -422,7 +422,7 @@ def test_cpu_record_has_no_kernel_counts(results):
     figures.main(["--results", str(results), "--plan", "cpu-tiny"])
     (cpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     header, *rows = cpu["ladder"]
-    assert all(dict(zip(header, row))["kernels"] == figures.DASH for row in rows)
+    assert all(dict(zip(header, row))["kernels"] == records.DASH for row in rows)
     assert ["machine", "CPU only (Test CPU)"] in cpu["environment"]
 
 
@@ -502,14 +502,15 @@ def test_readme_markers_are_replaced_and_nothing_else():
 
 def test_the_readme_carries_the_generated_ladder_of_the_committed_records():
     """README.md's ladder block is exactly what paper.figures writes from the committed records (never hand-edited)."""
-    from paper.figures import select_records
+    from paper.figures import plan_summary, select_records
     from paper.readme import README_END, README_START, replace_between_markers
     from paper.readme import ladder as readme_ladder
     from paper.tables import REPO
 
     root = REPO / "results"
     readme = (REPO / "README.md").read_text()
-    assert replace_between_markers(readme, readme_ladder(select_records(root, None, []), root)) == readme
+    plans = [plan_summary(record, path, root) for path, record in select_records(root, None, [])]
+    assert replace_between_markers(readme, readme_ladder(plans)) == readme
     assert readme.index(README_START) < readme.index(README_END)
 
 
@@ -600,7 +601,8 @@ def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_re
 
 
 def test_the_readme_block_carries_both_records_partial_first(results):
-    block = readme.ladder(figures.select_records(results, "gpu-27b", []), results)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    block = readme.ladder(json.loads((results / "figures" / "summary.json").read_text())["plans"])
     partial_at = block.index("**gpu-27b on NVIDIA H200 — partial run**")
     complete_at = block.index("**gpu-27b on NVIDIA H200**")
     assert partial_at < complete_at
@@ -650,7 +652,7 @@ def test_departures_table_names_the_first_departing_state_and_handles_zeros():
     assert by_stage["hf_torch"] == ["embedding", "2.00e-03", "6.50e-02", "6.60e-02", "6.60e-02 (final norm)",
                                     "2.50e-03"]  # fmt: skip
     assert by_stage["merged"] == ["final norm", "0", "0", "4.00e-04", "4.00e-04 (final norm)", "1.00e-03"]
-    assert by_stage["fused"] == ["not timed: gate red", *[figures.DASH] * 5]
+    assert by_stage["fused"] == ["not timed: gate red", *[records.DASH] * 5]
     assert by_stage["tree"] == ["none: bitwise", "0", "0", "0", "0", "1.00e-03"]
     text = summary["text"]
     assert text.startswith("Against hf_fla (the plan's reference), on the drone request")
@@ -667,7 +669,7 @@ def test_departures_layer_k_and_a_stage_without_the_fields():
     summary = tables.departures_summary(cpu)
     by_stage = {row[0]: row[1:] for row in summary["table"][1:]}
     assert by_stage["merged"] == ["layer 4", "0", "2.00e-03", "2.20e-03", "9.00e-03 (layer 5)", "1.00e-03"]
-    assert by_stage["fused"] == ["not measured", *[figures.DASH] * 4, "1.00e-03"]
+    assert by_stage["fused"] == ["not measured", *[records.DASH] * 4, "1.00e-03"]
     assert summary["table"][0][-1] == "max |dp| vs hf_torch"
     assert summary["text"].endswith("No per-state comparison for: fused.")
     # fake_record's weights say qwen3.8-27b (64 layers): a pattern that does not fit 10 states is not shown
