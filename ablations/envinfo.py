@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from ablations.records import README_BLOCK
+
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = "results/"  # every tracked file under it is written by runs
 README = "README.md"
-README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")  # paper.figures.README_START, README_END
 
 
 def _run(args: list[str], cwd: Path = REPO) -> str | None:

@@ -303,6 +303,8 @@ def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:
 # ---------------------------------------------------------------------------------------------- reading a record
 STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "error",
                "pending": "not reached (run stopped)"}  # fmt: skip
+# The README block that `paper.figures` rewrites from the records (a run's dirty flag ignores it, ablations/envinfo.py).
+README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")
 DASH = "–"  # a number that is absent
 
 

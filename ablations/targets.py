@@ -17,8 +17,9 @@ from ablations.records import DASH, headline_of, measured, ms, sci, stage_by_nam
 
 MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
 NO_FAMILIES_SHORT = "no per-family kernel times in this record (older runner or CPU run)"
-# The ladder as planned (engine/stages): stages the report names as not built while the registry lacks them.
-PLANNED_STAGES = ("hf_torch", "hf_fla", "merged", "fused", "tree", "gemm", "graphs")
+# Stages the ladder plans after the registry's (ARCHITECTURE.md, issues 13 and 14): the report names each as not built
+# while the registry lacks it.
+NOT_YET_BUILT = ("graphs", "gemm")
 NO_PROBES = "not measured by the runner yet (this record has no probes)"
 
 
@@ -198,17 +199,30 @@ def workloads_differing(record: dict, target: Target, followups: Followups) -> M
     return Measure(len(differing) + errored, shown, "; ".join([note, *errored_notes]))
 
 
+def probes_of(record: dict, followups: Followups) -> tuple[dict, Path | None]:
+    """The record's probes, else those of the newest follow-up that has any (a newer, smaller run of the same plan)
+    with that record's path; ({}, None) when none has."""
+    if record.get("probes"):
+        return record["probes"], None
+    for path, other in sorted(followups, key=lambda f: f[1]["env"]["utc"], reverse=True):
+        if other.get("probes"):
+            return other["probes"], path
+    return {}, None
+
+
 def handoff_busy_ratio(record: dict, target: Target, followups: Followups) -> Measure:
-    """GPU kernel time of the hand-off schedule over prefilling once, from the record's `gdn_handoff` probe."""
-    probe = record.get("probes", {}).get("gdn_handoff")
+    """GPU kernel time of the hand-off schedule over prefilling once, from the `gdn_handoff` probe (`probes_of`)."""
+    found, source = probes_of(record, followups)
+    probe = found.get("gdn_handoff")
     if probe is None:
         return Measure(None, note=NO_PROBES)
     if probe["error"]:
         return Measure(None, note=f"the gdn_handoff probe failed: {probe['error']}")
     ratio, busy = probe["gpu_busy_handoff_over_prefill"], probe["gpu_busy_ms"]
     note = (
-        f"probe gdn_handoff: kernel ms per call {busy['handoff']:.3f} vs {busy['prefill']:.3f}; wall time of "
-        f"back-to-back calls {probe['handoff_over_prefill']:.2f}× (host launch time dominates at this size)"
+        f"probe gdn_handoff{'' if source is None else f' of {source.parent.name}/{source.name}'}: kernel ms per call "
+        f"{busy['handoff']:.3f} vs {busy['prefill']:.3f}; wall time of back-to-back calls "
+        f"{probe['handoff_over_prefill']:.2f}× (host launch time dominates at this size)"
     )
     return Measure(ratio, f"{ratio:.2f}×", note)
 

@@ -50,6 +50,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 from matplotlib.ticker import NullLocator  # noqa: E402
 
+from ablations import targets  # noqa: E402
 from ablations.records import STATUS_TEXT, has_timings, measured, ms, newest_records, read_record  # noqa: E402
 from paper import readme, tables  # noqa: E402
 
@@ -285,7 +286,8 @@ FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": ke
 def plan_summary(record: dict, record_path: Path, root: Path) -> dict[str, Any]:
     """Every table and sentence the report (and the README block) shows for one record; its figures' paths."""
     figures = {kind: tables.figure_path(root, kind, record) for kind in FIGURES}
-    target_rows = tables.plan_targets(record, root)
+    later = tables.followups(record, root)
+    target_rows = targets.evaluate(record, later)
     return {
         "name": record["plan"]["name"],
         "label": tables.record_label(record),
@@ -318,7 +320,7 @@ def plan_summary(record: dict, record_path: Path, root: Path) -> dict[str, Any]:
             "table": tables.targets_table(target_rows),
             "outcomes": {r["id"]: r["outcome"] for r in target_rows},
         },
-        "probes": tables.probe_tables(record),
+        "probes": tables.probe_tables(record, later),
         "stages": tables.stage_table(record),
     }
 

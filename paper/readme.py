@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-README_START, README_END = "<!-- results:ladder -->", "<!-- /results:ladder -->"
+from ablations.records import README_BLOCK
+
+README_START, README_END = README_BLOCK
 
 
 def ladder(plans: list[dict[str, Any]]) -> str:

@@ -423,14 +423,13 @@ def attempt_table(records: list[dict]) -> list[list[str]]:
     return table
 
 
-def plan_targets(record: dict, root: Path) -> list[dict[str, Any]]:
-    """`ablations.targets.evaluate` on the record, with the plan's newer records under root/runs as follow-ups."""
-    followups = [
+def followups(record: dict, root: Path) -> list[tuple[Path, dict]]:
+    """The plan's records under root/runs newer than `record` (reruns and probe runs that settle what it lacks)."""
+    return [
         (path, other)
         for path, other in all_records(root / "runs")
         if other["plan"]["name"] == record["plan"]["name"] and other["env"]["utc"] > record["env"]["utc"]
     ]
-    return targets.evaluate(record, followups)
 
 
 def _gemm_rows_table(probe: dict) -> tuple[str, list[list[str]]]:
@@ -488,10 +487,12 @@ PROBE_TABLES = {
 }
 
 
-def probe_tables(record: dict) -> list[dict[str, Any]]:
-    """One {title, text, table} per probe of `PROBE_TABLES`: its table from the record's `probes`, or a sentence that
-    the runner has not measured it in this record (older records, CPU plans, --no-probes) or that it failed."""
-    found = record.get("probes", {})
+def probe_tables(record: dict, later: list[tuple[Path, dict]]) -> list[dict[str, Any]]:
+    """One {title, text, table} per probe of `PROBE_TABLES`: its table from the record's `probes` (or, where it has
+    none, the newest later record's that has: `targets.probes_of`, named in the text), or a sentence that the runner
+    has not measured it (older records, CPU plans, --no-probes) or that it failed."""
+    found, source = targets.probes_of(record, later)
+    where = "" if source is None else f"; from {source.parent.name}/{source.name}"
     tables = []
     for name, (title, tabulate) in PROBE_TABLES.items():
         probe = found.get(name)
@@ -501,7 +502,7 @@ def probe_tables(record: dict) -> list[dict[str, Any]]:
             text, table = f"The {name} probe failed: {probe['error']}", []
         else:
             text, table = tabulate(probe)
-            text = f"{text} ({probe['seconds']:.0f} s)"
+            text = f"{text} ({probe['seconds']:.0f} s{where})"
         tables.append({"title": title, "text": text, "table": table})
     return tables
 
@@ -551,7 +552,7 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
              for r in target_rows if r["outcome"] != targets.MET]  # fmt: skip
     items += [f"stage {s['name']}: {status_text(s, record)}" for s in record["stages"] if not has_timings(s)]
     registered = {s["name"] for s in record.get("registry", [])} | {s["name"] for s in record["stages"]}
-    planned = [name for name in targets.PLANNED_STAGES if name not in registered]
+    planned = [name for name in targets.NOT_YET_BUILT if name not in registered]
     if planned:
         items.append(f"stages not built yet: {', '.join(planned)}")
     if record["plan"]["device"] == "cuda" and "probes" not in record:

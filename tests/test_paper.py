@@ -179,7 +179,7 @@ def test_a_newer_record_of_some_stages_is_not_chosen_but_settles_an_errored_tree
     assert [path.name for path, _ in figures.select_records(tmp_path, None, [])] == ["ladder.json"]
 
     def identity() -> dict:
-        rows = tables.plan_targets(ladder, tmp_path)
+        rows = targets.evaluate(ladder, tables.followups(ladder, tmp_path))
         return next(row for row in rows if row["id"] == "tree_bitwise_vs_fused")
 
     row = identity()  # the rerun's tree has no vs_builds_on for it: not compared, so not met
@@ -763,11 +763,11 @@ def test_paper_figures_imports_no_torch():
 
 def test_probe_tables_come_from_the_record_and_say_when_not_measured():
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
-    none = {t["title"]: t for t in tables.probe_tables(record)}
+    none = {t["title"]: t for t in tables.probe_tables(record, [])}
     assert all(t["table"] == [] and t["text"].startswith("Not measured by the runner yet") for t in none.values())
     record["probes"] = {"engine_checks": FAKE_ENGINE, "gemm_rows": FAKE_GEMM_ROWS,
                         "kernel_tiles": {"error": "exit 1: boom", "seconds": 2.0}}  # fmt: skip
-    found = {t["title"]: t for t in tables.probe_tables(record)}
+    found = {t["title"]: t for t in tables.probe_tables(record, [])}
     engine = found["Whole-model checks of the engine"]
     assert engine["table"][1] == ["fused vs hf_fla", "1", "3.00e-02", "5.00e-03"]
     assert "NOT bit-identical at every state" in engine["text"]
@@ -775,6 +775,14 @@ def test_probe_tables_come_from_the_record_and_say_when_not_measured():
     assert gemm["table"][1] == ["down (5120 × 17408)", "1", "0 of 1", "1 of 1", "68.0 → 75.0"]
     assert found["Tile shapes of the costliest fused kernels"]["text"] == "The kernel_tiles probe failed: exit 1: boom"
     assert found["GDN state hand-off against prefilling once"]["table"] == []
+    # a record without probes takes those of a newer record of its plan, and names it (fabricated inputs)
+    older = fake_record("gpu-27b", "2026-11-29T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
+    later = [(Path("results/runs/probe-run.json"), record)]
+    borrowed = {t["title"]: t for t in tables.probe_tables(older, later)}
+    assert borrowed["Whole-model checks of the engine"]["table"] == engine["table"]
+    assert "from runs/probe-run.json" in borrowed["Whole-model checks of the engine"]["text"]
+    assert targets.probes_of(older, later) == (record["probes"], later[0][0])
+    assert targets.probes_of(older, []) == ({}, None)
 
 
 def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
@@ -792,5 +800,5 @@ def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
     assert rows[3][0] == "fused (gate-red)"
     missing = tables.still_missing(record, targets.evaluate(record))
     assert "stage fused: gate-red" in missing
-    assert "stages not built yet: gemm, graphs" in missing
+    assert "stages not built yet: graphs, gemm" in missing
     assert any(m.startswith("probes (") for m in missing)
