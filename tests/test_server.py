@@ -613,7 +613,9 @@ def test_command_line_server_prints_ready_line_and_stops_on_sigterm(backend, dro
             assert ready["model"] == "jevlab/tiny-twin" and ready["method"] == "synthetic_weights"
             connection = http.client.HTTPConnection(ready["url"].removeprefix("http://"), timeout=120)
             connection.request("GET", "/health")
-            assert connection.getresponse().status == 200
+            health = connection.getresponse()
+            assert health.status == 200
+            health.read()  # the connection takes the next request once this response is read
             connection.request("POST", "/v1/systemone", json.dumps(drone), {"Content-Type": "application/json"})
             response = connection.getresponse()
             body = json.loads(response.read())
