@@ -78,7 +78,7 @@ CPU_G_MAX_ULP = 2  # the interpreter's g (tests/test_kernels.py measured at most
 CPU_RELAXED = {("gdn_prep", "g"): CPU_G_MAX_ULP}
 INTERPRETER_NOTE = (
     "CPU: the kernels ran under the Triton interpreter, whose exp / log1p / rsqrt come from numpy instead of "
-    "libdevice (kernels/activations.py), so these shares describe the interpreter, not the GPU kernels"
+    "libdevice (kernels/numerics.py), so these shares describe the interpreter, not the GPU kernels"
 )
 
 

@@ -16,7 +16,7 @@ Math and rounding points (references: `reference.ops.rmsnorm_1p`, `apply_partial
   for d >= r: out_d = n_d;   v = x (copy)
 rot_d is recomputed from its own load of x_{d±r/2} (the norm is element-wise once the row's rsqrt is known), so no
 cross-lane shuffle is needed. Every torch op of the chain is one fp32 op and one bf16↓ here (launched without fp
-fusion, bf16↓ by integer rounding, see `kernels.activations`). The mean and rsqrt follow torch per device as in
+fusion, bf16↓ by integer rounding, see `kernels.numerics`). The mean and rsqrt follow torch per device as in
 `kernels.norms`; the only rounding point not reproduced is the fp32 sum of squares' order (see `kernels.norms`):
 an element of n may differ by one bf16 ulp, rarely. A pass-through dim then differs by that one ulp; a rotated dim,
 whose two rounded terms read n_d and its partner n_{d±r/2}, by as many ulps as the flip makes after the sum (several
@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import (
+from kernels.norms import inverse_count, rms_inverse
+from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     ieee_quiet,
@@ -68,7 +69,6 @@ from kernels.activations import (
     to_bf16,
     to_f32,
 )
-from kernels.norms import inverse_count, rms_inverse
 
 LAYOUTS = ("thd", "htd")
 

@@ -30,7 +30,7 @@ kernel (16 × 128 tile, 4 warps): the same reduction tree, so bitwise equality w
 Against `reference.ops.l2norm_fla` (torch: IEEE sqrt and division, torch's own sum order) a q/k element can be one
 ulp off, rarely. With `qk_l2norm=False` q and k are the conv outputs, for FLA to normalise
 (`use_qk_l2norm_in_kernel=True`): equal to the HF+FLA path by construction. beta and g follow torch's CUDA kernels
-(libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.activations`): bitwise on GPU. Under the CPU
+(libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.numerics`): bitwise on GPU. Under the CPU
 interpreter g (fp32, never rounded) is 93-100 % bit-identical to torch's CPU result, at most 2 ulp off.
 
 Unsupported on purpose (clear errors): conv weights other than bf16 (HF then convolves in fp32 with one rounding),
@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import (
+from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     exp_f32,

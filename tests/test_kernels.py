@@ -44,7 +44,7 @@ from test_gpu_kernels import (  # noqa: E402
 )
 
 import kernels  # noqa: E402
-from kernels import activations, compile_check  # noqa: E402
+from kernels import activations, compile_check, numerics  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_round_to_bf16_matches_torch() -> None:
     def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offsets, mask=offsets < n)
-        tl.store(y_ptr + offsets, activations.to_bf16(x), mask=offsets < n)
+        tl.store(y_ptr + offsets, numerics.to_bf16(x), mask=offsets < n)
 
     generator = torch.Generator().manual_seed(0)
     random_bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=generator, dtype=torch.int64).to(torch.int32)
