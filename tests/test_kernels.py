@@ -32,21 +32,19 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from test_gpu_kernels import (  # noqa: E402
+
+import kernels  # noqa: E402
+from ablations.bit_identity import (  # noqa: E402
     bit_identity_table,
-    check_row_indexed_kernels,
     check_rows,
     compare,
     format_table,
-    gdn_dims,
-    random_activations,
     reference_gdn_prep,
 )
-
-import kernels  # noqa: E402
 from kernels import activations, compile_check, numerics  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
+from tests.cases import check_row_indexed_kernels, gdn_dims, random_activations  # noqa: E402
 
 if isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
     pytest.skip(
