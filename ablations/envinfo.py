@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = "results/"  # every tracked file under it is written by runs
 README = "README.md"
-README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")  # paper.figures.README_START, README_END
+README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")  # paper.readme.README_START, README_END
 
 
 def _run(args: list[str], cwd: Path = REPO) -> str | None:

@@ -73,9 +73,9 @@ def test_dirty_describes_the_code_not_the_outputs_a_run_writes(tmp_path):
 
 
 def test_the_readme_block_is_the_one_the_figures_write():
-    from paper import figures
+    from paper import readme
 
-    assert envinfo.README_BLOCK == (figures.README_START, figures.README_END)
+    assert envinfo.README_BLOCK == (readme.README_START, readme.README_END)
 
 
 def test_a_copy_inside_another_repository_records_no_commit_of_it(tmp_path, monkeypatch):
