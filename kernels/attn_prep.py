@@ -10,7 +10,7 @@ with cos, sin [T, r] bf16 given (`reference.ops.rope_cos_sin`, r = rotary_dim). 
 Outputs q [T, H, D], k and v [T, Hkv, D] bf16 (layout "thd", packed varlen rows) or [H, T, D] / [Hkv, T, D]
 (layout "htd", what SDPA reads as batch 1 after `unsqueeze(0)`).
 
-Math and rounding points (references: `reference.ops.rmsnorm_1p`, `apply_partial_rope`), per head of D dims:
+Math and rounding points (reference: `reference.ops.attn_prep`, of `rmsnorm_1p`, `apply_partial_rope`), per head:
   n = bf16↓( (x_f · rsqrt(mean(x_f²) + eps)) · (1 + w_f) )                            q_norm / k_norm, one rounding
   for d < r:  out_d = bf16↓( bf16↓(n_d · cos_d) + bf16↓(rot_d · sin_d) ),  rot_d = −n_{d+r/2} (d < r/2), n_{d−r/2}
   for d >= r: out_d = n_d;   v = x (copy)

@@ -10,7 +10,7 @@ and the conv sees zeros before each sequence's first row. z is left in place for
 Outputs, laid out for FLA's varlen call (B = 1): q, k [1, T, Hk, K] bf16, v [1, T, Hv, V] bf16, g [1, T, Hv] fp32,
 beta [1, T, Hv] bf16.
 
-Math and rounding points (references: `reference.ops.causal_conv1d_silu`, `l2norm_fla`, `gdn_gates`):
+Math and rounding points (reference: `reference.ops.gdn_prep`, of `causal_conv1d_silu`, `l2norm_fla`, `gdn_gates`):
   c[t, ch] = bf16↓( Σ_{w=0..W-1} x[t-W+1+w, ch] · weight[ch, w] )   F.conv1d in bf16 (the weight's dtype): fp32 sum,
                                                                    oldest tap first, as torch's depthwise kernel
   u = bf16↓( silu(c) )                                             F.silu on bf16

@@ -39,7 +39,6 @@ from ablations.bit_identity import (  # noqa: E402
     check_rows,
     compare,
     format_table,
-    reference_gdn_prep,
 )
 from kernels import activations, compile_check, numerics  # noqa: E402
 from reference import ops  # noqa: E402
@@ -144,7 +143,7 @@ def test_gdn_prep_without_l2norm_tiny() -> None:
         qk_l2norm=False,
         **gdn_dims(TINY),
     )
-    want = reference_gdn_prep(
+    want = ops.gdn_prep(
         act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"], act["gdn_cu_seqlens"], TINY, qk_l2norm=False
     )
     table = [compare("gdn_prep raw", "q", q[0], want["q"]), compare("gdn_prep raw", "k", k[0], want["k"])]
