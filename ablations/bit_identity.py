@@ -78,7 +78,7 @@ CPU_G_MAX_ULP = 2  # the interpreter's g (tests/test_kernels.py measured at most
 CPU_RELAXED = {("gdn_prep", "g"): CPU_G_MAX_ULP}
 INTERPRETER_NOTE = (
     "CPU: the kernels ran under the Triton interpreter, whose exp / log1p / rsqrt come from numpy instead of "
-    "libdevice (kernels/activations.py), so these shares describe the interpreter, not the GPU kernels"
+    "libdevice (kernels/numerics.py), so these shares describe the interpreter, not the GPU kernels"
 )
 
 
@@ -238,63 +238,6 @@ def check_rows(rows: Sequence[dict], *, relaxed: Mapping[tuple[str, str], int] |
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reference compositions (reference.ops, one sequence at a time)
-
-
-def reference_gdn_prep(
-    proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    shapes: ModelShapes,
-    *,
-    qk_l2norm: bool = True,
-) -> dict[str, torch.Tensor]:
-    """q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv] from reference.ops, sequence by sequence (zero conv history)."""
-    hk, hv = shapes.linear_num_key_heads, shapes.linear_num_value_heads
-    dk, dv = shapes.linear_key_head_dim, shapes.linear_value_head_dim
-    b_column = shapes.conv_dim + shapes.linear_value_dim
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("q", "k", "v", "g", "beta")}
-    offsets = cu_seqlens.tolist()
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if start == end:
-            continue
-        rows = end - start
-        mixed = ops.causal_conv1d_silu(proj[start:end, : shapes.conv_dim], conv_weight)
-        q, k, v = torch.split(mixed, [shapes.linear_key_dim, shapes.linear_key_dim, shapes.linear_value_dim], dim=-1)
-        q, k = q.reshape(rows, hk, dk), k.reshape(rows, hk, dk)
-        if qk_l2norm:
-            q, k = ops.l2norm_fla(q), ops.l2norm_fla(k)
-        b = proj[start:end, b_column : b_column + hv]
-        a = proj[start:end, b_column + hv : b_column + 2 * hv]
-        g, beta = ops.gdn_gates(a, b, A_log, dt_bias)
-        for name, value in zip(parts, (q, k, v.reshape(rows, hv, dv), g, beta)):
-            parts[name].append(value)
-    return {name: torch.cat(values) for name, values in parts.items()}
-
-
-def reference_attn_prep(
-    proj: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    shapes: ModelShapes,
-) -> dict[str, torch.Tensor]:
-    """q [T, H, D], k, v [T, Hkv, D] and gate [T, H·D] as `reference.ops.attention_mixer` forms them, and
-    q_normed, k_normed: q and k before RoPE (the n of `rope_flips`)."""
-    rows, heads, kv_heads, dim = proj.shape[0], shapes.num_attention_heads, shapes.num_key_value_heads, shapes.head_dim
-    eps = shapes.rms_norm_eps
-    query, gate = torch.chunk(proj[:, : 2 * heads * dim].reshape(rows, heads, 2 * dim), 2, dim=-1)
-    k = proj[:, 2 * heads * dim : (2 * heads + kv_heads) * dim].reshape(rows, kv_heads, dim)
-    v = proj[:, (2 * heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
-    q_normed, k_normed = ops.rmsnorm_1p(query, q_norm_weight, eps), ops.rmsnorm_1p(k, k_norm_weight, eps)
-    q, k = ops.apply_partial_rope(q_normed, cos, sin), ops.apply_partial_rope(k_normed, cos, sin)
-    return {"q": q, "k": k, "v": v, "gate": gate.reshape(rows, heads * dim), "q_normed": q_normed, "k_normed": k_normed}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The table
 
 
@@ -375,7 +318,7 @@ def bit_identity_table(
             head_v_dim=dv,
             out=poisoned,
         )
-        want = reference_gdn_prep(proj, act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens, shapes)
+        want = ops.gdn_prep(proj, act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens, shapes)
         for name, tensor in zip(("q", "k", "v", "g", "beta"), got):
             row("gdn_prep", name, tensor[0], want[name])
 
@@ -409,7 +352,7 @@ def bit_identity_table(
             head_dim=dim,
             out=poisoned,
         )
-        want = reference_attn_prep(proj, act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"], shapes)
+        want = ops.attn_prep(proj, act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"], shapes)
         cos, sin = act["cos"], act["sin"]
         row("attn_prep", "q", q, want["q"], rope_flips(want["q_normed"], cos, sin))
         row("attn_prep", "k", k, want["k"], rope_flips(want["k_normed"], cos, sin))

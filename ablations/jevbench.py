@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ablations import envinfo
-from engine.overhead import latency_stats, measure_overhead
+from ablations.overhead import latency_stats, measure_overhead
 from engine.server import DecisionServer, add_model_arguments, model_from_arguments
 from reference.data import REPO, jevbench_tasks
 from reference.shapes import get_shapes
@@ -450,7 +450,7 @@ def environment() -> dict:
 
 
 def record_overhead(tasks: list[dict], *, shapes_name: str, rounds: int, out: Path) -> dict:
-    """Measure the server overhead (engine.overhead) on the JevBench request bodies; write it with the environment."""
+    """Measure the server overhead (`ablations.overhead`) on the JevBench bodies; write it with the environment."""
 
     bodies = [request_body(task, "open-jev") for task in tasks]
     result = measure_overhead(bodies, shapes=get_shapes(shapes_name), rounds=rounds)

@@ -305,7 +305,8 @@ def silu_mul_cases() -> list[dict[str, Any]]:
     import torch
     import triton
 
-    from kernels.activations import LAUNCH_OPTIONS, _silu_mul_kernel
+    from kernels.activations import _silu_mul_kernel
+    from kernels.numerics import LAUNCH_OPTIONS
     from reference.shapes import QWEN38_27B as S
 
     rows, inter = TILE_ROWS, S.intermediate_size
@@ -330,8 +331,8 @@ def residual_rmsnorm_cases() -> list[dict[str, Any]]:
     import torch
     import triton
 
-    from kernels.activations import LAUNCH_OPTIONS
     from kernels.norms import _residual_rmsnorm_kernel, inverse_count
+    from kernels.numerics import LAUNCH_OPTIONS
     from reference.shapes import QWEN38_27B as S
 
     rows, hidden = TILE_ROWS, S.hidden_size
@@ -360,8 +361,8 @@ def gdn_prep_cases() -> list[dict[str, Any]]:
     import torch
     import triton
 
-    from kernels.activations import LAUNCH_OPTIONS
     from kernels.gdn_prep import _gdn_prep_kernel
+    from kernels.numerics import LAUNCH_OPTIONS
     from reference.shapes import QWEN38_27B as S
 
     rows = TILE_ROWS

@@ -11,6 +11,9 @@
 * `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the
   sum-of-squares order. `attn_prep.attention_gate_view` is the gate half of the q projection as a view.
 
+The torch-opmath helpers they share (bf16 rounding by bits, exp/silu/sigmoid as torch evaluates them, launch options,
+tensor checks) are `numerics`.
+
 CPU: the kernels run in the Triton interpreter when TRITON_INTERPRET=1 is set before this package is imported
 (`nox -s tests` does); CUDA tensors need compiled kernels (TRITON_INTERPRET unset). The names `gdn_prep` and
 `attn_prep` below are the functions; their modules are `sys.modules["kernels.gdn_prep"]` etc.

@@ -10,13 +10,13 @@ with cos, sin [T, r] bf16 given (`reference.ops.rope_cos_sin`, r = rotary_dim). 
 Outputs q [T, H, D], k and v [T, Hkv, D] bf16 (layout "thd", packed varlen rows) or [H, T, D] / [Hkv, T, D]
 (layout "htd", what SDPA reads as batch 1 after `unsqueeze(0)`).
 
-Math and rounding points (references: `reference.ops.rmsnorm_1p`, `apply_partial_rope`), per head of D dims:
+Math and rounding points (reference: `reference.ops.attn_prep`, of `rmsnorm_1p`, `apply_partial_rope`), per head:
   n = bf16↓( (x_f · rsqrt(mean(x_f²) + eps)) · (1 + w_f) )                            q_norm / k_norm, one rounding
   for d < r:  out_d = bf16↓( bf16↓(n_d · cos_d) + bf16↓(rot_d · sin_d) ),  rot_d = −n_{d+r/2} (d < r/2), n_{d−r/2}
   for d >= r: out_d = n_d;   v = x (copy)
 rot_d is recomputed from its own load of x_{d±r/2} (the norm is element-wise once the row's rsqrt is known), so no
 cross-lane shuffle is needed. Every torch op of the chain is one fp32 op and one bf16↓ here (launched without fp
-fusion, bf16↓ by integer rounding, see `kernels.activations`). The mean and rsqrt follow torch per device as in
+fusion, bf16↓ by integer rounding, see `kernels.numerics`). The mean and rsqrt follow torch per device as in
 `kernels.norms`; the only rounding point not reproduced is the fp32 sum of squares' order (see `kernels.norms`):
 an element of n may differ by one bf16 ulp, rarely. A pass-through dim then differs by that one ulp; a rotated dim,
 whose two rounded terms read n_d and its partner n_{d±r/2}, by as many ulps as the flip makes after the sum (several
@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import (
+from kernels.norms import inverse_count, rms_inverse
+from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     ieee_quiet,
@@ -68,7 +69,6 @@ from kernels.activations import (
     to_bf16,
     to_f32,
 )
-from kernels.norms import inverse_count, rms_inverse
 
 LAYOUTS = ("thd", "htd")
 

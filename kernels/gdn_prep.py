@@ -10,7 +10,7 @@ and the conv sees zeros before each sequence's first row. z is left in place for
 Outputs, laid out for FLA's varlen call (B = 1): q, k [1, T, Hk, K] bf16, v [1, T, Hv, V] bf16, g [1, T, Hv] fp32,
 beta [1, T, Hv] bf16.
 
-Math and rounding points (references: `reference.ops.causal_conv1d_silu`, `l2norm_fla`, `gdn_gates`):
+Math and rounding points (reference: `reference.ops.gdn_prep`, of `causal_conv1d_silu`, `l2norm_fla`, `gdn_gates`):
   c[t, ch] = bf16↓( Σ_{w=0..W-1} x[t-W+1+w, ch] · weight[ch, w] )   F.conv1d in bf16 (the weight's dtype): fp32 sum,
                                                                    oldest tap first, as torch's depthwise kernel
   u = bf16↓( silu(c) )                                             F.silu on bf16
@@ -30,7 +30,7 @@ kernel (16 × 128 tile, 4 warps): the same reduction tree, so bitwise equality w
 Against `reference.ops.l2norm_fla` (torch: IEEE sqrt and division, torch's own sum order) a q/k element can be one
 ulp off, rarely. With `qk_l2norm=False` q and k are the conv outputs, for FLA to normalise
 (`use_qk_l2norm_in_kernel=True`): equal to the HF+FLA path by construction. beta and g follow torch's CUDA kernels
-(libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.activations`): bitwise on GPU. Under the CPU
+(libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.numerics`): bitwise on GPU. Under the CPU
 interpreter g (fp32, never rounded) is 93-100 % bit-identical to torch's CPU result, at most 2 ulp off.
 
 Unsupported on purpose (clear errors): conv weights other than bf16 (HF then convolves in fp32 with one rounding),
@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import (
+from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     exp_f32,

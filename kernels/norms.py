@@ -27,7 +27,7 @@ and the normalised value (y of residual_rmsnorm, n of the gated norm) then diffe
 value lies within ~2^-23 (relative) of a bf16 rounding boundary: about 2^-15 of the elements of an affected row.
 Reproducing torch's CUDA reduction tree is possible in principle but ties the kernel to one torch version's launch
 heuristics (block shape chosen from the row count), so it is not done. Under the interpreter the rsqrt can differ
-too (`kernels.activations`). In the gated norm rounded arithmetic follows n: a 1-ulp step of n is 2^-8 to 2^-7 of
+too (`kernels.numerics`). In the gated norm rounded arithmetic follows n: a 1-ulp step of n is 2^-8 to 2^-7 of
 n, which after t and y can span two ulps of y with an fp32 weight, more with a bf16 weight (t rounded as well).
 Measured on CPU: hidden 5120, 200 random rows: 99.9992 % of the normed outputs bit-identical (8 of 1,024,000 one ulp
 off); the gated norm at the 27B widths 99.9997 % to 100 %; tiny-twin widths 100 % in every test. Measured on the H200
@@ -40,7 +40,7 @@ reference's own t / y chain on n moved by one ulp (the flip model, `bit_identity
 ulps of y that is; the residual output h is always bitwise. The flip model has not yet been run on the GPU (it will
 be in the next GPU session); the CPU interpreter tests exercise it.
 
-Batch invariance: tile shapes come from the widths only (`activations.tile_elements`), never from the row count, so
+Batch invariance: tile shapes come from the widths only (`numerics.tile_elements`), never from the row count, so
 a row's bits do not depend on the other rows of a call (tested); the prefix tree relies on that.
 
 Version history:
@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import (
+from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     ieee_quiet,

@@ -362,6 +362,66 @@ def attention_mixer(
     return linear(gated, _param(params, prefix + "o_proj.weight"))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Compositions of the fused prep kernels (packed rows, one sequence at a time)
+
+
+def gdn_prep(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    shapes: ModelShapes,
+    *,
+    qk_l2norm: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The composition `kernels.gdn_prep` replaces, over packed rows: proj [T, P] bf16 (the merged in-projection) and
+    cu_seqlens [S + 1] -> q, k [T, Hk, K], v [T, Hv, V] bf16, g fp32, beta bf16 [T, Hv], sequence by sequence (zero
+    conv history): `causal_conv1d_silu`, split, `l2norm_fla` on q / k (when qk_l2norm), `gdn_gates` on a / b.
+    The kernel's exactness against it: tests/test_kernels.py, tests/test_gpu_kernels.py (`ablations.bit_identity`)."""
+    hk, hv = shapes.linear_num_key_heads, shapes.linear_num_value_heads
+    dk, dv = shapes.linear_key_head_dim, shapes.linear_value_head_dim
+    b_column = shapes.conv_dim + shapes.linear_value_dim
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("q", "k", "v", "g", "beta")}
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if start == end:
+            continue
+        rows = end - start
+        mixed = causal_conv1d_silu(proj[start:end, : shapes.conv_dim], conv_weight)
+        q, k, v = torch.split(mixed, [shapes.linear_key_dim, shapes.linear_key_dim, shapes.linear_value_dim], dim=-1)
+        q, k = q.reshape(rows, hk, dk), k.reshape(rows, hk, dk)
+        if qk_l2norm:
+            q, k = l2norm_fla(q), l2norm_fla(k)
+        b = proj[start:end, b_column : b_column + hv]
+        a = proj[start:end, b_column + hv : b_column + 2 * hv]
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        for name, value in zip(parts, (q, k, v.reshape(rows, hv, dv), g, beta)):
+            parts[name].append(value)
+    return {name: torch.cat(values) for name, values in parts.items()}
+
+
+def attn_prep(
+    proj: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shapes: ModelShapes,
+) -> dict[str, torch.Tensor]:
+    """q [T, H, D], k, v [T, Hkv, D] and gate [T, H·D] as `reference.attention_mixer` forms them, and
+    q_normed, k_normed: q and k before RoPE (the n of `rope_flips`)."""
+    rows, heads, kv_heads, dim = proj.shape[0], shapes.num_attention_heads, shapes.num_key_value_heads, shapes.head_dim
+    eps = shapes.rms_norm_eps
+    query, gate = torch.chunk(proj[:, : 2 * heads * dim].reshape(rows, heads, 2 * dim), 2, dim=-1)
+    k = proj[:, 2 * heads * dim : (2 * heads + kv_heads) * dim].reshape(rows, kv_heads, dim)
+    v = proj[:, (2 * heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+    q_normed, k_normed = rmsnorm_1p(query, q_norm_weight, eps), rmsnorm_1p(k, k_norm_weight, eps)
+    q, k = apply_partial_rope(q_normed, cos, sin), apply_partial_rope(k_normed, cos, sin)
+    return {"q": q, "k": k, "v": v, "gate": gate.reshape(rows, heads * dim), "q_normed": q_normed, "k_normed": k_normed}
+
+
 def decoder_layer(
     x: torch.Tensor,
     params: Mapping[str, torch.Tensor],

@@ -81,7 +81,7 @@ def backbone_tensors(backbone: Backbone) -> list[torch.Tensor]:
     backbone dict was consumed."""
     merged = getattr(backbone, "weights", None)
     if merged is None or not hasattr(merged, "named_tensors"):
-        return []  # a stand-in backbone with no weights at all (e.g. engine/overhead.py): nothing to report
+        return []  # a stand-in backbone with no weights at all (e.g. ablations/overhead.py): nothing to report
     return [tensor for _, tensor in merged.named_tensors()]
 
 

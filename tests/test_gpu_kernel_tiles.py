@@ -2,7 +2,7 @@
 at the 27B widths and the drone's 971 packed rows, timed against the shipped shape, outputs compared bit for bit.
 
 A tile shape is a kernel's (rows per program, columns per program, warps). The shipped shape comes from the widths
-alone (`kernels.activations.tile_elements`), which keeps a row's bits independent of the batch; a candidate must do
+alone (`kernels.numerics.tile_elements`), which keeps a row's bits independent of the batch; a candidate must do
 the same, so only width-derived shapes are tried. Each candidate launches the kernel's own Triton function on fresh
 random inputs (never zeros) with NaN-poisoned outputs. Asserted: silu_mul candidates are bitwise equal to the shipped
 shape (element-wise: the tile cannot change a bit); the others are compared and their bit-equal share printed (a

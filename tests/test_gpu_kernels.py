@@ -1,11 +1,11 @@
 """GPU tests of the fused kernels (27B shapes, H200): random activations at realistic scales, and the per-kernel
 bit-identity table on activations captured from the 27B reference forward (hf_fla) of the drone request.
 
-The table code lives in `ablations/bit_identity.py` (the runner records the same table; tests/test_kernels.py
-imports these names from here): `bit_identity_table(activations, shapes)` runs every kernel whose inputs are in
-`activations` on NaN-poisoned outputs and compares with `reference.ops` on the same device, one row per output;
-`capture_activations(hf_backbone, candidates, groups, layers=...)` builds such a dict per layer from the HF forward.
-`random_activations(shapes, seq_lens, device, seed)` below builds one from seeded random data.
+The table code lives in `ablations/bit_identity.py` (the runner records the same table):
+`bit_identity_table(activations, shapes)` runs every kernel whose inputs are in `activations` on NaN-poisoned outputs
+and compares with `reference.ops` on the same device, one row per output; `capture_activations(hf_backbone,
+candidates, groups, layers=...)` builds such a dict per layer from the HF forward. `random_activations(shapes,
+seq_lens, device, seed)` (tests/cases.py, shared with tests/test_kernels.py) builds one from seeded random data.
 
 Expected exactness (reasons in each kernel module's docstring), asserted by `check_rows`:
 * bitwise: silu_mul, attention_gate, the new residual, gdn_prep v / beta / g, attn_prep v;
@@ -19,152 +19,27 @@ Synthetic data and weights: the shares say nothing about model accuracy, only ab
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
 import pytest
 import torch
 
 from ablations.bit_identity import (
-    BITWISE,
     KERNELS,
-    ONE_ULP_MIN_SHARE,
     bit_identity_table,
     capture_activations,
     captured_table,
     check_rows,
     compare,
     format_table,
-    reference_attn_prep,
-    reference_gdn_prep,
     representative_layers,
 )
-from reference import ops
-from reference.shapes import QWEN38_27B, ModelShapes
-
-__all__ = [  # the names tests/test_kernels.py imports from here
-    "BITWISE",
-    "check_row_indexed_kernels",
-    "gdn_dims",
-    "ONE_ULP_MIN_SHARE",
-    "bit_identity_table",
-    "check_rows",
-    "compare",
-    "format_table",
-    "random_activations",
-    "reference_attn_prep",
-    "reference_gdn_prep",
-]
+from reference.shapes import QWEN38_27B
+from tests.cases import check_row_indexed_kernels, random_activations
 
 GPU_ROWS = (1, 7, 63, 65, 277, 1000)
 
 
-def random_activations(
-    shapes: ModelShapes, seq_lens: Sequence[int], device: torch.device | str, seed: int
-) -> dict[str, torch.Tensor]:
-    """Seeded random activations in the `bit_identity_table` schema, at the scales of the synthetic model
-    (unit-RMS projections, residual RMS ~0.5, (1 + w) offsets N(0, 0.1)); `a` is scaled so softplus meets its
-    threshold of 20 and its exponential tail, `b` so sigmoid saturates. Packed sequences of `seq_lens` rows."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = sum(seq_lens)
-
-    def normal(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=generator, device=device) * std + mean).to(torch.bfloat16)
-
-    hv, heads, dim = shapes.linear_num_value_heads, shapes.num_attention_heads, shapes.head_dim
-    gdn_proj = normal(tokens, shapes.gdn_in_width)
-    b_column = shapes.conv_dim + shapes.linear_value_dim
-    gdn_proj[:, b_column : b_column + hv] = normal(tokens, hv, std=3.0)  # b: sigmoid into saturation
-    gdn_proj[:, b_column + hv :] = normal(tokens, hv, std=10.0)  # a: softplus over 20 and deep in its tail
-    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens]).to(torch.int64)
-    cos, sin = ops.rope_cos_sin(positions + 17, shapes.rotary_dim, shapes.rope_theta)
-    offsets = torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32)
-    uniform = torch.rand(hv, generator=generator, device=device)
-    return {
-        "mlp_gate_up": normal(tokens, 2 * shapes.intermediate_size, std=2.0),
-        "residual": normal(tokens, shapes.hidden_size, std=0.5),
-        "delta": normal(tokens, shapes.hidden_size, std=0.3),
-        "norm_weight": normal(shapes.hidden_size, std=0.1),
-        "gdn_proj": gdn_proj,
-        "gdn_cu_seqlens": offsets,
-        "conv_weight": normal(shapes.conv_dim, shapes.linear_conv_kernel_dim, std=0.5),
-        "A_log": torch.log(1 + 15 * uniform).to(torch.bfloat16).float(),  # fp32 as stored, bf16-representable
-        "dt_bias": normal(hv, std=0.1, mean=1.0),
-        "gdn_core_out": normal(tokens, hv, shapes.linear_value_head_dim, std=0.5),
-        "gdn_norm_weight": normal(shapes.linear_value_head_dim, std=0.1, mean=1.0).float(),  # fp32 as stored
-        "attn_proj": normal(tokens, shapes.attn_in_width),
-        "q_norm_weight": normal(dim, std=0.1),
-        "k_norm_weight": normal(dim, std=0.1),
-        "cos": cos,
-        "sin": sin,
-        "attn_core_out": normal(tokens, heads, dim, std=0.5),
-    }
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # GPU tests
-
-
-def gdn_dims(shapes: ModelShapes) -> dict[str, int]:
-    """The head counts and sizes `kernels.gdn_prep` takes, of a model's shapes."""
-    return {
-        "num_k_heads": shapes.linear_num_key_heads,
-        "num_v_heads": shapes.linear_num_value_heads,
-        "head_k_dim": shapes.linear_key_head_dim,
-        "head_v_dim": shapes.linear_value_head_dim,
-    }
-
-
-def check_row_indexed_kernels(
-    shapes: ModelShapes,
-    device: str,
-    *,
-    source_rows: int,
-    path_lens: Sequence[int],
-    out_rows: int,
-    keys: int,
-    seed: int,
-    index_dtype: torch.dtype,
-) -> None:
-    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the prefix tree's
-    paths, read without a gather) against the same kernels on index_select-gathered copies: bit for bit, every output
-    written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an empty one allowed)
-    and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
-    import kernels
-
-    act = random_activations(shapes, [source_rows], device, seed=seed)
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def index(count: int) -> torch.Tensor:
-        return torch.randint(0, source_rows, (count,), generator=generator, device=device).to(index_dtype)
-
-    rows = index(sum(path_lens))
-    cu_seqlens = torch.tensor([0, *itertools.accumulate(path_lens)], dtype=torch.int32, device=device)
-    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
-    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **gdn_dims(shapes))
-    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
-    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **gdn_dims(shapes))
-    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
-        assert not got.isnan().any() and torch.equal(got, want), name
-
-    o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [source_rows, Hv, V]
-    z = act["gdn_proj"][:out_rows, shapes.conv_dim : shapes.conv_dim + shapes.linear_value_dim]  # row-strided slice
-    o_rows = index(out_rows)
-    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, shapes.rms_norm_eps)
-    out = torch.full_like(want, float("nan"))
-    got = kernels.gated_rmsnorm(o, z, weight, shapes.rms_norm_eps, o_rows=o_rows, out=out)
-    assert got is out and not got.isnan().any() and torch.equal(got, want)
-
-    key_rows = index(keys)
-    prep_args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"])
-    heads = {"num_heads": shapes.num_attention_heads, "num_kv_heads": shapes.num_key_value_heads}
-    prep_dims = heads | {"head_dim": shapes.head_dim}
-    q_full, k_full, v_full = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, **prep_dims)
-    sizes = (q_full.shape, (keys, *k_full.shape[1:]), (keys, *v_full.shape[1:]))
-    poisoned = tuple(torch.full(size, float("nan"), dtype=torch.bfloat16, device=device) for size in sizes)
-    q, k, v = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
-    assert not any(t.isnan().any() for t in (q, k, v))
-    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
 
 
 def _require_compiled_kernels() -> None:

@@ -18,7 +18,7 @@ import torch
 from reference.model import GDN_FUNCTION_NAMES, TORCH_GDN_FUNCTIONS, HFBackbone, build_hf_model, fla_gdn
 from reference.shapes import QWEN38_27B, TINY
 from reference.weights import load_package, synthetic_weights
-from tests.test_model import counting
+from tests.cases import counting, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -163,8 +163,6 @@ def test_tiny_fla_backend_runs_fla_on_the_gpu(monkeypatch):
 
 
 def test_package_loads_onto_the_gpu(tmp_path):
-    from test_weights import write_tiny_checkpoint
-
     checkpoint = write_tiny_checkpoint(tmp_path)
     on_cpu = load_package(checkpoint["package_dir"], checkpoint["base_dir"])
     on_gpu = load_package(checkpoint["package_dir"], checkpoint["base_dir"], device="cuda")

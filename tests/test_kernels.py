@@ -32,21 +32,18 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from test_gpu_kernels import (  # noqa: E402
+
+import kernels  # noqa: E402
+from ablations.bit_identity import (  # noqa: E402
     bit_identity_table,
-    check_row_indexed_kernels,
     check_rows,
     compare,
     format_table,
-    gdn_dims,
-    random_activations,
-    reference_gdn_prep,
 )
-
-import kernels  # noqa: E402
-from kernels import activations, compile_check  # noqa: E402
+from kernels import activations, compile_check, numerics  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
+from tests.cases import check_row_indexed_kernels, gdn_dims, random_activations  # noqa: E402
 
 if isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
     pytest.skip(
@@ -146,7 +143,7 @@ def test_gdn_prep_without_l2norm_tiny() -> None:
         qk_l2norm=False,
         **gdn_dims(TINY),
     )
-    want = reference_gdn_prep(
+    want = ops.gdn_prep(
         act["gdn_proj"], act["conv_weight"], act["A_log"], act["dt_bias"], act["gdn_cu_seqlens"], TINY, qk_l2norm=False
     )
     table = [compare("gdn_prep raw", "q", q[0], want["q"]), compare("gdn_prep raw", "k", k[0], want["k"])]
@@ -233,7 +230,7 @@ def test_round_to_bf16_matches_torch() -> None:
     def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offsets, mask=offsets < n)
-        tl.store(y_ptr + offsets, activations.to_bf16(x), mask=offsets < n)
+        tl.store(y_ptr + offsets, numerics.to_bf16(x), mask=offsets < n)
 
     generator = torch.Generator().manual_seed(0)
     random_bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=generator, dtype=torch.int64).to(torch.int32)

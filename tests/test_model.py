@@ -22,6 +22,7 @@ from reference.model import (
 )
 from reference.shapes import TINY
 from reference.weights import synthetic_weights
+from tests.cases import counting
 
 TEXTS = [
     "Is the right gap open?",
@@ -60,15 +61,6 @@ def ulps_at_scale(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in units of the bf16 spacing at the largest magnitude of b (elementwise ulps blow up near zero)."""
     spacing = 2.0 ** (math.floor(math.log2(b.float().abs().max().item())) - 7)
     return (a.float() - b.float()).abs().max().item() / spacing
-
-
-def counting(function, calls: dict, key: str):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        calls[key] = calls.get(key, 0) + 1
-        return function(*args, **kwargs)
-
-    return wrapper
 
 
 def test_build_shares_storage_and_keeps_dtypes(tiny, model):

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ablations.jevbench import request_body
-from engine.overhead import TARGET_P50_MS, measure_overhead
+from ablations.overhead import TARGET_P50_MS, measure_overhead
 from engine.server import MAX_BODY_BYTES, AccessLog, DecisionServer, build_decision_model, parse_arguments
 from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from reference.model import HFBackbone, build_hf_model, gdn_backend
 from reference.shapes import QWEN38_27B, TINY
@@ -20,8 +19,8 @@ from reference.weights import (
     package_sha256,
     synthetic_weights,
 )
+from tests.cases import LORA_TARGETS, clone_weights, write_tiny_checkpoint
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj"]
 TEXTS = [
     "The drone sees an obstacle two metres ahead; the left gap is closed and the right gap is open.",
     "Where is my package? I ordered it nine days ago and the tracking page has not changed since Monday.",
@@ -153,75 +152,6 @@ def test_tiny_twin_is_not_chaotic(tiny, token_ids):
 # Package loader
 
 
-def _clone(weights):
-    return dataclasses.replace(weights, backbone={k: v.clone() for k, v in weights.backbone.items()})
-
-
-def _write_base(base_dir, weights) -> None:
-    """Two safetensors shards with the multimodal key prefix plus non-backbone tensors, an index and a config.json."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
-
-    base_dir.mkdir()
-    Qwen3_5Config(text_config=TINY.to_hf_config().to_dict()).save_pretrained(base_dir)
-    names = list(weights.backbone)
-    shards = {
-        "model-00001-of-00002.safetensors": {f"model.language_model.{n}": weights.backbone[n] for n in names[:40]},
-        "model-00002-of-00002.safetensors": {f"model.language_model.{n}": weights.backbone[n] for n in names[40:]},
-    }
-    shards["model-00002-of-00002.safetensors"] |= {
-        "lm_head.weight": torch.ones(4, TINY.hidden_size, dtype=torch.bfloat16),
-        "model.visual.patch_embed.proj.weight": torch.ones(3, dtype=torch.bfloat16),
-        "mtp.fc.weight": torch.ones(2, dtype=torch.bfloat16),
-    }
-    weight_map = {}
-    for file, tensors in shards.items():
-        save_file({k: v.contiguous() for k, v in tensors.items()}, base_dir / file)
-        weight_map |= dict.fromkeys(tensors, file)
-    (base_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def _write_package(package_dir, base) -> None:
-    """model.json, temperature.json, head.pt and a PEFT LoRA adapter (non-zero B) trained on nothing."""
-    from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer
-
-    package_dir.mkdir()
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    with torch.random.fork_rng():
-        torch.manual_seed(5)  # PEFT draws A from the global generator
-        peft_model = get_peft_model(build_hf_model(_clone(base)), config)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for module in peft_model.modules():
-            if isinstance(module, LoraLayer):  # PEFT starts B at zero; make s·B@A about 10% of W (in std)
-                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-                std = 0.1 * module.get_base_layer().weight.float().std() / (2 * math.sqrt(8) * a.std())
-                b.copy_(torch.randn(b.shape, generator=generator) * std)
-    peft_model.save_pretrained(package_dir / "adapter")
-    head = torch.nn.Linear(TINY.hidden_size, 1, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) / math.sqrt(TINY.hidden_size))
-        head.bias.fill_(0.25)
-    torch.save(head.state_dict(), package_dir / "head.pt")
-    (package_dir / "temperature.json").write_text(json.dumps({"temperature": 1.75}))
-    meta = {
-        "model_id": "jevlab/tiny-twin",
-        "revision": "0123456789abcdef0123456789abcdef01234567",
-        "max_length": 4096,
-        "lora_rank": 8,
-        "method": "independent_candidate_lora_nll_brier",
-    }
-    (package_dir / "model.json").write_text(json.dumps(meta))
-
-
-def write_tiny_checkpoint(root) -> dict:
-    """A tiny-twin base checkpoint and an Open-Jev package on it under `root` (also used by the GPU tests)."""
-    base = synthetic_weights(TINY, seed=3)
-    _write_base(root / "base", base)
-    _write_package(root / "package", base)
-    return {"base": base, "base_dir": root / "base", "package_dir": root / "package"}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
@@ -241,7 +171,7 @@ def test_package_loads_exact_layout(checkpoint, loaded):
         assert not tensor.is_meta and tensor.device.type == "cpu", name
     merged = {
         f"{n}.weight"
-        for n, _ in build_hf_model(_clone(checkpoint["base"])).named_modules()
+        for n, _ in build_hf_model(clone_weights(checkpoint["base"])).named_modules()
         if n.endswith(tuple(f".{t}" for t in LORA_TARGETS))
     }
     assert len(merged) == 6 * 2 + 2 * 4
@@ -277,7 +207,7 @@ def test_merge_matches_peft_merge_and_unload(checkpoint, loaded):
     from peft import PeftModel
 
     peft_merged = PeftModel.from_pretrained(
-        build_hf_model(_clone(checkpoint["base"])), checkpoint["package_dir"] / "adapter"
+        build_hf_model(clone_weights(checkpoint["base"])), checkpoint["package_dir"] / "adapter"
     ).merge_and_unload()
     differing, total, worst = 0, 0, 0
     for name, tensor in peft_merged.state_dict().items():
@@ -309,7 +239,7 @@ def test_merged_forward_matches_peft_unmerged_forward(checkpoint, loaded, token_
         return hidden[torch.arange(3), lengths - 1].float()
 
     ours = merged.forward(batch).float()
-    peft = last_states(PeftModel.from_pretrained(build_hf_model(_clone(checkpoint["base"])), adapter_dir))
+    peft = last_states(PeftModel.from_pretrained(build_hf_model(clone_weights(checkpoint["base"])), adapter_dir))
     base32 = dataclasses.replace(
         checkpoint["base"], backbone={k: v.float() for k, v in checkpoint["base"].backbone.items()}
     )

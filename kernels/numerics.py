@@ -1,0 +1,201 @@
+"""Torch opmath in Triton: the device helpers and launcher helpers that every kernel of `kernels/` uses.
+
+Split. This module holds what is shared and computes no op of the model: the `@triton.jit` device functions (bf16
+rounding by bits, exp/log1p/rsqrt/sigmoid/silu in fp32 as torch's kernels evaluate them) and the host-side launch
+helpers (compile options, interpreter/CUDA mode, tile budget, numpy warnings, tensor checks, output buffers). Each op
+family (`activations`, `norms`, `gdn_prep`, `attn_prep`) is a module of its own that imports from here; nothing here
+imports them.
+
+How torch's numerics are reproduced:
+* Roundings to bf16 are integer bit arithmetic (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16`
+  at a store, and `to_f32` for bf16 loads. Two reasons. MLIR folds `extf(truncf(x))` to `x` when both carry the
+  `contract` flag, and a documented Triton 3.6 trap is that round trip disappearing. And the Triton 3.9 interpreter
+  converts fp32 -> bf16 by truncation and mangles subnormals in both directions (measured: `.to(tl.bfloat16)` on
+  random fp32 agreed with torch on 49.8 % of the values; bf16 -> fp32 was wrong for all 254 nonzero subnormals).
+  `to_bf16` equals torch's fp32 -> bf16 conversion on random values, ties, carries, ±inf, ±0, subnormals, NaN and
+  overflow: tests/test_kernels.py::test_round_to_bf16_matches_torch.
+* Launch options `enable_fp_fusion=False` (torch runs each op as its own kernel: no mul+add across ops may become
+  an fma) and `enable_reflect_ftz=False` (libdevice must not flush subnormals; torch's nvcc build does not).
+* On CUDA: `libdevice.exp` (= `expf`, which torch's kernels call; Triton's `tl.exp` is `ex2.approx`),
+  `libdevice.log1p`, `libdevice.rsqrt` (= `rsqrtf`, torch's `rsqrt`) and `tl.math.div_rn` (IEEE division; Triton's
+  `/` is `div.full.f32`). Checked by compiling every kernel for sm_90 here: the PTX has `div.rn.f32` and a non-ftz
+  `rsqrt.approx.f32`, and no fma outside libdevice's own `expf` (`kernels/compile_check.py`).
+* Under TRITON_INTERPRET=1 (CPU tensors) there is no libdevice: exp and log1p are evaluated in fp64 and rounded once
+  (torch's CPU expf / log1pf are correctly rounded on ~99 % / ~98 % of inputs), rsqrt as 1/sqrt in fp32 (agrees
+  with torch's CPU rsqrt on ~86 % of inputs). A last-bit fp32 difference almost never survives a bf16↓; where a
+  kernel outputs fp32 (the GDN decay g) the CPU test bounds it in ulps. This limits the CPU check only.
+* The interpreter runs numpy, which warns on IEEE overflow and division by zero (e.g. exp overflow in silu of a very
+  negative x, or the untaken side of a `tl.where`); launches there run under `ieee_quiet`. No `tl.dot` anywhere (the
+  interpreter computes bf16 dots wrongly).
+
+Version history:
+* v1 (this file): the helpers above, moved out of `kernels/activations.py` unchanged.
+* v0 probes that failed: `libdevice.exp` under the interpreter returns None (`create_extern_elementwise` is not
+  implemented there), hence the constexpr `TORCH_CPU` branches; stores through `.to(tl.bfloat16)` were one ulp off on
+  about half the elements under the interpreter (truncation), hence `to_bf16`; numpy's float32 `exp` left the CPU g
+  45-70 % bit-identical with up to 6 ulp, hence fp64 there (now 93-100 %, at most 2 ulp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Compile options for every kernel of the package (see module docstring). The interpreter accepts and ignores them.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers: torch opmath in Triton
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), returned as fp32; overflow gives ±inf. NaN stays NaN with its
+    quiet bit set, so that its upper 16 bits are a bf16 NaN too."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, bits | 0x400000, rounded).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 -> bf16 tensor, round to nearest even, by bits (the interpreter's `.to(tl.bfloat16)` truncates and
+    mangles subnormals)."""
+    bits = round_to_bf16(x).to(tl.uint32, bitcast=True)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def to_f32(x):
+    """A loaded bf16 or fp32 tensor as fp32, exactly: bf16 by bits (the interpreter's `.to(tl.float32)` mangles
+    subnormals), fp32 unchanged."""
+    if x.dtype == tl.bfloat16:
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def exp_f32(x, TORCH_CPU: tl.constexpr):
+    """expf: libdevice on CUDA (what torch's CUDA kernels call); in the interpreter exp in fp64 rounded once to fp32
+    (torch's CPU expf is correctly rounded ~99 % of the time, numpy's float32 exp only ~61 %)."""
+    if TORCH_CPU:
+        y = tl.exp(x.to(tl.float64)).to(tl.float32)
+    else:
+        y = libdevice.exp(x)
+    return y
+
+
+@triton.jit
+def log1p_f32(x, TORCH_CPU: tl.constexpr):
+    """log1pf: libdevice on CUDA; in the interpreter (which has no log1p) log(w)·x/(w−1), w = 1 + x, in fp64, rounded
+    once to fp32 (accurate far beyond fp32, so it is the correctly rounded log1pf that torch's CPU kernel returns
+    ~98 % of the time)."""
+    if TORCH_CPU:
+        x64 = x.to(tl.float64)
+        w = 1.0 + x64
+        y = tl.where(w == 1.0, x64, tl.log(w) * (x64 / (w - 1.0))).to(tl.float32)
+    else:
+        y = libdevice.log1p(x)
+    return y
+
+
+@triton.jit
+def rsqrt_f32(x, TORCH_CPU: tl.constexpr):
+    """torch.rsqrt on fp32: `rsqrtf` (libdevice) on CUDA; 1/sqrt in fp32 in the interpreter (torch's CPU rsqrt is
+    neither that nor correctly rounded: 1/sqrt agrees with it on ~86 % of inputs, the correctly rounded value on
+    ~71 %)."""
+    if TORCH_CPU:
+        y = tl.rsqrt(x)
+    else:
+        y = libdevice.rsqrt(x)
+    return y
+
+
+@triton.jit
+def sigmoid_f32(x, TORCH_CPU: tl.constexpr):
+    """torch's sigmoid in fp32 opmath: 1 / (1 + exp(-x)), IEEE division."""
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp_f32(-x, TORCH_CPU))
+
+
+@triton.jit
+def silu_f32(x, TORCH_CPU: tl.constexpr):
+    """torch's silu in fp32 opmath: x / (1 + exp(-x)), IEEE division."""
+    return tl.math.div_rn(x, 1.0 + exp_f32(-x, TORCH_CPU))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers: launcher side
+
+
+def kernel_mode(kernel, device: torch.device) -> bool:
+    """Return TORCH_CPU for a launch: True when `kernel` runs in the Triton interpreter on CPU tensors, False when it
+    is compiled for CUDA tensors. Any other pairing is an error with the fix in its message."""
+    interpreted = not isinstance(kernel, triton.runtime.JITFunction)
+    if interpreted and device.type != "cpu":
+        raise RuntimeError(
+            f"kernels were defined under TRITON_INTERPRET=1 but got {device} tensors: unset TRITON_INTERPRET before "
+            "`kernels` is imported to compile them for the GPU"
+        )
+    if not interpreted and device.type != "cuda":
+        raise RuntimeError(
+            f"kernels were compiled for CUDA but got {device} tensors: set TRITON_INTERPRET=1 before `kernels` is "
+            "imported to run them on the CPU (the Triton interpreter)"
+        )
+    return interpreted
+
+
+def tile_elements(torch_cpu: bool) -> int:
+    """Elements per program that tile sizes are derived from (widths only, never row counts, so a row's bits do not
+    depend on the other rows of a call). The interpreter pays about a millisecond per Triton op and per program, not
+    per element, so it runs 16x larger tiles."""
+    return 65536 if torch_cpu else 4096
+
+
+def ieee_quiet(torch_cpu: bool):
+    """Context of an interpreted launch: numpy's floating-point warnings off. Overflow to inf, division by zero in a
+    `tl.where` branch that is not taken, underflow: these are the IEEE results torch's kernels produce silently
+    (e.g. exp overflow in silu of a very negative x); the interpreter evaluates them with numpy, which warns."""
+    return numpy.errstate(all="ignore") if torch_cpu else contextlib.nullcontext()
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    shape: tuple[int | None, ...],
+    device: torch.device,
+    contiguous: bool = False,
+) -> None:
+    """Raise ValueError unless `t` has the dtype, shape (None = any size), device and layout a kernel needs.
+    Every tensor must have unit stride in its last dim; `contiguous` asks for a fully contiguous tensor."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if t.ndim != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want_text = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected [{want_text}]")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+    if t.ndim and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must have stride 1, got strides {t.stride()}")
+
+
+def output_tensor(
+    name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`out` checked to be a contiguous tensor of exactly this shape and dtype, or a new one when None."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, out, dtype=dtype, shape=shape, device=device, contiguous=True)
+    return out

@@ -1,0 +1,281 @@
+"""Shared test builders and cases (not a test module: pytest collects `test_*.py` only). A test module imports what
+it shares from here, never from another test module.
+
+* `random_activations(shapes, seq_lens, device, seed)`: seeded random activations in the `bit_identity_table` schema
+  (`ablations/bit_identity.py`); `gdn_dims(shapes)`: the head counts and sizes `kernels.gdn_prep` takes;
+  `check_row_indexed_kernels(...)`: the row-indexed launches against gathered copies (tests/test_kernels.py on the
+  CPU, tests/test_gpu_kernels.py at 27B shapes).
+* `write_tiny_checkpoint(root)`: a tiny-twin base checkpoint and an Open-Jev LoRA package (tests/test_weights.py,
+  tests/test_gpu_reference.py); `clone_weights`, `LORA_TARGETS`.
+* `counting(function, calls, key)`: a wrapper that counts calls (tests/test_model.py, tests/test_gpu_reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from ablations import records
+from reference import ops
+from reference.model import build_hf_model
+from reference.shapes import TINY, ModelShapes
+from reference.weights import synthetic_weights
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj"]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+def random_activations(
+    shapes: ModelShapes, seq_lens: Sequence[int], device: torch.device | str, seed: int
+) -> dict[str, torch.Tensor]:
+    """Seeded random activations in the `bit_identity_table` schema, at the scales of the synthetic model
+    (unit-RMS projections, residual RMS ~0.5, (1 + w) offsets N(0, 0.1)); `a` is scaled so softplus meets its
+    threshold of 20 and its exponential tail, `b` so sigmoid saturates. Packed sequences of `seq_lens` rows."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(seq_lens)
+
+    def normal(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator, device=device) * std + mean).to(torch.bfloat16)
+
+    hv, heads, dim = shapes.linear_num_value_heads, shapes.num_attention_heads, shapes.head_dim
+    gdn_proj = normal(tokens, shapes.gdn_in_width)
+    b_column = shapes.conv_dim + shapes.linear_value_dim
+    gdn_proj[:, b_column : b_column + hv] = normal(tokens, hv, std=3.0)  # b: sigmoid into saturation
+    gdn_proj[:, b_column + hv :] = normal(tokens, hv, std=10.0)  # a: softplus over 20 and deep in its tail
+    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens]).to(torch.int64)
+    cos, sin = ops.rope_cos_sin(positions + 17, shapes.rotary_dim, shapes.rope_theta)
+    offsets = torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32)
+    uniform = torch.rand(hv, generator=generator, device=device)
+    return {
+        "mlp_gate_up": normal(tokens, 2 * shapes.intermediate_size, std=2.0),
+        "residual": normal(tokens, shapes.hidden_size, std=0.5),
+        "delta": normal(tokens, shapes.hidden_size, std=0.3),
+        "norm_weight": normal(shapes.hidden_size, std=0.1),
+        "gdn_proj": gdn_proj,
+        "gdn_cu_seqlens": offsets,
+        "conv_weight": normal(shapes.conv_dim, shapes.linear_conv_kernel_dim, std=0.5),
+        "A_log": torch.log(1 + 15 * uniform).to(torch.bfloat16).float(),  # fp32 as stored, bf16-representable
+        "dt_bias": normal(hv, std=0.1, mean=1.0),
+        "gdn_core_out": normal(tokens, hv, shapes.linear_value_head_dim, std=0.5),
+        "gdn_norm_weight": normal(shapes.linear_value_head_dim, std=0.1, mean=1.0).float(),  # fp32 as stored
+        "attn_proj": normal(tokens, shapes.attn_in_width),
+        "q_norm_weight": normal(dim, std=0.1),
+        "k_norm_weight": normal(dim, std=0.1),
+        "cos": cos,
+        "sin": sin,
+        "attn_core_out": normal(tokens, heads, dim, std=0.5),
+    }
+
+
+def gdn_dims(shapes: ModelShapes) -> dict[str, int]:
+    """The head counts and sizes `kernels.gdn_prep` takes, of a model's shapes."""
+    return {
+        "num_k_heads": shapes.linear_num_key_heads,
+        "num_v_heads": shapes.linear_num_value_heads,
+        "head_k_dim": shapes.linear_key_head_dim,
+        "head_v_dim": shapes.linear_value_head_dim,
+    }
+
+
+def check_row_indexed_kernels(
+    shapes: ModelShapes,
+    device: str,
+    *,
+    source_rows: int,
+    path_lens: Sequence[int],
+    out_rows: int,
+    keys: int,
+    seed: int,
+    index_dtype: torch.dtype,
+) -> None:
+    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the prefix tree's
+    paths, read without a gather) against the same kernels on index_select-gathered copies: bit for bit, every output
+    written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an empty one allowed)
+    and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
+    import kernels
+
+    act = random_activations(shapes, [source_rows], device, seed=seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def index(count: int) -> torch.Tensor:
+        return torch.randint(0, source_rows, (count,), generator=generator, device=device).to(index_dtype)
+
+    rows = index(sum(path_lens))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(path_lens)], dtype=torch.int32, device=device)
+    args = (act["conv_weight"], act["A_log"], act["dt_bias"], cu_seqlens)
+    gathered = kernels.gdn_prep(act["gdn_proj"].index_select(0, rows), *args, **gdn_dims(shapes))
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in gathered)
+    indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **gdn_dims(shapes))
+    for name, got, want in zip("q k v g beta".split(), indexed, gathered):
+        assert not got.isnan().any() and torch.equal(got, want), name
+
+    o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [source_rows, Hv, V]
+    z = act["gdn_proj"][:out_rows, shapes.conv_dim : shapes.conv_dim + shapes.linear_value_dim]  # row-strided slice
+    o_rows = index(out_rows)
+    want = kernels.gated_rmsnorm(o.index_select(0, o_rows), z, weight, shapes.rms_norm_eps)
+    out = torch.full_like(want, float("nan"))
+    got = kernels.gated_rmsnorm(o, z, weight, shapes.rms_norm_eps, o_rows=o_rows, out=out)
+    assert got is out and not got.isnan().any() and torch.equal(got, want)
+
+    key_rows = index(keys)
+    prep_args = (act["attn_proj"], act["q_norm_weight"], act["k_norm_weight"], act["cos"], act["sin"])
+    heads = {"num_heads": shapes.num_attention_heads, "num_kv_heads": shapes.num_key_value_heads}
+    prep_dims = heads | {"head_dim": shapes.head_dim}
+    q_full, k_full, v_full = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, **prep_dims)
+    sizes = (q_full.shape, (keys, *k_full.shape[1:]), (keys, *v_full.shape[1:]))
+    poisoned = tuple(torch.full(size, float("nan"), dtype=torch.bfloat16, device=device) for size in sizes)
+    q, k, v = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
+    assert not any(t.isnan().any() for t in (q, k, v))
+    assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def clone_weights(weights):
+    return dataclasses.replace(weights, backbone={k: v.clone() for k, v in weights.backbone.items()})
+
+
+def _write_base(base_dir, weights) -> None:
+    """Two safetensors shards with the multimodal key prefix plus non-backbone tensors, an index and a config.json."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    base_dir.mkdir()
+    Qwen3_5Config(text_config=TINY.to_hf_config().to_dict()).save_pretrained(base_dir)
+    names = list(weights.backbone)
+    shards = {
+        "model-00001-of-00002.safetensors": {f"model.language_model.{n}": weights.backbone[n] for n in names[:40]},
+        "model-00002-of-00002.safetensors": {f"model.language_model.{n}": weights.backbone[n] for n in names[40:]},
+    }
+    shards["model-00002-of-00002.safetensors"] |= {
+        "lm_head.weight": torch.ones(4, TINY.hidden_size, dtype=torch.bfloat16),
+        "model.visual.patch_embed.proj.weight": torch.ones(3, dtype=torch.bfloat16),
+        "mtp.fc.weight": torch.ones(2, dtype=torch.bfloat16),
+    }
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, base_dir / file)
+        weight_map |= dict.fromkeys(tensors, file)
+    (base_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _write_package(package_dir, base) -> None:
+    """model.json, temperature.json, head.pt and a PEFT LoRA adapter (non-zero B) trained on nothing."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    package_dir.mkdir()
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    with torch.random.fork_rng():
+        torch.manual_seed(5)  # PEFT draws A from the global generator
+        peft_model = get_peft_model(build_hf_model(clone_weights(base)), config)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer):  # PEFT starts B at zero; make s·B@A about 10% of W (in std)
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                std = 0.1 * module.get_base_layer().weight.float().std() / (2 * math.sqrt(8) * a.std())
+                b.copy_(torch.randn(b.shape, generator=generator) * std)
+    peft_model.save_pretrained(package_dir / "adapter")
+    head = torch.nn.Linear(TINY.hidden_size, 1, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) / math.sqrt(TINY.hidden_size))
+        head.bias.fill_(0.25)
+    torch.save(head.state_dict(), package_dir / "head.pt")
+    (package_dir / "temperature.json").write_text(json.dumps({"temperature": 1.75}))
+    meta = {
+        "model_id": "jevlab/tiny-twin",
+        "revision": "0123456789abcdef0123456789abcdef01234567",
+        "max_length": 4096,
+        "lora_rank": 8,
+        "method": "independent_candidate_lora_nll_brier",
+    }
+    (package_dir / "model.json").write_text(json.dumps(meta))
+
+
+def write_tiny_checkpoint(root) -> dict:
+    """A tiny-twin base checkpoint and an Open-Jev package on it under `root` (also used by the GPU tests)."""
+    base = synthetic_weights(TINY, seed=3)
+    _write_base(root / "base", base)
+    _write_package(root / "package", base)
+    return {"base": base, "base_dir": root / "base", "package_dir": root / "package"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Call counting
+
+
+def counting(function, calls: dict, key: str):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        calls[key] = calls.get(key, 0) + 1
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run records (ablations/records.py): numbers made up for the schema tests only
+
+
+def small_record(**changes) -> dict:
+    """A valid complete record of one timed stage on one workload (numbers made up for the schema test only)."""
+    samples = [10.5, 10.0, 11.25, 10.25, 12.0]
+    record = {
+        "schema": records.SCHEMA,
+        "complete": True,
+        "plan": {"name": "cpu-tiny", "device": "cpu", "shapes": "tiny", "reference": "hf_torch",
+                 "baseline": "hf_torch", "headline": "drone", "timer": "perf-counter", "warmup": 1, "runs": 5},
+        "env": {"gpu": None, "driver": None, "torch": "2.13.0+cpu", "triton": "3.9.0", "cuda": None,
+                "git_commit": "0123456789abcdef", "git_dirty": False, "utc": "2026-11-30T10:00:00Z", "device": "cpu"},
+        "weights": {"synthetic": True, "method": "synthetic_weights", "linear_params": 2_057_216},
+        "ceilings": {"copy_tbps": 0.01, "bf16_tflops": 0.1},
+        "workloads": [{"id": "drone", "questions": 3, "candidates": 7, "tokens": 971}],
+        "stages": [{
+            "name": "hf_torch", "status": "ok", "reason": None,
+            "gate": {"node": "tests/test_x.py::test_y", "outcome": "green", "exit_code": 0},
+            "workloads": [{"id": "drone", "rows": 971, "median_ms": statistics.median(samples),
+                           "p10_ms": float(np.percentile(samples, 10)), "p90_ms": float(np.percentile(samples, 90)),
+                           "samples_ms": samples, "kernels_per_forward": None, "gpu_busy_ms": None, "floor_ms": 1.5,
+                           "max_abs_dp": 0.0, "hidden_rel_rmse": 0.0}],
+        }],
+        "attempts": [],
+    }  # fmt: skip
+    record.update(changes)
+    return record
+
+
+def first_stage(record: dict) -> dict:
+    return record["stages"][0]
+
+
+def first_timed(record: dict) -> dict:
+    return record["stages"][0]["workloads"][0]
+
+
+def bit_identity_result(**changes) -> dict:
+    """A `record["bit_identity"]` of two rows (numbers made up for the schema tests only)."""
+    rows = [
+        {"layer": 0, "kernel": "silu_mul", "output": "out", "elements": 1000, "bit_identical": 1000, "share": 1.0,
+         "max_ulp": 0, "max_abs_diff": 0.0, "unwritten": 0, "expected": "bitwise", "as_expected": True},
+        {"layer": 3, "kernel": "attn_prep", "output": "q", "elements": 1000, "bit_identical": 999, "share": 0.999,
+         "max_ulp": 1, "max_abs_diff": 4.9e-4, "unwritten": 0, "expected": "<= 1 ulp in >= 99.99 %",
+         "as_expected": False},
+    ]  # fmt: skip
+    result = {"workload": "drone", "reference": "hf_torch", "candidates": 7, "tokens": 971, "interpreter": True,
+              "layers": [{"index": 0, "type": "linear_attention"}, {"index": 3, "type": "full_attention"}],
+              "note": "CPU: interpreter", "error": None, "seconds": 1.0, "rows": rows}  # fmt: skip
+    result.update(changes)
+    return result
