@@ -75,11 +75,9 @@ Exactness.
 * `tree` vs `fused` (tree off, same kernels): every op but the GEMMs is batch- and prefix-invariant, so a row's bits do
   not depend on which rows share its batch: bitwise wherever the GEMMs are row-count invariant. Measured bitwise on the
   CPU (tiny twin, bf16: tests/test_engine_tree.py). On the H200, cuBLAS's default heuristics pick a split-K kernel for
-  the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count: run 89aea6c had tree
-  and fused answers differ on 5 of 17 workloads (max |dp| 4.0e-3, no argmax change). Without a cuBLAS workspace
-  (the config's `gemm="cublas_row_invariant"`, engine/gemm.py) all six GEMM shapes were row-count invariant at those row
-  counts, for 5-15 us more per small down GEMM (results/gpu/20261130T135022Z-nvidia-h200-b388a0d-gemm-rows.json,
-  tests/test_gpu_gemm_rows.py).
+  the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count; without a cuBLAS
+  workspace (the config's `gemm="cublas_row_invariant"`, engine/gemm.py) all six GEMM shapes are row-count invariant
+  (tests/test_gpu_gemm_rows.py; the runner's `gemm_rows` probe). The measurements: engine/stages/tree.md.
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if

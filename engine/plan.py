@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CHUNK_SIZE = 64  # GDN chunk length of FLA's chunk_gated_delta_rule and HF's torch chunk fallback
+from reference.ops import GDN_CHUNK_SIZE as CHUNK_SIZE
+
 CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
 PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
 INT32_ARRAYS = ("conv_paths.cu_seqlens", "conv_segments.cu_seqlens", "attention.cu_seqlens_q", "attention.cu_seqlens_k")
@@ -103,8 +104,7 @@ class GdnSchedule:
       then runs [A_r, end) from its question's state. Every split is at a multiple of 64 from the sequence start, so
       the straddling chunk is recomputed per branch and the chunk grid is the unshared one. With a single question
       the root and the question node form one chain: it runs [0, A_1) in one call (A0 is not a branch point), so
-      the mode takes two calls, not three (measured on the H200 with three calls: long4k 2.51 ms per layer against
-      1.60 ms for one pass over its context, results/gpu/*-gdn-handoff.json).
+      the mode takes two calls, not three (the three-call measurement that decided it: engine/stages/tree.md).
     """
 
     mode: str

@@ -23,12 +23,7 @@ o     = scale · (Q h + causal(Q Kᵀ ⊙ decay) v')                            
   buffers are zeroed again at the start of each forward (`begin_forward`), so a refilled arena never reads what
   another request wrote.
 
-Measured on the H200 (drone, `fused`; records results/runs/20261130T120702Z-nvidia-h200-a12d567.json with FLA's
-function, 20261130T131815Z-nvidia-h200-89aea6c.json with this core): kernels per forward 887 -> 840, host time until
-the forward returns 85.8 -> 62.0 ms, which turns `fused` from launch-bound into GPU-bound (median 93.3 -> 84.8 ms,
-GPU busy 81.9 / 83.6 ms). One GDN core call over the 4,000-row context of tests/test_gpu_tree.py's long4k request:
-0.65 ms back to back with this core against 1.24 ms with FLA's function; kernel time 0.38-0.40 ms both
-(results/gpu/*-gdn-handoff.json).
+Measured effect (kernels per forward, host time, one call's time against FLA's function): engine/stages/fused.md.
 """
 
 from __future__ import annotations
@@ -39,8 +34,8 @@ from collections.abc import Callable
 import torch
 
 from reference.model import fla_settings
+from reference.ops import GDN_CHUNK_SIZE as CHUNK_SIZE  # the fused kkt + solve kernel is FLA's path for exactly 64
 
-CHUNK_SIZE = 64  # FLA's GDN chunk; the fused kkt + solve kernel is FLA's path for exactly this size
 SOLVE_BLOCK = 16  # BC: the sub-block of the fused kkt + solve kernel (FLA's fixed choice for chunk 64)
 
 

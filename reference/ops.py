@@ -35,6 +35,9 @@ from reference.shapes import ModelShapes
 # Norms and residual stream
 
 
+GDN_CHUNK_SIZE = 64  # chunk length of HF's torch_chunk_gated_delta_rule and of FLA's chunk_gated_delta_rule
+
+
 def rmsnorm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm (`Qwen3_5RMSNorm`): y = bf16↓( x_f · rsqrt(mean(x_f²) + eps) · (1 + w_f) ).
 
