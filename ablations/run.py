@@ -402,9 +402,10 @@ class Run:
         result["core_multiple"] = result["median_ms"] / core_ms if core_ms > 0 else None
         result["gemm_ms"] = gemm_ms if gemm_ms > 0 else None
         result["gemm_multiple"] = result["median_ms"] / gemm_ms if gemm_ms > 0 else None
-        weight_bytes = getattr(backbone, "gemm_weight_bytes", lambda: 2 * self.linear_params)()
-        weight_format = backbone.config.weight_format if hasattr(backbone, "config") else "bf16"
-        result |= timing.floors(weight_bytes, self.linear_params, rows, self.record["ceilings"], weight_format)
+        # the engine's typed weights know their bytes; the HF stages hold bf16 (2 bytes a parameter)
+        weight_bytes = backbone.gemm_weight_bytes() if stage.consumes_weights else 2 * self.linear_params
+        ceilings, weight_format = self.record["ceilings"], stage.config.weight_format
+        result |= timing.floors(weight_bytes, self.linear_params, rows, ceilings, weight_format)
         result["floor_multiple"] = result["median_ms"] / result["floor_ms"]
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
         result["probabilities"] = outputs.probabilities
