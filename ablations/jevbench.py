@@ -230,6 +230,7 @@ def server_fields(response: dict) -> dict:
         # This project's servers say so; another Open-Jev server does not, and only its method can tell.
         "synthetic_weights": metadata.get("synthetic_weights", metadata["method"] == "synthetic_weights"),
         "backend": metadata.get("backend"),
+        "graph": metadata.get("graph"),  # a `graphs` server: the bucket and whether a graph served the request
         "model": response["model"],
         "method": metadata["method"],
     }
@@ -350,6 +351,10 @@ def summarize_pass(records: list[dict], *, real_weights: bool, reference: dict |
         "latency": latency_stats([r["latency_ms"] for r in records]),
         "server_inference": latency_stats([r["server"]["inference_ms"] for r in answered]),
     }
+    graphs = [r["server"]["graph"] for r in answered if r["server"].get("graph") is not None]
+    if graphs:  # a `graphs` server: how many requests a captured graph served
+        summary["graph_hits"] = sum(bool(g["hit"]) for g in graphs)
+        summary["graph_misses"] = len(graphs) - summary["graph_hits"]
     if real_weights:
         summary["correct"] = sum(r["score"]["correct"] for r in records)
         summary["accuracy"] = summary["correct"] / len(records) if records else None

@@ -17,10 +17,15 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
 3. Ceilings of this device (copy rate, bf16 matmul rate; ablations/timing.py), then the synthetic weights of the
    plan's shapes, then every workload planned once through `reference.service.DecisionModel.plan` (validation,
    prompts, chat template, token ids), so every stage sees the same tokens.
-4. Per stage: build once; per workload `prepare` (host work and copies, untimed), one call whose outputs are kept
+4. Per stage: build once (a `graphs` stage on CUDA then captures its bucket grid: `graph_cache`, `capture_s`); per
+   workload `prepare` (host work and copies; timed apart from the forward, `PREPARE_RUNS` times: `prepare_ms` is the
+   first call, `prepare_median_ms` the median), one call whose outputs are kept
    (hidden states at the read positions and the head's scores; it is also the first warm-up), the other warm-up
    calls, then `runs` timed calls of forward + fp32 head (reference/readout.py's `head_scores`), then
-   `profile_runs` calls under torch.profiler for kernels per forward and GPU-busy time (GPU only).
+   `profile_runs` calls under torch.profiler for kernels per forward and GPU-busy time (GPU only). A `graphs` stage
+   also records each workload's bucket and graph hit, its padded / real rows and, on CUDA, the replay time of the
+   request's own unpadded plan captured as one graph (`exact_graph_ms`, the yardstick of its padding cost) with
+   whether that graph's output is bit-identical to the stage's.
 5. Correctness against the plan's reference stage, per workload: max |dp| over every candidate probability (the
    service's readout: per-question softmax of score / T), the relative RMSE ||h - h_ref|| / ||h_ref|| of the
    final-norm hidden states at the read positions (fp64 over all candidates), and the number of questions whose
@@ -48,12 +53,14 @@ import argparse
 import gc
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +76,7 @@ from reference.readout import head_scores, record_probabilities
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "results"
 OUTPUT_TAIL_CHARS = 3000
+PREPARE_RUNS = 5  # prepare is timed this many times per workload (host time: its median is the figure)
 SYNTHETIC_STATEMENT = (
     "Synthetic weights: seeded random tensors of the exact shapes. Timings and engine-vs-reference fidelity are real; "
     "the probabilities carry no meaning for accuracy."
@@ -366,11 +374,14 @@ class Run:
         decision_plan = self.decision_plans[workload.id]
         label = f"{stage.name}/{workload.id}"
         cuda = self.device == "cuda"
-        start = time.perf_counter()
-        prepared = backbone.prepare(decision_plan.candidates, decision_plan.groups)
-        if cuda:
-            torch.cuda.synchronize()
-        prepare_ms = (time.perf_counter() - start) * 1e3
+        prepare_samples = []
+        for _ in range(PREPARE_RUNS):  # host planning and copies; the last one's batches are timed
+            start = time.perf_counter()
+            prepared = backbone.prepare(decision_plan.candidates, decision_plan.groups)
+            if cuda:
+                torch.cuda.synchronize()
+            prepare_samples.append((time.perf_counter() - start) * 1e3)
+        prepare_ms = prepare_samples[0]
 
         def step() -> torch.Tensor:
             return head_scores(backbone.forward(prepared), self.head_weight, self.head_bias)
@@ -390,6 +401,9 @@ class Run:
                     host = timing.host_profile(lambda: (step(), torch.cuda.synchronize()))
         rows = rows_computed(backbone, prepared, decision_plan.candidates)
         result = {"id": workload.id, "rows": rows, "prepare_ms": prepare_ms, **samples.summary()}
+        result["prepare_median_ms"] = statistics.median(prepare_samples)
+        if stage.config.graphs:
+            result |= self.graph_facts(backbone, prepared, decision_plan, outputs)
         result["warmup"] = self.warmup
         result["kernels_per_forward"] = kernels.kernels_per_forward if kernels else None
         result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
@@ -410,6 +424,31 @@ class Run:
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
         result["probabilities"] = outputs.probabilities
         return result, outputs
+
+    def graph_facts(self, backbone: Any, prepared: Any, decision_plan: Any, outputs: Outputs) -> dict[str, Any]:
+        """`graphs`: the batches' buckets and hits, the padding (padded rows / real rows), and on CUDA the exact-plan
+        graph (the request's own unpadded plan captured as one graph): its replay time and whether its output is
+        bit-identical to this stage's."""
+        real = sum(b.plan.num_rows - sum(b.plan.padding_lens) for b in prepared.batches)
+        facts = {
+            "graph": backbone.graph_metadata(prepared),
+            "padding": {
+                "rows_real": real,
+                "rows_padded": prepared.rows_computed,
+                "padded_per_real": prepared.rows_computed / real,
+            },  # fmt: skip
+            "exact_graph_ms": None,
+            "exact_graph_bitwise": None,
+        }
+        replay = backbone.exact_graph(decision_plan.candidates, decision_plan.groups)
+        if replay is not None:
+            facts["exact_graph_bitwise"] = torch.equal(replay().float().cpu(), outputs.hidden)
+            samples = timing.time_calls(
+                lambda: head_scores(replay(), self.head_weight, self.head_bias),
+                device=self.device, warmup=self.warmup - 1, runs=self.runs,
+            )  # fmt: skip
+            facts["exact_graph_ms"] = samples.summary()["median_ms"]
+        return facts
 
     def ensure_reference(self) -> None:
         """Reference outputs for every workload, from one untimed pass of the reference stage where still missing."""
@@ -541,6 +580,12 @@ class Run:
                 self.write()
                 continue
             entry["build_s"] = time.perf_counter() - start
+            if stage.config.graphs and self.device == "cuda":
+                start = time.perf_counter()
+                entry["graph_cache"] = backbone.warm_up(partial(
+                    tqdm, desc=f"{stage.name}: capture", disable=not self.progress, file=sys.stderr, dynamic_ncols=True
+                ))  # fmt: skip
+                entry["capture_s"] = time.perf_counter() - start
             for workload in self.workloads:
                 bar.set_postfix_str(f"{stage.name} / {workload.id}")
                 try:
@@ -562,6 +607,8 @@ class Run:
                 entry["reason"] = "every workload failed: " + "; ".join(e["error"] for e in entry["workload_errors"])
             if self.device == "cuda":
                 entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if getattr(backbone, "graphs", None) is not None:
+                entry["graph_cache"] = backbone.graphs.describe()  # with this run's hits and misses
             del backbone
             self._release()
         bar.close()

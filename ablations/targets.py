@@ -19,7 +19,7 @@ MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
 NO_FAMILIES_SHORT = "no per-family kernel times in this record (older runner or CPU run)"
 # Stages the ladder plans after the registry's (ARCHITECTURE.md, issues 13 and 14): the report names each as not built
 # while the registry lacks it.
-NOT_YET_BUILT = ("graphs", "gemm")
+NOT_YET_BUILT = ("gemm",)
 NO_PROBES = "not measured by the runner yet (this record has no probes)"
 
 
@@ -32,6 +32,7 @@ class Target:
     limit: float | str  # a number, or the stage whose same metric is the limit
     text: str
     device: str | None = None  # only on plans of this device
+    workload: str | None = None  # the workload it is measured on (default: the record's headline)
 
 
 TARGETS = (
@@ -47,6 +48,15 @@ TARGETS = (
     Target("tree_handoff_core_time", 5, "tree", "handoff_busy_ratio", 1.30,
            "GDN-core kernel time with state hand-off <= 1.3 × prefilling the context once (4k-token single question, "
            "5 candidates; the runner's gdn_handoff probe)", device="cuda"),
+    Target("graphs_drone_ms", 13, "graphs", "median_ms", 41.0, "graphs median on drone <= 41 ms", device="cuda"),
+    Target("graphs_easy_fact_ms", 13, "graphs", "median_ms", 19.0, "graphs median on jevbench/easy-fact-00 <= 19 ms",
+           device="cuda", workload="jevbench/easy-fact-00"),
+    Target("graphs_vs_hf_fla", 13, "graphs", "time_share_of_hf_fla", 1 / 3.5,
+           "graphs >= 3.5x faster than hf_fla on drone (median / hf_fla's median <= 0.286)", device="cuda"),
+    Target("graphs_padding_cost", 13, "graphs", "exact_graph_multiple", 1.10,
+           "graphs median <= 1.10x the exact-plan graph replay on every workload served by a graph", device="cuda"),
+    Target("graphs_bitwise_vs_tree", 13, "graphs", "workloads_differing", 0,
+           "graphs answers bit-identical to tree on every workload of the record"),
 )  # fmt: skip
 
 
@@ -123,6 +133,46 @@ def _fidelity_tally(record: dict, name: str, other: str) -> str:
     return f", {name} <= {other} on {sum(pairs)} of {len(pairs)} workloads" if pairs else ""
 
 
+def _workload_of(record: dict, target: Target) -> tuple[dict | None, str]:
+    if target.workload is None:
+        return headline_of(record, target.stage)
+    stage = stage_by_name(record, target.stage)
+    w = measured(stage, target.workload) if stage else None
+    return w, "" if w is not None else f"{target.stage} not timed on {target.workload} here"
+
+
+def median_ms(record: dict, target: Target, followups: Followups) -> Measure:
+    w, why = _workload_of(record, target)
+    if w is None:
+        return Measure(None, note=why)
+    note = f"p10-p90 {ms(w['p10_ms'])}-{ms(w['p90_ms'])} ms" if w.get("p10_ms") is not None else ""
+    graph = w.get("graph") or {}
+    if graph:
+        note += f"; bucket {graph.get('bucket')}, graph {'hit' if graph.get('hit') else 'miss'}"
+    return Measure(w["median_ms"], f"{ms(w['median_ms'])} ms", note.lstrip("; "))
+
+
+def time_share_of_hf_fla(record: dict, target: Target, followups: Followups) -> Measure:
+    (mine, why), (theirs, their_why) = headline_of(record, target.stage), headline_of(record, "hf_fla")
+    if mine is None or theirs is None:
+        return Measure(None, note=why or their_why)
+    share = mine["median_ms"] / theirs["median_ms"]
+    speedup = theirs["median_ms"] / mine["median_ms"]
+    note = f"{ms(mine['median_ms'])} vs {ms(theirs['median_ms'])} ms: {speedup:.2f}x faster"
+    return Measure(share, f"{share:.3f} ({speedup:.2f}x)", note)
+
+
+def exact_graph_multiple(record: dict, target: Target, followups: Followups) -> Measure:
+    """The largest median / exact-plan graph replay over the workloads a graph served (`exact_graph_ms`)."""
+    stage = stage_by_name(record, target.stage)
+    pairs = [(w["id"], w["median_ms"] / w["exact_graph_ms"]) for w in (stage or {}).get("workloads", [])
+             if w.get("exact_graph_ms") and (w.get("graph") or {}).get("hit")]  # fmt: skip
+    if not pairs:
+        return Measure(None, note=f"no {target.stage} workload with an exact-plan graph time here")
+    worst_id, worst = max(pairs, key=lambda p: p[1])
+    return Measure(worst, f"{worst:.2f}x", f"worst {worst_id}; over {len(pairs)} workloads served by a graph")
+
+
 def rows_share(record: dict, target: Target, followups: Followups) -> Measure:
     """The stage's rows over the unshared rows: `merged`'s or else `fused`'s packed rows, else the request's tokens."""
     w, why = headline_of(record, target.stage)
@@ -157,7 +207,10 @@ def workloads_differing(record: dict, target: Target, followups: Followups) -> M
     probabilities), or, in records older than it, from equal probabilities. A workload on which the stage errored in
     this record is taken from the first of `followups` (newer records of the plan, e.g. a rerun of the fixed stage)
     that compares it, and named in the note; without one it counts as not bit-identical."""
-    tree, fused = stage_by_name(record, target.stage), stage_by_name(record, "fused")
+    from engine.stages import get_stage
+
+    base_name = get_stage(target.stage).builds_on
+    tree, fused = stage_by_name(record, target.stage), stage_by_name(record, base_name)
     compared, differing, worst, from_probabilities = 0, [], 0.0, False
     for w in tree["workloads"] if tree else []:
         base = measured(fused, w["id"]) if fused else None
@@ -191,7 +244,7 @@ def workloads_differing(record: dict, target: Target, followups: Followups) -> M
             worst = max(worst, versus["max_abs_dp"])
             errored_notes.append(f"{here} here ({error['error']}); compared in runs/{path.name}")
     if not compared and not errored:
-        return Measure(None, note=f"{target.stage} or fused not timed here")
+        return Measure(None, note=f"{target.stage} or {base_name} not timed here")
     note = f"differ: {', '.join(differing)} (max |dp| {sci(worst)})" if differing else "every workload compared"
     if from_probabilities:
         note += "; from equal probabilities (record older than vs_builds_on)"
@@ -240,6 +293,9 @@ METRICS: dict[str, tuple[Callable[[dict, Target, Followups], Measure], Callable[
     "rows_share": (rows_share, lambda limit: f"{limit:.0%}"),
     "workloads_differing": (workloads_differing, lambda limit: f"{limit} differing"),
     "handoff_busy_ratio": (handoff_busy_ratio, _times),
+    "median_ms": (median_ms, lambda limit: f"{limit:g} ms"),
+    "time_share_of_hf_fla": (time_share_of_hf_fla, lambda limit: f"{limit:.3f}"),
+    "exact_graph_multiple": (exact_graph_multiple, _times),
 }
 
 

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,8 +100,8 @@ from torch import Tensor
 import kernels
 from engine import gemm
 from engine.config import EngineConfig
-from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions
-from engine.tree import choose_gdn_mode, default_node_core, torch_chunk_core, tree_gdn_core
+from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions, tree_layout
+from engine.tree import GDN_CALL_COST_CHUNKS, choose_gdn_mode, default_node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
@@ -139,9 +140,9 @@ class RowBatch:
     plan: TreePlan
     candidates: tuple[int, ...]  # host: the request index of each of the plan's candidates
     gdn_mode: str  # host: "replicated" or "handoff"
-    rope_cos: Tensor  # [N, rotary_dim] bf16 RoPE tables at each row's position (`reference.ops.rope_cos_sin`)
-    rope_sin: Tensor  # [N, rotary_dim] bf16
     attn_mask: Tensor | None  # [1, 1, N, N] bf16 additive (0 / -inf), 16-byte aligned rows; attention "mask" only
+    eager_reason: str | None = None  # host, `graphs` only: why the batch has no bucket ("handoff", "outside grid")
+    graph_hit: bool | None = None  # host, `graphs` only: whether the last forward replayed a graph
 
 
 @dataclass
@@ -166,8 +167,7 @@ class EngineRows:
 def _row_batch(
     plan: TreePlan, candidates: Sequence[int], shapes: ModelShapes, gdn_mode: str | None, attention: str
 ) -> RowBatch:
-    """A plan's RoPE tables and (attention "mask") additive mask, on the plan's device."""
-    cos, sin = ops.rope_cos_sin(plan.positions, shapes.rotary_dim, shapes.rope_theta, dtype=torch.bfloat16)
+    """A plan's batch with (attention "mask") its additive mask, on the plan's device."""
     mask = None
     if attention == "mask":
         n = plan.num_rows
@@ -180,8 +180,6 @@ def _row_batch(
         plan=plan,
         candidates=tuple(candidates),
         gdn_mode=gdn_mode or choose_gdn_mode(plan),
-        rope_cos=cos,
-        rope_sin=sin,
         attn_mask=mask,
     )
 
@@ -390,6 +388,16 @@ class EngineBackbone:
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)
         self._range = _Ranges(nvtx_ranges)
+        # RoPE inverse frequencies on the device once: the tables are computed inside the forward (capturable)
+        self._inv_freq = ops.rope_inv_freq(self.shapes.rotary_dim, self.shapes.rope_theta).to(self.device)
+        self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`; the grid pads batches on any device
+        self.grid = ()
+        if config.graphs:
+            from engine.graphs import GraphCache, default_grid
+
+            self.grid = default_grid()
+            if self.device.type == "cuda":
+                self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
 
     def gemm_weight_bytes(self) -> int:
         """Bytes of every GEMM weight (the weight-streaming floor's numerator)."""
@@ -407,7 +415,11 @@ class EngineBackbone:
         make_plan = plan_tree if self.tree else plan_flat
         batches = []
         for index in index_batches:
-            plan = make_plan([candidates[c] for c in index], [groups[c] for c in index], device=self.device)
+            own, own_groups = [candidates[c] for c in index], [groups[c] for c in index]
+            if self.config.graphs:
+                batches.append(self._bucketed_batch(own, own_groups, index))
+                continue
+            plan = make_plan(own, own_groups, device=self.device)
             batches.append(_row_batch(plan, index, self.shapes, self.gdn_mode, self.attention))
         flat_order = [c for index in index_batches for c in index]
         order = None
@@ -416,10 +428,95 @@ class EngineBackbone:
             order = torch.tensor([position[c] for c in range(len(candidates))], device=self.device)
         return EngineRows(batches, len(candidates), order)
 
+    def _bucketed_batch(self, candidates: list, groups: list, index: Sequence[int]) -> RowBatch:
+        """`graphs`: the batch laid out at its bucket (replicated GDN mode) when the cost rule picks `replicated` and
+        the grid holds it; otherwise the plain tree plan, run eagerly, with the reason."""
+        layout = tree_layout(candidates, groups)
+        mode = self.gdn_mode
+        if mode is None:
+            costs = layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS)
+            mode = "handoff" if costs["handoff"] < costs["replicated"] else "replicated"
+        bucket = self._bucket_for(layout) if mode == "replicated" else None
+        if bucket is None:
+            plan = plan_tree(candidates, groups, device=self.device)
+            reason = "handoff" if mode == "handoff" else "outside grid"
+            return RowBatch(plan, tuple(index), mode, None, eager_reason=reason)
+        plan = plan_tree(candidates, groups, device=self.device, bucket=bucket)
+        return RowBatch(plan, tuple(index), "replicated", None)
+
+    def _bucket_for(self, layout):
+        from engine.graphs import smallest_bucket
+
+        return smallest_bucket(layout, self.grid)
+
+    def _forward_plan(self, plan: TreePlan) -> Tensor:
+        """The eager forward of one bucketed plan: what `engine.graphs.GraphCache` captures. [bucket candidates, H]."""
+        return self._forward_batch(RowBatch(plan, tuple(range(plan.num_candidates)), "replicated", None), None)
+
+    def _run_batch(self, batch: RowBatch) -> Tensor:
+        """One batch's [C_batch, hidden]: replayed from its bucket's graph where one is captured, else eager."""
+        if self.graphs is not None:
+            entry = None
+            if batch.eager_reason is not None:
+                self.graphs.count_miss(batch.eager_reason)
+            else:
+                entry = self.graphs.lookup(batch.plan)
+            batch.graph_hit = entry is not None
+            if entry is not None:
+                return entry.run(batch.plan)
+        return self._forward_batch(batch, None)[: batch.plan.num_candidates]
+
+    def warm_up(self, progress=None) -> dict:
+        """`graphs` on CUDA: compile the eager paths (`EAGER_WARM_REQUESTS`: hand-off with one and with several
+        questions, more candidates than any bucket holds, more rows than the largest bucket; each at two lengths of
+        opposite 16-alignment, since Triton specializes integer arguments on it), then capture every bucket of the
+        grid (a progress bar through `progress`, e.g. tqdm). Returns the cache's description (graphs, capture seconds,
+        pool bytes, `eager_warm_s`). Does nothing elsewhere."""
+        if self.graphs is None:
+            return {}
+        start = time.perf_counter()
+        for candidates, groups in eager_warm_requests():
+            self.forward(self.prepare(candidates, groups))
+        torch.cuda.synchronize(self.device)
+        eager_s = time.perf_counter() - start
+        self.graphs.stats.misses.clear()  # the warm-up's eager batches are not requests
+        self.graphs.capture_grid(progress)
+        return {**self.graphs.describe(), "eager_warm_s": round(eager_s, 3)}
+
+    def exact_graph(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> Callable[[], Tensor] | None:
+        """The yardstick of the `graphs` targets: the request's own unpadded tree plan captured as one CUDA graph
+        (no bucket, no padding); returns a function that replays it and returns its [C, hidden] output (static:
+        overwritten by the next replay). None when the request takes several batches or the device is not CUDA."""
+        from engine.graphs import capture_forward
+
+        if self.device.type != "cuda" or len(split_questions(candidates, groups, self.max_batch_rows)) > 1:
+            return None
+        plan = plan_tree(candidates, groups, device=self.device)
+        batch = _row_batch(plan, range(len(candidates)), self.shapes, self.gdn_mode, self.attention)
+        graph, output = capture_forward(lambda: self._forward_batch(batch, None), plan.arena, self.device)
+
+        def replay() -> Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+    def graph_metadata(self, prepared: EngineRows) -> dict | None:
+        """The response's `metadata.graph` (`graphs` only): each batch's bucket and whether a graph served it."""
+        if not self.config.graphs:
+            return None
+        buckets = [None if b.plan.bucket is None else b.plan.bucket.name for b in prepared.batches]
+        hits = [bool(b.graph_hit) for b in prepared.batches]
+        return {
+            "bucket": buckets[0] if len(buckets) == 1 else buckets,
+            "hit": all(hits),
+            "eager_reasons": [b.eager_reason for b in prepared.batches if b.eager_reason],
+        }
+
     @torch.no_grad()
     def forward(self, prepared: EngineRows) -> Tensor:
         """[C, hidden] bf16: the final-norm output at each candidate's last token, in candidate order."""
-        outs = [self._forward_batch(batch, None) for batch in prepared.batches]
+        outs = [self._run_batch(batch) for batch in prepared.batches]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if prepared.order is None else out.index_select(0, prepared.order)
 
@@ -467,13 +564,18 @@ class EngineBackbone:
     # -- forward -------------------------------------------------------------------------------------------------------
 
     def _forward_batch(self, batch: RowBatch, states: list[Tensor] | None) -> Tensor:
-        """One batch's forward; appends every residual state to `states` when given. Returns [C_batch, hidden]."""
+        """One batch's forward; appends every residual state to `states` when given. Returns the head's rows
+        [len(read_rows), hidden] (a bucketed plan reads its bucket's count: the real candidates come first)."""
         w, ops_, rng = self.weights, self._ops, self._range
         # FlaForwardCore: one zeroed solve buffer per GDN call layout of this batch, shared by its 48 GDN layers
         core_options = {"use_qk_l2norm_in_kernel": not ops_.qk_normalised}
         if self.gdn_core == "fla_forward":
             batch.plan.arena.workspace.begin_forward()
             core_options["workspace"] = batch.plan.arena.workspace
+        with rng("rope"):
+            rope = ops.rope_cos_sin(
+                batch.plan.positions, self.shapes.rotary_dim, self.shapes.rope_theta, inv_freq=self._inv_freq
+            )
         with rng("embedding"):
             x = F.embedding(batch.plan.token_ids, w.embed)  # [N, H]
         with rng("norm"):
@@ -485,7 +587,9 @@ class EngineBackbone:
             with rng(f"layer {i:02d} {'gdn' if gdn else 'attn'}"):
                 with rng("in_proj"):
                     proj = gemm.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
-                mixed = self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch)
+                mixed = (
+                    self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch, rope)
+                )
                 with rng("norm"):
                     residual, normed = ops_.residual_rmsnorm(residual, mixed, layer.post_norm)
                 with rng("mlp"):
@@ -516,6 +620,7 @@ class EngineBackbone:
                     cu_seqlens=call.cu_seqlens,
                     cu_seqlens_cpu=call.cu_seqlens_cpu,
                     chunk_indices=call.chunk_indices,
+                    **({} if self.gdn_core == "fla" else {"chunk_offsets": call.chunk_offsets}),
                     **core_options,
                 )
                 o = o[0]  # [L, Hv, V] over the paths; each packed row reads its representative path's row
@@ -525,19 +630,22 @@ class EngineBackbone:
             with rng("gdn_prep"):
                 q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_segments)  # packed rows [N, ...]
             with rng("gdn_core"):
-                o = tree_gdn_core(q, k, v, g, beta, plan, mode="handoff", core=self._core, **core_options)
+                offsets = self.gdn_core != "fla"  # the direct core takes the arena's chunk offsets
+                o = tree_gdn_core(
+                    q, k, v, g, beta, plan, mode="handoff", core=self._core, chunk_offsets=offsets, **core_options
+                )
         with rng("gated_norm"):
             z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
             y = self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]
         with rng("out_proj"):
             return gemm.linear(y, layer.w_out)
 
-    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch) -> Tensor:
+    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope) -> Tensor:
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
         varlen = self.attention == "varlen"
         key_rows = None if not varlen or nodes.keys_are_rows else nodes.key_rows
         with rng("attn_prep"):
-            q, k, v, gate = self._ops.attn_prep(proj, layer, batch.rope_cos, batch.rope_sin, key_rows, not varlen)
+            q, k, v, gate = self._ops.attn_prep(proj, layer, rope[0], rope[1], key_rows, not varlen)
         with rng("attention"):
             if varlen:
                 attn = self._node_core(q, k, v, nodes, scale)  # [N, Hq, D]
@@ -547,6 +655,29 @@ class EngineBackbone:
             y = self._ops.attention_gate(attn, gate)  # [N, Hq D]
         with rng("out_proj"):
             return gemm.linear(y, layer.w_out)
+
+
+def eager_warm_requests() -> list[tuple[list[list[int]], list[int]]]:
+    """Requests that take the eager paths of `graphs` (module docstring of engine/graphs.py), for `warm_up`: token
+    ids from a fixed generator, at two lengths each (one 16-aligned, one not)."""
+    rng = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(100, 150_000, (n,), generator=rng).tolist()
+
+    requests = []
+    for extra in (0, 7):
+        context = tokens(4096 + extra)  # one question over a long context: hand-off, two calls
+        requests.append(([context + tokens(3) + [o + 1] for o in range(5)], [0] * 5))
+        context = tokens(2048 + extra)  # several questions over a long context: hand-off, three calls
+        question = [tokens(70) for _ in range(3)]
+        requests.append(
+            ([context + question[q] + [o + 1] for q in range(3) for o in range(3)], [0, 0, 0, 1, 1, 1, 2, 2, 2])
+        )
+        context = tokens(96 + extra)  # more candidates than any bucket: replicated, eager
+        requests.append(([context + [o + 1, o + 2] for o in range(40)], [0] * 40))
+        requests.append(([tokens(1600 + extra)], [0]))  # more rows than the largest bucket
+    return requests
 
 
 def _consecutive_batches(lengths: Sequence[int], max_rows: int) -> list[list[int]]:

@@ -20,12 +20,16 @@ Fields (values; what each picks):
   forced.
 * `gemm` (`cublas`, `cublas_row_invariant`): `F.linear` with cuBLAS's default workspace, or without a workspace (no
   split-K: a row's bits do not depend on the row count); `engine/gemm.py`.
-* `graphs` (`False`): CUDA graphs (stage `graphs`, not built yet: only `False` is legal).
+* `graphs` (`False`, `True`): eager launches, or each batch padded to a bucket of the grid and replayed as one CUDA
+  graph captured for that bucket (`engine/graphs.py`; on the CPU the padded plans run eagerly; needs the `tree` layout,
+  the Triton element-wise kernels, varlen attention and the direct FLA core, whose launches read only the plan's
+  shape).
 * `weight_format` (`bf16`): GEMM weight storage (`engine.weights.Weight`; FP8 later).
 * `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
 
 Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter computes bf16 `tl.dot` wrongly,
-reference-math.md §6), so an engine config's FLA core becomes `torch` there; an HF config with `gdn_core="fla"`
+reference-math.md §6), so an engine config's FLA core becomes `torch` there (a `graphs` config keeps its bucketed
+plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
 (stage `hf_fla`) has no CPU form and is refused. Illegal combinations are refused in `__post_init__`, where a config
 is built, with the reason; tests/test_stages.py tries every one.
 """
@@ -44,7 +48,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "gdn_core": ("torch", "fla", "fla_forward"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant"),
-    "graphs": (False,),
+    "graphs": (False, True),
     "weight_format": ("bf16",),
 }
 
@@ -68,6 +72,7 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gemm", "cublas"): "GEMMs through cuBLAS with its default workspace",
     ("gemm", "cublas_row_invariant"): "GEMMs through cuBLAS without a workspace (row-count invariant)",
     ("graphs", False): "eager launches",
+    ("graphs", True): "each batch padded to a bucket and replayed as one pre-captured CUDA graph",
     ("weight_format", "bf16"): "bf16 GEMM weights",
 }
 
@@ -115,6 +120,14 @@ class EngineConfig:
         else:
             if self.layout == "padded" or self.attention == "sdpa_padded":
                 raise ValueError("the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or 'varlen'")
+        if self.graphs:
+            needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton", "attention": "varlen"}
+            wrong = {name: getattr(self, name) for name, value in needs.items() if getattr(self, name) != value}
+            if wrong or self.gdn_core == "fla":
+                raise ValueError(
+                    f"graphs=True replays bucketed tree plans: it needs {needs} and gdn_core 'fla_forward' (or its CPU "
+                    f"form), got {wrong or {'gdn_core': self.gdn_core}}"
+                )
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes` applied (validated like any config)."""
@@ -122,11 +135,12 @@ class EngineConfig:
 
     def on(self, device_type: str) -> EngineConfig:
         """This config as it runs on `device_type` ("cuda" or "cpu"): the device rule of the module docstring."""
-        if device_type == "cuda" or self.gdn_core == CPU_GDN_CORE:
+        if device_type == "cuda":
             return self
-        if self.backbone == "hf":
+        cpu = {} if self.gdn_core == CPU_GDN_CORE else {"gdn_core": CPU_GDN_CORE}
+        if cpu and self.backbone == "hf":
             raise ValueError(f"the hf backbone with gdn_core={self.gdn_core!r} needs CUDA (FLA cannot run on the CPU)")
-        return self.replace(gdn_core=CPU_GDN_CORE)
+        return self.replace(**cpu) if cpu else self
 
     def delta(self, parent: EngineConfig) -> dict[str, Any]:
         """The fields where this config differs from `parent`, in field order."""

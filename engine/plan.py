@@ -39,13 +39,25 @@ attention, never read by the head. No real row can see a dummy row, and every op
 real rows' bits do not change (tests/test_plan_padding.py); the `graphs` stage pads a request to its bucket's shape this
 way.
 
+Buckets. `Bucket` is the capacity of a captured shape (stage `graphs`): rows, path slots, sequences, GDN chunks,
+attention nodes and keys, candidates and the attention's `max_q` / `max_k`. `plan_tree(..., bucket=b)` lays a request
+out at exactly b's sizes, replicated GDN mode only (no `handoff` schedule, no node-segment conv layout):
+* one dummy node of `b.rows - N` rows (positions from 0, `PAD_TOKEN_ID`) with its own path and attention node;
+* further dummy paths over the dummy rows (no rows or attention nodes of their own) up to `b.sequences`, their
+  lengths chosen so that the dummy chunks reach `b.chunks` spread evenly (the GDN recurrence runs a sequence's
+  chunks in order, so one long dummy sequence would lengthen the critical path); a dummy path may be empty;
+* path slots after the last sequence (`b.slots` in all), attention nodes without rows (`b.nodes`), key entries after
+  the last node (`b.keys`) and read rows (`b.candidates`), all at the dummy node's last row; no kernel reads a slot,
+  key or node outside its sequences, and no real row reads a dummy one.
+`bucket_padding` says whether a request fits a bucket and how it is padded; the padded plan's shape is the graph key.
+
 `split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +87,7 @@ class GdnCall:
     cu_seqlens: torch.Tensor  # [S + 1] int64, on the plan's device
     cu_seqlens_cpu: torch.Tensor  # [S + 1] int64, host copy (lets FLA and the torch core avoid a device sync)
     chunk_indices: torch.Tensor  # [sum ceil(len / chunk_size), 2] int64: (sequence, chunk) pairs, FLA's varlen layout
+    chunk_offsets: torch.Tensor  # [S + 1] int64: first chunk of each sequence (FLA's `chunk_offsets`, from the arena)
     init_state: torch.Tensor | None  # [S] int64 index into the state bank, or None (all start at position 0)
     keep_final: bool  # its final states join the bank
     out_slots: torch.Tensor  # [n] int64
@@ -203,6 +216,153 @@ class PlanShape:
         return dict(self.arrays)[name]
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """The capacity of one captured plan shape (module docstring, "Buckets"); `plan_tree(..., bucket=...)` pads a
+    request to exactly these sizes."""
+
+    rows: int  # packed rows N
+    slots: int  # path slots (the replicated GDN call's tokens, the conv input rows)
+    sequences: int  # paths: candidates + dummy paths
+    chunks: int  # GDN chunks of the replicated call
+    nodes: int  # attention sequences
+    keys: int  # attention key entries
+    candidates: int  # read rows
+    max_q: int
+    max_k: int
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rows}-s{self.slots}-c{self.candidates}"
+
+
+@dataclass(frozen=True)
+class BucketPadding:
+    """How a request fills a bucket: `dummy_rows` rows in one dummy node; `path_lens` the dummy paths (the first
+    holds the dummy node's rows, then repeats its last row; the others cycle through the dummy rows); the counts of
+    trailing slots, rowless nodes, trailing keys and extra read rows."""
+
+    dummy_rows: int
+    path_lens: tuple[int, ...]
+    trailing_slots: int
+    empty_nodes: int
+    trailing_keys: int
+    extra_reads: int
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """The host-only sizes of a request's prefix tree (before any plan is built): enough for the GDN cost rule and
+    for `bucket_padding`."""
+
+    candidate_lens: tuple[int, ...]
+    question_of: tuple[int, ...]
+    root_len: int
+    question_lens: tuple[int, ...]
+    chunk_size: int = CHUNK_SIZE
+
+    @property
+    def leaf_lens(self) -> tuple[int, ...]:
+        return tuple(n - self.root_len - self.question_lens[r] for n, r in zip(self.candidate_lens, self.question_of))
+
+    @property
+    def rows(self) -> int:
+        return self.root_len + sum(self.question_lens) + sum(self.leaf_lens)
+
+    @property
+    def slots(self) -> int:
+        return sum(self.candidate_lens)
+
+    @property
+    def chunks(self) -> int:
+        return sum(-(-n // self.chunk_size) for n in self.candidate_lens)
+
+    @property
+    def nodes(self) -> int:
+        return (self.root_len > 0) + sum(q > 0 for q in self.question_lens) + len(self.candidate_lens)
+
+    @property
+    def keys(self) -> int:
+        root = self.root_len
+        return root + sum(root + q for q in self.question_lens if q > 0) + self.slots
+
+    @property
+    def max_q(self) -> int:
+        return max(self.root_len, *self.question_lens, *self.leaf_lens)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.candidate_lens)
+
+    def gdn_mode_costs(self, call_cost_chunks: float) -> dict[str, float]:
+        """The cost rule of `engine.tree.gdn_mode_costs` (chunks of work plus a fixed cost per call) from the sizes
+        alone, without building either schedule (equal to it: tests/test_plan_padding.py)."""
+        size, root, q_lens = self.chunk_size, self.root_len, self.question_lens
+        a0 = 0 if len(q_lens) == 1 else root // size * size
+        q_end = [(root + q) // size * size for q in q_lens]
+        crossing = [r for r in range(len(q_lens)) if q_end[r] > a0]
+        chunks = a0 // size + sum((q_end[r] - a0) // size for r in crossing)
+        for n, r in zip(self.candidate_lens, self.question_of):
+            start = q_end[r] if r in crossing else a0
+            chunks += -(-(n - start) // size)
+        calls = (a0 > 0) + bool(crossing) + 1
+        return {"replicated": self.chunks + call_cost_chunks, "handoff": chunks + call_cost_chunks * calls}
+
+
+def tree_layout(candidates: Sequence[Sequence[int]], groups: Sequence[int], chunk_size: int = CHUNK_SIZE) -> TreeLayout:
+    """The prefix tree's node sizes of a request (as `plan_tree` splits it), host-only."""
+    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+    return TreeLayout(
+        candidate_lens=tuple(len(q) for q in seqs),
+        question_of=tuple(question_of),
+        root_len=root_len,
+        question_lens=tuple(question_lens),
+        chunk_size=chunk_size,
+    )
+
+
+def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
+    """The padding that lays `layout` out at `bucket`'s sizes, or None where it does not fit (some size exceeds the
+    bucket's). Dummy chunks are spread evenly over the dummy paths; each path is as short as its chunk count allows
+    (64 (c - 1) + 1 slots), and the slots left over trail the last sequence."""
+    size = layout.chunk_size
+    dummy_rows = bucket.rows - layout.rows
+    num_paths = bucket.sequences - len(layout.candidate_lens)
+    dummy_chunks = bucket.chunks - layout.chunks
+    first_min = -(-dummy_rows // size) if dummy_rows > 0 else 0
+    fits = (
+        dummy_rows >= 1
+        and num_paths >= 1
+        and dummy_chunks >= first_min
+        and bucket.nodes >= layout.nodes + 1
+        and bucket.candidates >= len(layout.candidate_lens)
+        and bucket.max_q >= max(layout.max_q, dummy_rows)
+        and bucket.max_k >= max(layout.max_k, dummy_rows)
+    )
+    if not fits:
+        return None
+    counts = [dummy_chunks // num_paths + (i < dummy_chunks % num_paths) for i in range(num_paths)]
+    if counts[0] < first_min:  # the dummy node's path needs its rows' chunks; spread the rest over the others
+        rest = dummy_chunks - first_min
+        others = num_paths - 1
+        counts = [first_min] + [rest // others + (i < rest % others) for i in range(others)] if others else [first_min]
+    path_lens = [size * (c - 1) + 1 if c else 0 for c in counts]
+    path_lens[0] = max(path_lens[0], dummy_rows)
+    trailing_slots = bucket.slots - layout.slots - sum(path_lens)
+    trailing_keys = bucket.keys - layout.keys - dummy_rows
+    if trailing_slots < 0 or trailing_keys < 0 or sum(counts) != dummy_chunks:
+        return None
+    return BucketPadding(
+        dummy_rows=dummy_rows,
+        path_lens=tuple(path_lens),
+        trailing_slots=trailing_slots,
+        empty_nodes=bucket.nodes - layout.nodes - 1,
+        trailing_keys=trailing_keys,
+        extra_reads=bucket.candidates - len(layout.candidate_lens),
+    )
+
+
 class SolveWorkspace:
     """The FLA solve buffers of one arena: one per GDN call layout, keyed by the device address of that call's
     `chunk_indices` (an arena view: the same address for the arena's life and every refill; no object ids).
@@ -247,8 +407,13 @@ class PlanArena:
             name: self.buffer[offsets[i] : offsets[i + 1]].view(dims) for i, (name, dims) in enumerate(shape.arrays)
         }
         self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
-                      for name in INT32_ARRAYS}  # fmt: skip
+                      for name in INT32_ARRAYS if name in self.views}  # fmt: skip
         self.workspace = SolveWorkspace()
+
+    def refresh_int32(self) -> None:
+        """Recompute the int32 copies from the int64 views (on the device; a captured graph's first kernels)."""
+        for name, copy in self.int32.items():
+            copy.copy_(self.views[name])
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
         got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
@@ -256,8 +421,7 @@ class PlanArena:
             raise ValueError("the plan's arrays do not match this arena's shape")
         host = np.concatenate([np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()])
         self.buffer.copy_(torch.from_numpy(host))
-        for name, copy in self.int32.items():
-            copy.copy_(self.views[name])
+        self.refresh_int32()
 
 
 @dataclass(frozen=True, eq=False)
@@ -297,8 +461,9 @@ class TreePlan:
     read_rows: torch.Tensor  # [C] int64
     gdn: dict[str, GdnSchedule]  # "replicated" and "handoff"
     conv_paths: ConvInput
-    conv_segments: ConvInput
+    conv_segments: ConvInput | None  # None for a bucketed plan (replicated GDN only)
     attention: NodeAttention
+    bucket: Bucket | None = None  # the bucket it is laid out at, if any
 
     @property
     def num_rows(self) -> int:
@@ -339,19 +504,28 @@ def plan_tree(
     device: torch.device | str = "cpu",
     chunk_size: int = CHUNK_SIZE,
     pad_lens: Sequence[int] = (),
-    arena: PlanArena | None = None,
+    arena: PlanArena | Callable[[PlanShape], PlanArena | None] | None = None,
+    bucket: Bucket | None = None,
 ) -> TreePlan:
     """The two-level prefix tree of a request: `groups[c]` is the question of candidate c. `pad_lens`: detached dummy
-    sequences to append (module docstring); `arena`: refill this arena in place (its shape must be the plan's)."""
+    sequences to append (module docstring); `bucket`: lay the request out at this bucket's sizes instead (module
+    docstring, "Buckets"; ValueError where it does not fit); `arena`: refill this arena in place (its shape must be
+    the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    root_len = min(_common_prefix_len(seqs), int(lens.min()) - 1)
-    question_lens = []
-    for r in range(num_questions):
-        members = [seqs[c] for c in range(len(seqs)) if question_of[c] == r]
-        shortest = min(len(s) for s in members)
-        question_lens.append(min(_common_prefix_len(members), shortest - 1) - root_len)
-    return _build("tree", seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena)
+    root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+    padding = None
+    if bucket is not None:
+        if len(pad_lens):
+            raise ValueError("pad_lens and bucket are two ways of padding: pass one")
+        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
+        padding = bucket_padding(layout, bucket)
+        if padding is None:
+            raise ValueError(
+                f"the request does not fit bucket {bucket.name} ({layout.rows} rows, {layout.slots} slots)"
+            )
+    return _build(
+        "tree", seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena, bucket, padding
+    )
 
 
 def plan_flat(
@@ -365,7 +539,7 @@ def plan_flat(
 ) -> TreePlan:
     """The unshared layout (candidates back to back) in the same structure: empty root and question nodes."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    return _build("flat", seqs, question_of, 0, [0] * num_questions, device, chunk_size, pad_lens, arena)
+    return _build("flat", seqs, question_of, 0, [0] * num_questions, device, chunk_size, pad_lens, arena, None, None)
 
 
 def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], max_rows: int) -> list[list[int]]:
@@ -404,6 +578,17 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
         batches.append(list(own))
         state = (own_seqs[0], own_lcp, shortest, 1, *own_terms)
     return [sorted(batch) for batch in batches]
+
+
+def _tree_split(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> tuple[int, list[int]]:
+    """Root length and question node lengths of the two-level tree (module docstring)."""
+    lens = [len(s) for s in seqs]
+    root_len = min(_common_prefix_len(seqs), min(lens) - 1)
+    members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
+    for c, r in enumerate(question_of):
+        members[r].append(seqs[c])
+    question_lens = [min(_common_prefix_len(m), min(len(q) for q in m) - 1) - root_len for m in members]
+    return root_len, question_lens
 
 
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
@@ -449,8 +634,12 @@ def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> np.ndarray:
     return np.stack([np.repeat(np.arange(len(lengths)), counts), within], axis=1).astype(np.int64)
 
 
-def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena) -> TreePlan:
+def _build(
+    kind, seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena, bucket, padding
+) -> TreePlan:
     device = torch.device(device)
+    if padding is not None:
+        pad_lens = (padding.dummy_rows,)  # the dummy node; its path and the further dummy paths are set below
     num_cands, num_questions = len(seqs), len(question_lens)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     q_of = np.array(question_of, dtype=np.int64)
@@ -509,11 +698,21 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
         positions[span] = np.arange(length)
         row_node[span] = 1 + num_questions + num_cands + d
         dummy_paths.append(pad_start[d] + np.arange(length))
+    node_paths = dummy_paths  # the dummy sequences as attention nodes and conv segments
+    if padding is not None:  # the dummy node's path, then the paths cycling through its rows (module docstring)
+        dummy = dummy_paths[0]
+        dummy_paths = [dummy[np.minimum(np.arange(padding.path_lens[0]), len(dummy) - 1)]]
+        dummy_paths += [dummy[np.arange(n) % len(dummy)] for n in padding.path_lens[1:]]
     all_paths = paths + dummy_paths
-    all_lens = np.concatenate([lens, pad]).astype(np.int64)
+    all_lens = np.array([len(path) for path in all_paths], dtype=np.int64)
     path_rows = np.concatenate(all_paths).astype(np.int64)
     path_cu = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
     read_rows = leaf_start + leaf_lens - 1
+    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
+    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], all_lens)
+    if padding is not None:
+        path_rows = np.concatenate([path_rows, np.full(padding.trailing_slots, last_row, dtype=np.int64)])
+        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
 
     # Representative slot of each packed row: its first occurrence in the concatenated paths.
     _, first_slot = np.unique(path_rows, return_index=True)
@@ -521,7 +720,6 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
     assert len(row_slot) == num_rows
 
     # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
-    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], all_lens)
     conv_rows = np.empty((num_rows, CONV_WIDTH), dtype=np.int64)
     for k in range(CONV_WIDTH):
         back = CONV_WIDTH - 1 - k
@@ -538,30 +736,35 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
             nodes.append((q_start[r], own, np.concatenate([np.arange(root_len), own])))
     for c in range(num_cands):
         nodes.append((leaf_start[c], leaf_start[c] + np.arange(leaf_lens[c]), paths[c]))
-    for d, rows in enumerate(dummy_paths):
+    for d, rows in enumerate(node_paths):
         nodes.append((pad_start[d], rows, rows))
     # Conv segments: each node's rows after its history (the rows at positions p0-W+1..p0-1 of its path, where any).
-    segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
-    for first, own, _ in nodes:
-        history = conv_rows[first, : CONV_WIDTH - 1]
-        history = history[history < num_rows]
-        segments.append(np.concatenate([history, own]))
-        segment_keep[own] = slot + len(history) + np.arange(len(own))
-        slot += len(history) + len(own)
-    conv_layouts = {
-        "conv_paths": _conv_input(all_paths, np.arange(len(path_rows)), num_rows),
-        "conv_segments": _conv_input(segments, segment_keep, num_rows),
-    }
+    trailing = path_rows[int(path_cu[-1]) :]  # a bucket's trailing slots (none otherwise)
+    conv_layouts = {"conv_paths": _conv_input(all_paths, np.arange(len(path_rows)), trailing)}
+    if padding is None:  # a bucketed plan runs the replicated mode only: no node segments, no hand-off schedule
+        segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
+        for first, own, _ in nodes:
+            history = conv_rows[first, : CONV_WIDTH - 1]
+            history = history[history < num_rows]
+            segments.append(np.concatenate([history, own]))
+            segment_keep[own] = slot + len(history) + np.arange(len(own))
+            slot += len(history) + len(own)
+        conv_layouts["conv_segments"] = _conv_input(segments, segment_keep, trailing)
     q_counts = np.array([len(own) for _, own, _ in nodes], dtype=np.int64)
     k_counts = np.array([len(keys) for _, _, keys in nodes], dtype=np.int64)
     key_rows = np.concatenate([keys for _, _, keys in nodes]).astype(np.int64)
+    attn_max = (int(q_counts.max()), int(k_counts.max()))
+    if padding is not None:
+        q_counts = np.concatenate([q_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
+        k_counts = np.concatenate([k_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
+        key_rows = np.concatenate([key_rows, np.full(padding.trailing_keys, last_row, dtype=np.int64)])
+        attn_max = (bucket.max_q, bucket.max_k)
     attn_cu_q = np.concatenate([[0], np.cumsum(q_counts)]).astype(np.int64)
     attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
 
-    schedules = {
-        "replicated": [_replicated_call(path_rows, all_lens)],
-        "handoff": _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths),
-    }
+    schedules = {"replicated": [_replicated_call(path_rows, path_cu)]}
+    if padding is None:
+        schedules["handoff"] = _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths)
     for mode, calls in schedules.items():
         produced = np.concatenate([call["out_rows"] for call in calls])
         if not np.array_equal(np.sort(produced), np.arange(num_rows)):
@@ -588,8 +791,11 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
     for mode, calls in schedules.items():
         call_shapes[mode] = []
         for i, call in enumerate(calls):
+            counts = -(-np.diff(call["cu_seqlens"]) // chunk_size)
             call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
-            for name in ("rows", "cu_seqlens", "chunk_indices", "init_state", "out_slots", "out_rows"):
+            call["chunk_offsets"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            names = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows")
+            for name in names:
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
             out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
@@ -605,7 +811,7 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
         kind=kind,
         chunk_size=chunk_size,
         num_rows=num_rows,
-        num_candidates=num_cands,
+        num_candidates=len(read_rows),
         num_padding=len(pad),
         arrays=tuple((name, tuple(a.shape)) for name, a in arrays.items()),
         gdn=tuple((mode, tuple(shapes)) for mode, shapes in call_shapes.items()),
@@ -620,9 +826,11 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
             )
             for name, layout in conv_layouts.items()
         ),
-        attention_max=(int(q_counts.max()), int(k_counts.max())),
+        attention_max=attn_max,
         keys_are_rows=np.array_equal(key_rows, np.arange(num_rows)),
     )
+    if callable(arena):
+        arena = arena(shape)
     if arena is None:
         arena = PlanArena(shape, device)
     elif arena.shape != shape:
@@ -641,6 +849,7 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
                     cu_seqlens=dev[key + "cu_seqlens"],
                     cu_seqlens_cpu=torch.from_numpy(call["cu_seqlens"]),
                     chunk_indices=dev[key + "chunk_indices"],
+                    chunk_offsets=dev[key + "chunk_offsets"],
                     init_state=dev.get(key + "init_state"),
                     keep_final=call_shape.keep_final,
                     out_slots=dev[key + "out_slots"],
@@ -706,18 +915,22 @@ def _build(kind, seqs, question_of, root_len, question_lens, device, chunk_size,
         read_rows=dev["read_rows"],
         gdn=gdn,
         conv_paths=conv_inputs["conv_paths"],
-        conv_segments=conv_inputs["conv_segments"],
+        conv_segments=conv_inputs.get("conv_segments"),
+        bucket=bucket,
         attention=attention,
     )
 
 
-def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, num_rows: int) -> dict:
-    """Host arrays of a `ConvInput` over `sequences` (packed row ids each), keeping slots `keep`."""
+def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, trailing: np.ndarray) -> dict:
+    """Host arrays of a `ConvInput` over `sequences` (packed row ids each) and `trailing` rows after the last sequence
+    (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots `keep`."""
     lens = np.array([len(seq) for seq in sequences], dtype=np.int64)
-    rows = np.concatenate(sequences).astype(np.int64)
+    rows = np.concatenate([*sequences, trailing]).astype(np.int64)
     history = CONV_WIDTH - 1
     spaced = np.concatenate([np.concatenate([np.zeros(history, dtype=np.int64), seq + 1]) for seq in sequences])
-    spaced_slot = np.arange(len(rows)) + history * (np.repeat(np.arange(len(sequences)), lens) + 1)
+    spaced_slot = np.arange(int(lens.sum())) + history * (np.repeat(np.arange(len(sequences)), lens) + 1)
+    spaced_slot = np.concatenate([spaced_slot, len(spaced) + np.arange(len(trailing))])
+    spaced = np.concatenate([spaced, trailing + 1])
     return {
         "rows": rows,
         "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
@@ -728,16 +941,16 @@ def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, num_rows: int) ->
     }
 
 
-def _replicated_call(path_rows: np.ndarray, lens: np.ndarray) -> dict:
+def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray) -> dict:
     _, first_slot = np.unique(path_rows, return_index=True)
     return {
         "rows": path_rows,
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        "cu_seqlens": path_cu,
         "init_state": None,
         "keep_final": False,
         "out_slots": first_slot.astype(np.int64),
         "out_rows": path_rows[first_slot],
-        "start_positions": np.zeros(len(lens), dtype=np.int64),
+        "start_positions": np.zeros(len(path_cu) - 1, dtype=np.int64),
     }
 
 

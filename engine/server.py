@@ -6,7 +6,10 @@
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
 `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and `GET /v1/models` describe the loaded model.
 The model is built before the port binds, so a server that answers `/health` is ready; once bound it prints one JSON
-line with `url`, `model` and `method`.
+line with `url`, `model` and `method`. With `--backend graphs` (the default on CUDA) building includes compiling the
+eager paths' kernels and capturing the whole bucket grid (a progress bar on stderr); `/health` then also reports the
+graph cache (graphs, capture seconds, pool bytes, hits, misses) and every response's `metadata.graph` says which
+bucket served it and whether a graph did.
 
 A POST is checked in the contract's order, and the first failing check answers:
 404 unknown path -> 403 foreign `Origin` (unless allowed) -> 415 media type not `application/json` -> 413 body empty or
@@ -52,6 +55,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import torch
+from tqdm import tqdm
 
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict
@@ -235,7 +239,13 @@ class DecisionServer:
         return f"http://{host}:{port}"
 
     def health(self) -> dict:
-        return {"status": "ready", "model": self.model_id, "method": self.method}
+        """Ready once bound: the model, and for `graphs` its kernels and the whole grid, were built before the bind.
+        A `graphs` backbone adds its cache: graphs captured, capture seconds, the pool's bytes, hits and misses."""
+        health = {"status": "ready", "model": self.model_id, "method": self.method}
+        graphs = getattr(getattr(self.model, "backbone", None), "graphs", None)
+        if graphs is not None:
+            health["graphs"] = graphs.describe()
+        return health
 
     def models(self) -> dict:
         entry = {
@@ -534,7 +544,7 @@ def default_shapes_name() -> str:
 
 
 def default_backend() -> str:
-    return "hf_fla" if torch.cuda.is_available() else "hf_torch"
+    return "graphs" if torch.cuda.is_available() else "hf_torch"
 
 
 def build_decision_model(
@@ -563,6 +573,11 @@ def build_decision_model(
     else:
         weights = synthetic_weights(get_shapes(shapes_name), seed=seed, device=device)
     backbone = build_backbone(stage.name, BuildContext(weights))
+    warm_up = getattr(backbone, "warm_up", None)
+    if warm_up is not None:  # `graphs`: compile the eager paths and capture the grid before the port binds
+        warm_up(
+            lambda items: tqdm(items, desc=f"{stage.name}: capturing the bucket grid", unit="graph", file=sys.stderr)
+        )
     return DecisionModel(backbone, weights, max_length=max_length)
 
 
@@ -570,7 +585,7 @@ def add_model_arguments(
     parser: argparse.ArgumentParser,
     *,
     backend_option: str = "--backend",
-    backend_help: str = "any registry stage (engine/stages); default: hf_fla on CUDA, else hf_torch",
+    backend_help: str = "any registry stage (engine/stages); default: graphs on CUDA, else hf_torch",
 ) -> None:
     """The flags that choose the model; shared by the server and the in-process JevBench run (which names the
     backend flag its own way)."""

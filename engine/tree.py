@@ -56,6 +56,7 @@ def tree_gdn_core(
     mode: str = "replicated",
     core: Callable | None = None,
     out: torch.Tensor | None = None,
+    chunk_offsets: bool = False,
     **core_kwargs,
 ) -> torch.Tensor:
     """Gated DeltaNet core over the tree. Packed rows: q, k [N, H, K]; v [N, HV, V]; g (fp32), beta [N, HV].
@@ -63,7 +64,8 @@ def tree_gdn_core(
     Returns o [N, HV, V] in q's dtype (written into `out` if given; every row is written, as the plan guarantees).
     Runs `core` once per call of `plan.gdn[mode]`, each over its sequences gathered from the packed rows
     ([1, T, ...] with cu_seqlens); states pass between calls in fp32. `core_kwargs` go to every call (e.g.
-    use_qk_l2norm_in_kernel=True). `core` defaults to `torch_chunk_core`.
+    use_qk_l2norm_in_kernel=True). `core` defaults to `torch_chunk_core`. `chunk_offsets`: pass each call's
+    `chunk_offsets` to the core (`kernels.gdn_core.FlaForwardCore` takes them; FLA's own function does not).
     """
     core = torch_chunk_core if core is None else core
     if mode not in plan.gdn:
@@ -91,6 +93,7 @@ def tree_gdn_core(
             cu_seqlens=call.cu_seqlens,
             cu_seqlens_cpu=call.cu_seqlens_cpu,
             chunk_indices=call.chunk_indices,
+            **({"chunk_offsets": call.chunk_offsets} if chunk_offsets else {}),
             **core_kwargs,
         )
         if call.keep_final:
@@ -129,6 +132,7 @@ def torch_chunk_core(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FLA's varlen `chunk_gated_delta_rule` signature over HF's torch chunk function, one sequence at a time.
 
@@ -136,7 +140,9 @@ def torch_chunk_core(
     in q's dtype and the final states [S, HV, K, V] fp32 (or None). Chunks of 64 restart at each sequence start.
     Each sequence runs `reference.ops.gdn_core_torch` (HF's numerics: q/k L2-normalised in fp32 inside, q scaled by
     K^-0.5, fp32 throughout, output rounded once), so q/k must come raw: use_qk_l2norm_in_kernel=True.
-    `chunk_indices` (FLA's precomputed chunk layout) is accepted for the signature and not needed here.
+    `chunk_indices` and `chunk_offsets` (FLA's precomputed chunk layout) are accepted for the signature and not
+    needed here. Empty sequences (a bucketed plan's) give no rows and their initial state (or zeros) as final state;
+    slots after the last sequence (a bucket's trailing slots) are left zero.
     """
     if not use_qk_l2norm_in_kernel:
         raise ValueError("the torch core L2-normalises q/k itself (HF numerics): pass use_qk_l2norm_in_kernel=True")
@@ -147,8 +153,15 @@ def torch_chunk_core(
     if q.shape[0] != 1:
         raise ValueError(f"packed sequences need batch size 1, got {q.shape[0]}")
     bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
-    outs, finals = [], []
+    out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    finals = []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if start == end:
+            state = initial_state[i].float() if initial_state is not None else None
+            if output_final_state:
+                shape = (v.shape[2], k.shape[-1], v.shape[-1])
+                finals.append(state if state is not None else torch.zeros(shape, device=q.device))
+            continue
         o_i, s_i = ops.gdn_core_torch(
             q[0, start:end],
             k[0, start:end],
@@ -158,9 +171,9 @@ def torch_chunk_core(
             initial_state=None if initial_state is None else initial_state[i],
             output_final_state=output_final_state,
         )
-        outs.append(o_i)
+        out[0, start:end] = o_i
         finals.append(s_i)
-    return torch.cat(outs)[None], torch.stack(finals) if output_final_state else None
+    return out, torch.stack(finals) if output_final_state else None
 
 
 def blockwise_causal_attention(
@@ -191,9 +204,11 @@ def blockwise_causal_attention(
     causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
     q_bounds = cu_seqlens_cpu.tolist()
     k_bounds = q_bounds if cu_seqlens_k_cpu is None else cu_seqlens_k_cpu.tolist()
-    outs = []
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows after the last sequence stay zero
     for (q_start, q_end), (k_start, k_end) in zip(zip(q_bounds[:-1], q_bounds[1:]), zip(k_bounds[:-1], k_bounds[1:])):
         num_q, num_k = q_end - q_start, k_end - k_start
+        if num_q == num_k == 0:  # a bucketed plan's rowless node
+            continue
         if not 0 < num_q <= num_k:
             raise ValueError(f"a sequence has {num_q} queries for {num_k} keys: need 0 < queries <= keys")
         nb = -(-num_k // block)
@@ -218,8 +233,8 @@ def blockwise_causal_attention(
             acc[first:] = acc[first:] * corr[..., None] + p @ vb[j]
             m[first:] = m_new
         o = (acc / denom[..., None]).transpose(1, 2).reshape((nb - b0) * block, num_heads, head_dim)
-        outs.append(o[offset - b0 * block : offset - b0 * block + num_q].to(q.dtype))
-    return torch.cat(outs)
+        out[q_start:q_end] = o[offset - b0 * block : offset - b0 * block + num_q].to(q.dtype)
+    return out
 
 
 def _blocks(t: torch.Tensor, nb: int, block: int) -> torch.Tensor:

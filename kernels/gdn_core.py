@@ -61,9 +61,12 @@ class FlaForwardCore:
     """FLA's GDN forward kernels launched directly; same signature and bits as `chunk_gated_delta_rule` (varlen).
 
     Call: `core(q, k, v, g, beta, *, cu_seqlens, chunk_indices, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, scale=None, workspace=None, cu_seqlens_cpu=None)` (workspace: an
-    `engine.plan.SolveWorkspace`); q, k [1, T, H, K] bf16,
-    v [1, T, Hv, V] bf16, g fp32 and beta bf16 [1, T, Hv], all contiguous; initial_state [N, Hv, K, V] fp32.
+    use_qk_l2norm_in_kernel=False, scale=None, workspace=None, cu_seqlens_cpu=None, chunk_offsets=None)` (workspace:
+    an `engine.plan.SolveWorkspace`; chunk_offsets [N + 1] int64, each sequence's first chunk: pass it from the plan
+    arena, because FLA otherwise derives it from `cu_seqlens` through `tensor_cache`, which keys on the tensor object
+    and would hand a refilled arena, or a replayed graph, the offsets of the request it first saw);
+    q, k [1, T, H, K] bf16, v [1, T, Hv, V] bf16, g fp32 and beta bf16 [1, T, Hv], all contiguous; initial_state
+    [N, Hv, K, V] fp32.
     Returns o [1, T, Hv, V] in q's dtype and the final state (fp32) or None.
     """
 
@@ -101,6 +104,7 @@ class FlaForwardCore:
         scale: float | None = None,
         workspace=None,
         cu_seqlens_cpu: torch.Tensor | None = None,
+        chunk_offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, tokens, key_heads, key_dim = k.shape
         value_heads = v.shape[2]
@@ -142,6 +146,7 @@ class FlaForwardCore:
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
             chunk_size=CHUNK_SIZE,
         )
         o = self._o(

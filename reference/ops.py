@@ -233,7 +233,11 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype = torch.bfloat16
+    positions: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    dtype: torch.dtype = torch.bfloat16,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables (`Qwen3_5TextRotaryEmbedding` for text-only positions): returns (cos, sin) [T, rotary_dim] dtype.
 
@@ -243,7 +247,8 @@ def rope_cos_sin(
     """
     if positions.ndim != 1 or positions.dtype != torch.int64:
         raise ValueError(f"rope_cos_sin: positions must be [T] int64, got {tuple(positions.shape)} {positions.dtype}")
-    inv_freq = rope_inv_freq(rotary_dim, theta).to(positions.device)
+    if inv_freq is None:  # a caller that captures CUDA graphs passes its device copy (no host copy in the forward)
+        inv_freq = rope_inv_freq(rotary_dim, theta).to(positions.device)
     freqs = positions[:, None].float() * inv_freq  # [T, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -186,8 +186,15 @@ class DecisionModel:
                 "code_commit": self.code_commit,
                 "backend": self.backbone.name,
                 "synthetic_weights": bool(self.weights.synthetic),
+                **self._graph_metadata(prepared),
             },
         }
+
+    def _graph_metadata(self, prepared: Any) -> dict:
+        """`{"graph": {bucket, hit, eager_reasons}}` for a `graphs` backbone (engine/graphs.py), else nothing."""
+        source = getattr(self.backbone, "graph_metadata", None)
+        graph = source(prepared) if source is not None else None
+        return {} if graph is None else {"graph": graph}
 
     def decide_json(self, body: bytes | str) -> dict[str, Any]:
         """Strict-parse a request body, then `decide`."""

@@ -6,6 +6,11 @@
   Triton interpreter).
 * Shape: hashable and host-only; two requests of equal shape share an arena, and a refilled arena gives the second
   request exactly the bits of its own fresh plan; a plan of another shape is refused by the arena.
+* Buckets (stage `graphs`): the host-only layout gives the plan's sizes and the cost rule's costs; a bucketed plan has
+  exactly its bucket's sizes, and two requests of one bucket launch with the same host values; padding to every
+  bucket of a small grid changes no bit of any real candidate (hypothesis); the stage's CPU form (bucketed plans run
+  eagerly with the fused kernels) is bitwise against `tree`; a request outside the grid or in hand-off mode runs
+  eagerly and says why; the capture placeholder fits every bucket of the default grid.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
 from engine.backbone import EngineRows, _row_batch  # noqa: E402
-from engine.plan import PAD_TOKEN_ID, PlanArena, plan_flat, plan_tree  # noqa: E402
+from engine.graphs import default_grid, grid_bucket, smallest_bucket, warm_request  # noqa: E402
+from engine.plan import PAD_TOKEN_ID, Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
+from engine.tree import GDN_CALL_COST_CHUNKS, gdn_mode_costs  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
 from reference.weights import synthetic_weights  # noqa: E402
@@ -156,3 +163,122 @@ def test_the_solve_workspace_is_keyed_by_arena_position_and_zeroed_per_forward()
     assert again is first and (again == 0).all()  # zeroed at its first use in the next forward
     handoff = plan.gdn["handoff"].calls[-1].chunk_indices
     assert workspace.zeros(handoff, (1, 8, 2, 64), like) is not first  # another call layout, another buffer
+
+
+# ---------------------------------------------------------------------------------------------------------- buckets
+
+
+def small_grid() -> list[Bucket]:
+    return [grid_bucket(rows, factor) for rows in (64, 96, 160) for factor in (1, 2, 5)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(request_tokens=requests())
+def test_layout_sizes_and_cost_rule_match_the_plan(request_tokens):
+    """`tree_layout` (host sizes, no plan) gives the plan's sizes and the cost rule's costs, so a batch's bucket and
+    GDN mode are chosen before any plan is built."""
+    candidates, groups = request_tokens
+    layout, plan = tree_layout(candidates, groups), plan_tree(candidates, groups)
+    call = plan.gdn["replicated"].calls[0]
+    assert (layout.rows, layout.slots, layout.chunks) == (plan.num_rows, call.num_tokens, call.chunks)
+    assert (layout.nodes, layout.keys) == (len(plan.attention.cu_seqlens_q_cpu) - 1, plan.attention.num_keys)
+    assert (layout.max_q, layout.max_k) == (plan.attention.max_q, plan.attention.max_k)
+    assert layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS) == gdn_mode_costs(plan)
+
+
+@settings(max_examples=25, deadline=None)
+@given(request_tokens=requests())
+def test_a_bucketed_plan_has_exactly_its_buckets_sizes(request_tokens):
+    candidates, groups = request_tokens
+    layout = tree_layout(candidates, groups)
+    fitting = [b for b in small_grid() if bucket_padding(layout, b) is not None]
+    for bucket in fitting:
+        plan = plan_tree(candidates, groups, bucket=bucket)
+        sizes = dict(plan.shape.arrays)
+        assert plan.num_rows == bucket.rows and plan.bucket == bucket
+        assert sizes["path_rows"] == (bucket.slots,) and sizes["path_cu_seqlens"] == (bucket.sequences + 1,)
+        assert sizes["replicated.0.chunk_indices"] == (bucket.chunks, 2)
+        assert sizes["attention.cu_seqlens_q"] == (bucket.nodes + 1,) and sizes["attention.key_rows"] == (bucket.keys,)
+        assert sizes["read_rows"] == (bucket.candidates,)
+        assert plan.shape.attention_max == (bucket.max_q, bucket.max_k)
+        assert plan.conv_segments is None and list(plan.gdn) == ["replicated"]
+        assert plan.read_rows[: len(candidates)].tolist() == plan_tree(candidates, groups).read_rows.tolist()
+    for bucket in set(small_grid()) - set(fitting):
+        with pytest.raises(ValueError, match="does not fit"):
+            plan_tree(candidates, groups, bucket=bucket)
+
+
+def test_equal_bucketed_shapes_launch_the_same_parameters():
+    """Two requests of one bucket: equal shapes, and then every host value a launch reads is equal too (array sizes,
+    GDN call flags and counts, conv flags, attention maxima)."""
+    bucket = grid_bucket(96, 2)
+    a = plan_tree([[5] * 30 + [1, 2], [5] * 30 + [1, 3]], [0, 0], bucket=bucket)
+    b = plan_tree([[7] * 10 + [4] * 9, [7] * 10 + [4] * 9 + [8], [7] * 10 + [9]], [0, 0, 1], bucket=bucket)
+    assert a.shape == b.shape
+    for name, view in a.arena.views.items():
+        assert view.shape == b.arena.views[name].shape, name
+    call_a, call_b = a.gdn["replicated"].calls[0], b.gdn["replicated"].calls[0]
+    host = ("keep_final", "chunks", "rows_start", "out_start", "num_sequences")
+    assert [getattr(call_a, f) for f in host] == [getattr(call_b, f) for f in host]
+    assert (a.attention.max_q, a.attention.max_k, a.attention.keys_are_rows) == (
+        b.attention.max_q, b.attention.max_k, b.attention.keys_are_rows)  # fmt: skip
+    flags = ("rows_are_packed", "keep_all", "keep_rows_are_packed")
+    assert [getattr(a.conv_paths, f) for f in flags] == [getattr(b.conv_paths, f) for f in flags]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_tokens=requests())
+def test_padding_to_every_bucket_changes_no_bit(merged_weights, request_tokens):
+    """Every bucket of a small grid the request fits (reference-composition ops, replicated mode): the head's rows and
+    every residual state of every real candidate are those of the unpadded plan."""
+    candidates, groups = request_tokens
+    engine = build_engine(merged_weights, MERGED_TREE, gdn_mode="replicated")
+    want = outputs(engine, plan_tree(candidates, groups))
+    layout = tree_layout(candidates, groups)
+    fitting = [b for b in small_grid() if bucket_padding(layout, b) is not None]
+    for bucket in fitting[:3]:
+        plan = plan_tree(candidates, groups, bucket=bucket)
+        rows = rows_of(engine, plan)
+        last = engine.forward(rows)[: len(candidates)]
+        assert_same((last, engine.hidden_states(rows)), want)
+
+
+def test_bucketed_forward_matches_unpadded_bitwise(merged_weights):
+    """The `graphs` stage's CPU gate: its CPU form (bucketed plans, run eagerly, fused kernels under the interpreter)
+    against `tree` on the same requests: bitwise; the metadata names the bucket; the CPU has no graphs to hit."""
+    rng = random.Random(5)
+    root = [rng.randrange(100, 150_000) for _ in range(70)]
+    candidates = [root + [q + 1] + [rng.randrange(100, 150_000) for _ in range(q * 4)] + [o + 1]
+                  for q in range(2) for o in range(3)]  # fmt: skip
+    groups = [0, 0, 0, 1, 1, 1]
+    tree, graphs = build_engine(merged_weights, "tree"), build_engine(merged_weights, "graphs")
+    assert graphs.config.graphs and graphs.graphs is None  # no CUDA graphs on the CPU; the plans are still padded
+    want, prepared = tree.prepare(candidates, groups), graphs.prepare(candidates, groups)
+    assert prepared.batches[0].plan.bucket is not None
+    assert prepared.rows_computed > want.rows_computed
+    assert torch.equal(graphs.forward(prepared), tree.forward(want))
+    assert all(torch.equal(g, w) for g, w in zip(graphs.hidden_states(prepared), tree.hidden_states(want)))
+    meta = graphs.graph_metadata(prepared)
+    assert meta["bucket"] == prepared.batches[0].plan.bucket.name and meta["hit"] is False
+
+
+def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):
+    graphs = build_engine(merged_weights, "graphs")
+    many = [[3, 4, c + 10] for c in range(40)]  # 40 candidates: more than any bucket holds
+    prepared = graphs.prepare(many, [0] * 40)
+    assert prepared.batches[0].plan.bucket is None and prepared.batches[0].eager_reason == "outside grid"
+    long_root = [rng_token % 150_000 + 100 for rng_token in range(3000)]
+    handoff = graphs.prepare([long_root + [1, o + 2] for o in range(6)], [0] * 6)
+    assert handoff.batches[0].eager_reason == "handoff" and handoff.batches[0].gdn_mode == "handoff"
+    assert (
+        tree_layout(many, [0] * 40).rows < 1280 and smallest_bucket(tree_layout(many, [0] * 40), default_grid()) is None
+    )
+    meta = graphs.graph_metadata(prepared)
+    assert meta == {"bucket": None, "hit": False, "eager_reasons": ["outside grid"]}
+
+
+def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
+    grid = default_grid()
+    assert len(grid) == len(set(grid)) == 124
+    placeholder = tree_layout(*warm_request(grid[0]))
+    assert all(bucket_padding(placeholder, bucket) is not None for bucket in grid)

@@ -197,6 +197,15 @@ STAGE_LIST: tuple[Stage, ...] = (
         gpu_gate="tests/test_gpu_tree.py::test_gpu_model_tree_matches_fused",
         status="kept",
     ),
+    Stage(
+        name="graphs",
+        builds_on="tree",
+        delta={"graphs": True},
+        exactness=Exactness("bitwise", against="tree"),
+        gate="tests/test_plan_padding.py::test_bucketed_forward_matches_unpadded_bitwise",
+        gpu_gate="tests/test_gpu_graphs.py::test_replay_matches_eager_on_the_ladder_workloads",
+        status="kept",
+    ),
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in STAGE_LIST}

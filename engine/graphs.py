@@ -1,0 +1,256 @@
+"""CUDA graphs over bucketed tree plans (stage `graphs`): the grid, the graph cache and the replay.
+
+A forward over a bucketed plan (`engine.plan.plan_tree(..., bucket=...)`) launches the same kernels with the same
+grids for every request of its bucket: everything a launch reads from the host comes from the plan's shape. So the
+forward is captured once per bucket and replayed: the request's index arrays are copied into the captured arena
+(one device-to-device copy of the plan's buffer; the int32 copies are the graph's first kernels), the graph replays,
+and the real candidates' rows are copied out of the static output (the next replay overwrites it).
+
+The grid (`default_grid`). Rows: every 16 from 64 to 256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280
+(31 sizes; the step grows with the size as in vLLM's and SGLang's capture sizes, since a GEMM's cost is flat in the
+rows below the H200's ridge, about 178 rows, and linear above it). Path slots: 1, 2, 3 or 5 times the rows (JevBench's
+one-candidate questions have as many slots as rows; multi-option questions 1.6-2.1x; the Open-Jev requests up to
+3.7x). Per rows size the other capacities follow: candidates 8 up to 256 rows, 16 up to 512, 32 above; sequences
+2 x candidates + 2 (the dummy paths absorb each real candidate's partial last chunk one chunk at a time); attention
+nodes 2 x candidates + 2; keys 2 x slots + rows; GDN chunks ceil(slots / 64) + candidates + 1; `max_q` = `max_k` =
+rows. 124 buckets. Chosen on the shapes of the public JevBench tiers (130 plans), the six Open-Jev requests, our two
+synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of 0-16k tokens, 145 plans):
+a plan runs replicated by the cost rule in 130 / 5 / 0 / 19 of them, and the grid holds 130 / 5 / 0 / 17 of those
+(the two left out have 5-6k rows); rows padded / real 1.059 (JevBench), 1.06 (Open-Jev), 1.04 (generated); slots
+1.33 / 1.24 / 1.17 (`python -m engine.graphs --coverage` recomputes the table; the numbers here are its output at
+the commit that set the grid). The `handoff` mode (long shared contexts, several branches: host loop over calls,
+state bank) and plans outside the grid run eager and are counted as misses; their launch overhead is a small part
+of their GPU time (customer_service-sized and larger plans are GPU-bound).
+
+Exactness: bitwise against the eager `tree` forward of the same request (tests/test_plan_padding.py on the CPU for
+the padding; tests/test_gpu_graphs.py on the H200 for replay vs eager, padded vs unpadded, alternating requests,
+repeated replays and a smaller request in a larger bucket).
+
+Graph cache (`GraphCache`): plan shape -> `CapturedGraph` (graph, arena, static output); one memory pool shared by
+all graphs (they never run concurrently); capture after warm-up on a side stream; an LRU bound with an eviction
+count; hits and misses counted, misses by reason. `capture_grid` captures every bucket (largest first, so that the
+pool is sized once) with a progress bar; nothing is captured on a request's path unless `capture_on_miss`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.plan import Bucket, PlanShape, TreeLayout, TreePlan, bucket_padding, plan_tree
+
+ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1152, 1280)
+SLOT_FACTORS = (1, 2, 3, 5)
+DEFAULT_MAX_GRAPHS = 512
+
+
+def candidate_capacity(rows: int) -> int:
+    return 8 if rows <= 256 else 16 if rows <= 512 else 32
+
+
+def grid_bucket(rows: int, slot_factor: float, chunk_size: int = 64) -> Bucket:
+    """The bucket of the default grid at `rows` rows and `slot_factor` x rows path slots (module docstring)."""
+    candidates = candidate_capacity(rows)
+    base = int(slot_factor * rows)
+    slots = base + 2 * candidates + 2
+    return Bucket(
+        rows=rows,
+        slots=slots,
+        sequences=2 * candidates + 2,
+        chunks=math.ceil(base / chunk_size) + candidates + 1,
+        nodes=2 * candidates + 2,
+        keys=2 * slots + rows,
+        candidates=candidates,
+        max_q=rows,
+        max_k=rows,
+    )
+
+
+def default_grid() -> tuple[Bucket, ...]:
+    return tuple(grid_bucket(rows, factor) for rows in ROWS_GRID for factor in SLOT_FACTORS)
+
+
+def smallest_bucket(layout: TreeLayout, grid: Iterable[Bucket]) -> Bucket | None:
+    """The bucket with the fewest rows (then slots) that `layout` fits, or None."""
+    fitting = [b for b in grid if bucket_padding(layout, b) is not None]
+    return min(fitting, key=lambda b: (b.rows, b.slots, b.sequences)) if fitting else None
+
+
+def warm_request(bucket: Bucket) -> tuple[list[list[int]], list[int]]:
+    """A request that fits every bucket (one candidate of one token): the capture's placeholder; the graph's bits do
+    not depend on the placeholder, only on the arrays copied in before each replay."""
+    return [[1]], [0]
+
+
+def capture_forward(
+    forward: Callable[[], torch.Tensor], arena, device: torch.device, *, pool=None, warmup_runs: int = 2
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `forward()` (one plan's forward over `arena`, an `engine.plan.PlanArena`) as a CUDA graph: warm-up runs
+    on a side stream first (compiles, autotunes, lazily created handles and buffers), then the capture, whose first
+    kernels recompute the arena's int32 copies so that a replay needs only the int64 buffer copied in. Returns the
+    graph and its static output."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup_runs):
+            forward()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        arena.refresh_int32()
+        output = forward()
+    torch.cuda.synchronize(device)
+    return graph, output
+
+
+@dataclass
+class CapturedGraph:
+    """One captured forward: its bucket, the arena it reads, the static output [bucket.candidates, hidden]."""
+
+    bucket: Bucket
+    plan: TreePlan
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    replays: int = 0
+
+    def run(self, plan: TreePlan) -> torch.Tensor:
+        """Replay over `plan` (same shape): copy its index arrays in, replay, return its candidates' rows (a copy)."""
+        if plan.shape != self.plan.shape:
+            raise ValueError("the plan's shape is not this graph's")
+        self.plan.arena.buffer.copy_(plan.arena.buffer)
+        self.graph.replay()
+        self.replays += 1
+        return self.output[: plan.num_candidates].clone()
+
+
+@dataclass
+class GraphStats:
+    hits: int = 0
+    misses: Counter = field(default_factory=Counter)  # reason -> count
+    evictions: int = 0
+    captures: int = 0
+    capture_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "hits": self.hits,
+            "misses": dict(self.misses),
+            "evictions": self.evictions,
+            "captures": self.captures,
+            "capture_seconds": round(self.capture_seconds, 3),
+        }
+
+
+class GraphCache:
+    """Plan shape -> captured forward, for one backbone (`forward_batch(plan) -> [candidates, hidden]`, the eager
+    forward of one bucketed plan). `grid`: the buckets requests are padded to; `max_graphs`: the LRU bound."""
+
+    def __init__(
+        self,
+        forward_batch: Callable[[TreePlan], torch.Tensor],
+        device: torch.device,
+        grid: Sequence[Bucket] | None = None,
+        *,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        capture_on_miss: bool = False,
+        warmup_runs: int = 2,
+    ):
+        if torch.device(device).type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self._forward = forward_batch
+        self.device = torch.device(device)
+        self.grid = tuple(default_grid() if grid is None else grid)
+        self.max_graphs = max_graphs
+        self.capture_on_miss = capture_on_miss
+        self.warmup_runs = warmup_runs
+        self.graphs: OrderedDict[PlanShape, CapturedGraph] = OrderedDict()
+        self.stats = GraphStats()
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def bucket_for(self, layout: TreeLayout) -> Bucket | None:
+        return smallest_bucket(layout, self.grid)
+
+    def lookup(self, plan: TreePlan) -> CapturedGraph | None:
+        """The graph of a plan's shape (a hit), capturing it first when `capture_on_miss`; None (a miss) otherwise."""
+        entry = self.graphs.get(plan.shape)
+        if entry is None and plan.bucket is not None and self.capture_on_miss:
+            entry = self.capture(plan.bucket)
+        if entry is None:
+            self.stats.misses["not captured" if plan.bucket is not None else "no bucket"] += 1
+            return None
+        self.graphs.move_to_end(plan.shape)
+        self.stats.hits += 1
+        return entry
+
+    def count_miss(self, reason: str) -> None:
+        self.stats.misses[reason] += 1
+
+    def capture(self, bucket: Bucket) -> CapturedGraph:
+        """Capture the forward of `bucket` (warm-up runs on a side stream first; the pool is shared)."""
+        start = time.perf_counter()
+        candidates, groups = warm_request(bucket)
+        plan = plan_tree(candidates, groups, device=self.device, bucket=bucket)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph, output = capture_forward(
+            lambda: self._forward(plan), plan.arena, self.device, pool=self._pool, warmup_runs=self.warmup_runs
+        )
+        entry = CapturedGraph(bucket=bucket, plan=plan, graph=graph, output=output)
+        self.graphs[plan.shape] = entry
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats.evictions += 1
+        self.stats.captures += 1
+        self.stats.capture_seconds += time.perf_counter() - start
+        return entry
+
+    def capture_grid(self, progress: Callable[[Iterable], Iterable] | None = None) -> None:
+        """Capture every bucket of the grid, largest first (the pool takes its size from the first)."""
+        order = sorted(self.grid, key=lambda b: (b.rows, b.slots), reverse=True)[: self.max_graphs]
+        for bucket in progress(order) if progress else order:
+            self.capture(bucket)
+
+    def describe(self) -> dict:
+        """What `/health` and the run record report: graphs, capture seconds, the pool's bytes, hits and misses."""
+        return {
+            "graphs": len(self.graphs),
+            "grid": len(self.grid),
+            "pool_bytes": torch.cuda.memory_reserved(self.device),
+            **self.stats.as_dict(),
+        }
+
+
+def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucket], call_cost_chunks: float) -> list:
+    """Per workload group: plans, replicated plans, plans in the grid, rows and slots padded / real."""
+    groups: dict[str, list] = {}
+    for group, layout in plans:
+        costs = layout.gdn_mode_costs(call_cost_chunks)
+        entry = None
+        if costs["replicated"] <= costs["handoff"]:
+            bucket = smallest_bucket(layout, grid)
+            entry = (layout, bucket)
+        groups.setdefault(group, []).append(entry)
+    rows = []
+    for group, items in groups.items():
+        replicated = [i for i in items if i is not None]
+        held = [(layout, b) for layout, b in replicated if b is not None]
+        rows.append(
+            {
+                "group": group,
+                "plans": len(items),
+                "replicated": len(replicated),
+                "in_grid": len(held),
+                "rows_padded_per_real": sum(b.rows for _, b in held) / max(1, sum(lay.rows for lay, _ in held)),
+                "slots_padded_per_real": sum(b.slots for _, b in held) / max(1, sum(lay.slots for lay, _ in held)),
+            }
+        )
+    return rows

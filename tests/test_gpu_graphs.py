@@ -1,0 +1,94 @@
+"""Stage `graphs` on the GPU with the 27B shapes: CUDA-graph replay over bucketed plans against the eager `tree` stage.
+
+    nox --no-venv -s gpu_tests -- tests/test_gpu_graphs.py -s
+
+One `MergedWeights` (synthetic, seed 0) shared by a `tree` and a `graphs` engine; the graphs engine captures on a miss
+here (the server and the runner capture the whole grid at start instead), so only the buckets the workloads need are
+captured. Declared and checked, bit for bit:
+* replay against the eager `tree` forward of the same request, on the ladder's workloads (those the grid holds are
+  served by a graph: asserted; the others run eagerly and must still match);
+* the padded plan run eagerly against the replay (capture changes nothing) and against the unpadded plan;
+* two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
+  leaks through the arena, the solve workspace or the shared pool);
+* five replays of one request: identical.
+Every graph is captured on a placeholder request (one token, padded to the bucket), so every replay here serves a
+request other than the one captured, whose real shape is smaller than its bucket.
+Synthetic weights: the bits are what is compared; no probability here means anything for accuracy.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ablations.workloads import get_workload, jevbench_panel
+from engine.stages import build_engine
+from engine.weights import MergedWeights
+from reference.service import request_candidates
+from reference.shapes import QWEN38_27B as S
+from reference.weights import synthetic_weights
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+LADDER = ["drone", "customer_service", "context-128-choice-2", "context-512-choice-8", "long-10k-choice-5"]
+
+
+def candidates_of(workload_id: str) -> tuple[list[list[int]], list[int]]:
+    return request_candidates(get_workload(workload_id).request)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    weights = synthetic_weights(S, seed=0, device=DEVICE)
+    merged = MergedWeights.from_decision_weights(weights)
+    del weights
+    tree, graphs = build_engine(merged, "tree"), build_engine(merged, "graphs")
+    graphs.graphs.capture_on_miss = True
+    yield tree, graphs
+    del tree, graphs, merged
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def eager_tree(tree, candidates, groups) -> torch.Tensor:
+    return tree.forward(tree.prepare(candidates, groups)).clone()
+
+
+@pytest.mark.parametrize("workload", LADDER + [w.id for w in jevbench_panel()])
+def test_replay_matches_eager_on_the_ladder_workloads(engines, workload):
+    tree, graphs = engines
+    candidates, groups = candidates_of(workload)
+    want = eager_tree(tree, candidates, groups)
+    prepared = graphs.prepare(candidates, groups)
+    got = graphs.forward(prepared)
+    meta = graphs.graph_metadata(prepared)
+    assert torch.equal(got, want), f"{workload}: graphs departs from tree ({meta})"
+    for batch in prepared.batches:
+        if batch.eager_reason is None:
+            assert batch.graph_hit, f"{workload}: bucket {batch.plan.bucket.name} was not served by a graph"
+            padded_eager = graphs._forward_batch(batch, None)[: batch.plan.num_candidates]
+            assert torch.equal(padded_eager, got[: batch.plan.num_candidates]), "replay departs from its eager run"
+    if workload.startswith("jevbench/") or workload == "drone":
+        assert meta["hit"], f"{workload} is within the grid and must be served by a graph: {meta}"
+
+
+def test_two_requests_alternate_through_one_graph(engines):
+    tree, graphs = engines
+    first, second = candidates_of("jevbench/easy-intent-00"), candidates_of("jevbench/easy-intent-01")
+    a, b = graphs.prepare(*first), graphs.prepare(*second)
+    assert a.batches[0].plan.shape == b.batches[0].plan.shape, "the two requests were chosen to share a bucket"
+    want_a, want_b = eager_tree(tree, *first), eager_tree(tree, *second)
+    for _ in range(2):
+        assert torch.equal(graphs.forward(a), want_a)
+        assert torch.equal(graphs.forward(b), want_b)
+    assert a.batches[0].graph_hit and b.batches[0].graph_hit
+
+
+def test_five_replays_are_identical(engines):
+    _, graphs = engines
+    prepared = graphs.prepare(*candidates_of("drone"))
+    outs = [graphs.forward(prepared) for _ in range(5)]
+    assert prepared.batches[0].graph_hit
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
