@@ -184,6 +184,9 @@ class GraphCache:
         entry = self.graphs.get(plan.shape)
         if entry is None and plan.bucket is not None and self.capture_on_miss:
             entry = self.capture(plan.bucket)
+            if entry.plan.shape != plan.shape:
+                raise RuntimeError(f"bucket {plan.bucket.name}: the captured shape is not the request's (a shape that "
+                                   "depends on more than the bucket)")  # fmt: skip
         if entry is None:
             self.stats.misses["not captured" if plan.bucket is not None else "no bucket"] += 1
             return None

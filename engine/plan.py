@@ -49,7 +49,9 @@ out at exactly b's sizes, replicated GDN mode only (no `handoff` schedule, no no
 * path slots after the last sequence (`b.slots` in all), attention nodes without rows (`b.nodes`), key entries after
   the last node (`b.keys`) and read rows (`b.candidates`), all at the dummy node's last row; no kernel reads a slot,
   key or node outside its sequences, and no real row reads a dummy one.
-`bucket_padding` says whether a request fits a bucket and how it is padded; the padded plan's shape is the graph key.
+`bucket_padding` says whether a request fits a bucket and how it is padded; the padded plan's shape is the graph key,
+and it depends on the bucket alone (no contiguous-range shortcuts, which depend on the request: tested against the
+capture placeholder).
 
 `split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
 """
@@ -799,12 +801,15 @@ def _build(
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
             out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
+            contiguous = padding is None  # a bucket's shape must not depend on the request: always gather
             call_shapes[mode].append(
                 GdnCallShape(
                     keep_final=call["keep_final"],
                     has_init_state=call["init_state"] is not None,
-                    rows_start=_range_start(call["rows"]),
-                    out_start=None if out_slots is None or out_rows is None else (out_slots, out_rows),
+                    rows_start=_range_start(call["rows"]) if contiguous else None,
+                    out_start=None
+                    if not contiguous or out_slots is None or out_rows is None
+                    else (out_slots, out_rows),
                 )
             )
     shape = PlanShape(

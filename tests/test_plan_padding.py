@@ -214,7 +214,8 @@ def test_equal_bucketed_shapes_launch_the_same_parameters():
     bucket = grid_bucket(96, 2)
     a = plan_tree([[5] * 30 + [1, 2], [5] * 30 + [1, 3]], [0, 0], bucket=bucket)
     b = plan_tree([[7] * 10 + [4] * 9, [7] * 10 + [4] * 9 + [8], [7] * 10 + [9]], [0, 0, 1], bucket=bucket)
-    assert a.shape == b.shape
+    placeholder = plan_tree(*warm_request(bucket), bucket=bucket)  # what the graph of the bucket is captured on
+    assert a.shape == b.shape == placeholder.shape
     for name, view in a.arena.views.items():
         assert view.shape == b.arena.views[name].shape, name
     call_a, call_b = a.gdn["replicated"].calls[0], b.gdn["replicated"].calls[0]
@@ -278,7 +279,15 @@ def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):
 
 
 def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
+    """Every bucket can be captured on the placeholder, and its shape is that of a real request in the bucket."""
     grid = default_grid()
     assert len(grid) == len(set(grid)) == 124
     placeholder = tree_layout(*warm_request(grid[0]))
     assert all(bucket_padding(placeholder, bucket) is not None for bucket in grid)
+    rng = random.Random(2)
+    for bucket in grid[::7]:
+        root = [rng.randrange(100, 150_000) for _ in range(bucket.rows // 2)]
+        request = [root + [1, 2], root + [1, 3]], [0, 0]
+        if bucket_padding(tree_layout(*request), bucket) is not None:
+            real = plan_tree(*request, bucket=bucket)
+            assert real.shape == plan_tree(*warm_request(bucket), bucket=bucket).shape, bucket.name
