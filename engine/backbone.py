@@ -495,7 +495,7 @@ class EngineBackbone:
         batch = _row_batch(plan, range(len(candidates)), self.shapes, self.gdn_mode, self.attention)
         graph, output = capture_forward(lambda: self._forward_batch(batch, None), plan.arena, self.device)
 
-        def replay() -> Tensor:
+        def replay(plan=plan) -> Tensor:  # holds the plan: the graph reads its arena (freed memory would be reused)
             graph.replay()
             return output
 

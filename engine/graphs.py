@@ -93,7 +93,9 @@ def capture_forward(
     """Capture `forward()` (one plan's forward over `arena`, an `engine.plan.PlanArena`) as a CUDA graph: warm-up runs
     on a side stream first (compiles, autotunes, lazily created handles and buffers), then the capture, whose first
     kernels recompute the arena's int32 copies so that a replay needs only the int64 buffer copied in. Returns the
-    graph and its static output."""
+    graph and its static output. The caller must keep the arena (its plan) alive as long as the graph: the graph
+    reads its addresses, and freed memory would be handed to other tensors (an exact-plan graph whose plan was
+    dropped read garbage indices in the H200 run of 0557e88: an index_select out of bounds)."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
