@@ -30,6 +30,8 @@ Graph cache (`GraphCache`): plan shape -> `CapturedGraph` (graph, arena, static 
 all graphs (they never run concurrently); capture after warm-up on a side stream; an LRU bound with an eviction
 count; hits and misses counted, misses by reason. `capture_grid` captures every bucket (largest first, so that the
 pool is sized once) with a progress bar; nothing is captured on a request's path unless `capture_on_miss`.
+`describe()` is what `/health` and the run record show (records before this name had `pool_bytes` for the same
+number: the process's reserved CUDA memory, not the pool's alone).
 """
 
 from __future__ import annotations
@@ -225,11 +227,12 @@ class GraphCache:
             self.capture(bucket)
 
     def describe(self) -> dict:
-        """What `/health` and the run record report: graphs, capture seconds, the pool's bytes, hits and misses."""
+        """What `/health` and the run record report: graphs, capture seconds, the CUDA memory the process holds
+        (weights, graph pool and caches together: torch reports no size per pool), hits and misses."""
         return {
             "graphs": len(self.graphs),
             "grid": len(self.grid),
-            "pool_bytes": torch.cuda.memory_reserved(self.device),
+            "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device),
             **self.stats.as_dict(),
         }
 
