@@ -240,7 +240,7 @@ class DecisionServer:
 
     def health(self) -> dict:
         """Ready once bound: the model, and for `graphs` its kernels and the whole grid, were built before the bind.
-        A `graphs` backbone adds its cache: graphs captured, capture seconds, the pool's bytes, hits and misses."""
+        A `graphs` backbone adds its cache: graphs captured, capture seconds, reserved CUDA bytes, hits and misses."""
         health = {"status": "ready", "model": self.model_id, "method": self.method}
         graphs = getattr(getattr(self.model, "backbone", None), "graphs", None)
         if graphs is not None:
