@@ -1,9 +1,11 @@
 """The issues' targets as data (`TARGETS`: issue, stage, metric, limit, text), evaluated on a run record by `evaluate`.
 
-A target is met when its metric, measured on the record's headline workload (or by the record's probes), is at most
-its limit; missed when it is above; not measured when the record lacks the metric (stage not timed, CPU run, no probe)
-or the limit. A limit is a number, or a stage's name: then it is the same metric of that stage in the same record.
-Each metric (`METRICS`) returns the value, how the table shows it and a note that says where it comes from.
+A target is met when its metric, measured on the record's headline workload (or by the record's probes), is at
+most its limit (a stage the record did not time is measured on the newest follow-up record of the plan that did,
+and the note names it); missed when it is above; not measured when the record lacks the metric (stage not timed,
+CPU run, no probe) or the limit. A limit is a number, or a stage's name: then it is the same metric of that stage in
+the same record. Each metric (`METRICS`) returns the value, how the table shows it and a note that says where it
+comes from.
 """
 
 from __future__ import annotations
@@ -299,6 +301,19 @@ METRICS: dict[str, tuple[Callable[[dict, Target, Followups], Measure], Callable[
 }
 
 
+def stage_record(record: dict, stage: str, followups: Followups) -> tuple[dict, Path | None]:
+    """The record to measure `stage`'s targets on: `record` when it timed the stage, else the newest follow-up that
+    did (a later, smaller run of the plan: its ratios compare stages within that run), with its path."""
+    timed = stage_by_name(record, stage)
+    if timed is not None and timed.get("status") == "ok":
+        return record, None
+    for path, other in sorted(followups, key=lambda f: f[1]["env"]["utc"], reverse=True):
+        later = stage_by_name(other, stage)
+        if later is not None and later.get("status") == "ok":
+            return other, path
+    return record, None
+
+
 def evaluate(record: dict, followups: Followups = ()) -> list[dict[str, Any]]:
     """Each target that applies to the record's plan: {id, issue, what, value, limit, measured (shown), limit_text,
     outcome (met / missed / not measured), note}. `followups`: newer records of the same plan (see
@@ -308,7 +323,12 @@ def evaluate(record: dict, followups: Followups = ()) -> list[dict[str, Any]]:
         if target.device not in (None, record["plan"]["device"]):
             continue
         measure, limit_format = METRICS[target.metric]
-        m = measure(record, target, followups)
+        source, source_path = stage_record(record, target.stage, followups)
+        m = measure(source, target, followups)
+        if source_path is not None:
+            m.note = f"from runs/{source_path.name} (a later run of the plan that timed {target.stage})" + (
+                f"; {m.note}" if m.note else ""
+            )
         limit = m.limit if isinstance(target.limit, str) else target.limit
         if m.value is None or limit is None:
             outcome = NOT_MEASURED

@@ -13,14 +13,20 @@ one-candidate questions have as many slots as rows; multi-option questions 1.6-2
 3.7x). Per rows size the other capacities follow: candidates 8 up to 256 rows, 16 up to 512, 32 above; sequences
 2 x candidates + 2 (the dummy paths absorb each real candidate's partial last chunk one chunk at a time); attention
 nodes 2 x candidates + 2; keys 2 x slots + rows; GDN chunks ceil(slots / 64) + candidates + 1; `max_q` = `max_k` =
-rows. 124 buckets. Chosen on the shapes of the public JevBench tiers (130 plans), the six Open-Jev requests, our two
-synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of 0-16k tokens, 145 plans):
-a plan runs replicated by the cost rule in 130 / 5 / 0 / 19 of them, and the grid holds 130 / 5 / 0 / 17 of those
-(the two left out have 5-6k rows); rows padded / real 1.059 (JevBench), 1.06 (Open-Jev), 1.04 (generated); slots
-1.33 / 1.24 / 1.17 (`python -m engine.graphs --coverage` recomputes the table; the numbers here are its output at
-the commit that set the grid). The `handoff` mode (long shared contexts, several branches: host loop over calls,
-state bank) and plans outside the grid run eager and are counted as misses; their launch overhead is a small part
-of their GPU time (customer_service-sized and larger plans are GPU-bound).
+rows. 124 buckets. Chosen on the request shapes of the public JevBench tiers (120 tasks), the six Open-Jev
+requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of 0-16k
+tokens, 145 plans); `python -m ablations.grid_coverage` recomputes the table (results/graphs/grid-coverage.json):
+
+| set | plans | replicated by the cost rule | held by the grid | rows padded / real | slots padded / real |
+|---|---|---|---|---|---|
+| JevBench public | 120 | 120 | 120 | 1.060 | 1.205 |
+| Open-Jev | 6 | 5 | 5 | 1.082 | 1.265 |
+| synthetic | 2 | 0 | 0 | - | - |
+| generated | 145 | 19 | 17 (the two left out have 5-6k rows) | 1.041 | 1.201 |
+
+The `handoff` mode (long shared contexts with several candidates: a host loop over calls and a state bank) and plans
+outside the grid run eagerly and are counted as misses, by reason; they are the long plans, whose GPU time dwarfs
+their launch overhead. Their kernels are compiled at start (`EngineBackbone.warm_up`).
 
 Exactness: bitwise against the eager `tree` forward of the same request (tests/test_plan_padding.py on the CPU for
 the padding; tests/test_gpu_graphs.py on the H200 for replay vs eager, padded vs unpadded, alternating requests,

@@ -311,6 +311,7 @@ def plan_summary(record: dict, record_path: Path, root: Path) -> dict[str, Any]:
         "method": tables.method_table(record),
         "environment": tables.env_table(record),
         "ladder": tables.ladder_table(record),
+        "later_ladders": tables.later_stage_ladders(record, later, root),
         "workloads": tables.workload_table(record),
         "correctness": tables.correctness_table(record),
         "bit_identity": tables.bit_identity_summary(record),

@@ -22,9 +22,17 @@ def ladder(plans: list[dict[str, Any]]) -> str:
         )
         parts.append(f"![ladder](results{plan['figures']['ladder']})\n")
         parts += [_markdown_table(plan["ladder"]), ""]
-        if not plan["is_cpu"]:
+        for later in plan.get("later_ladders", []):
+            stages = ", ".join(f"`{name}`" for name in later["stages"])
             parts.append(
-                "Targets of issues 4 and 5 in this record (synthetic weights: |dp| is fidelity, not accuracy):\n"
+                f"{stages} timed in a later run of the plan (record `{later['record']}`, its own workloads and "
+                "baseline: compare within its table):\n"
+            )
+            parts += [_markdown_table(later["table"]), ""]
+        if not plan["is_cpu"]:
+            issues = sorted({row[0] for row in plan["targets"]["table"][1:]}, key=int)
+            parts.append(
+                f"Targets of issues {', '.join(issues)} (synthetic weights: |dp| is fidelity, not accuracy):\n"
             )
             parts += [_markdown_table(plan["targets"]["table"]), ""]
     return "\n".join(parts) if parts else "No run record yet.\n"

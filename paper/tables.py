@@ -423,6 +423,19 @@ def attempt_table(records: list[dict]) -> list[list[str]]:
     return table
 
 
+def later_stage_ladders(record: dict, later: list[tuple[Path, dict]], root: Path) -> list[dict]:
+    """Stages the record did not time that a later run of the plan did (newest run first, each stage once): per such
+    run its record path, the stages it adds and its own ladder table (ratios within that run, against its baseline)."""
+    timed = {s["name"] for s in record["stages"] if s.get("status") == "ok"}
+    out = []
+    for path, other in sorted(later, key=lambda f: f[1]["env"]["utc"], reverse=True):
+        new = [s["name"] for s in other["stages"] if s.get("status") == "ok" and s["name"] not in timed]
+        if new:
+            out.append({"record": relative_path(path, root), "stages": new, "table": ladder_table(other)})
+            timed.update(new)
+    return out
+
+
 def followups(record: dict, root: Path) -> list[tuple[Path, dict]]:
     """The plan's records under root/runs newer than `record` (reruns and probe runs that settle what it lacks)."""
     return [
