@@ -287,6 +287,39 @@ def _headline(record: dict, stage: str) -> dict:
     return figures.measured(tables.stage_by_name(record, stage), "drone")
 
 
+GRAPHS_NOT_TIMED = {t.id: "not measured" for t in targets.TARGETS if t.stage == "graphs"}
+
+
+def test_graphs_targets_are_measured_on_the_newest_run_that_timed_graphs():
+    """The issue-13 targets: medians against their limits, the speed-up over hf_fla, the worst median over the
+    exact-plan graph among the workloads a graph served; a record without `graphs` takes them from the newest
+    follow-up record that timed it, and the note names that record."""
+    ladder = fake_record(
+        "gpu-27b",
+        "2026-11-30T10:00:00Z",
+        gpu=True,
+        medians={"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": 60.0, "tree": 40.0},
+    )
+    later = fake_record("gpu-27b", "2026-12-01T10:00:00Z", gpu=True, medians={"hf_fla": 140.0, "graphs": 40.0})
+    graphs = tables.stage_by_name(later, "graphs")
+    for w, exact in zip(graphs["workloads"], (37.0, 105.0), strict=True):  # medians 40 and 120 ms
+        w |= {"exact_graph_ms": exact, "graph": {"bucket": "r352-s1090-c16", "hit": True, "eager_reasons": []}}
+    path = Path("results/runs/later.json")
+    rows = {row["id"]: row for row in targets.evaluate(ladder, [(path, later)])}
+    assert rows["graphs_drone_ms"]["outcome"] == "met" and rows["graphs_drone_ms"]["value"] == 40.0
+    assert rows["graphs_drone_ms"]["note"].startswith(
+        "from runs/later.json (a later run of the plan that timed graphs)"
+    )
+    assert rows["graphs_vs_hf_fla"]["outcome"] == "met" and rows["graphs_vs_hf_fla"]["measured"] == "0.286 (3.50x)"
+    assert rows["graphs_padding_cost"]["value"] == pytest.approx(120.0 / 105.0)
+    assert rows["graphs_padding_cost"]["outcome"] == "missed"  # 1.14x > 1.10x on the second workload
+    assert rows["graphs_easy_fact_ms"]["outcome"] == "not measured"  # that workload is not in these records
+    assert {row["id"]: row["outcome"] for row in targets.evaluate(ladder)}["graphs_drone_ms"] == "not measured"
+    graphs["workloads"][1]["graph"]["hit"] = False  # served eagerly: no padding cost to judge there
+    rows = {row["id"]: row for row in targets.evaluate(ladder, [(path, later)])}
+    assert rows["graphs_padding_cost"]["outcome"] == "met" and rows["graphs_padding_cost"]["value"] == 40.0 / 37.0
+
+
 def test_targets_met_missed_and_not_measured():
     medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": 60.0, "tree": 40.0}
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
@@ -298,7 +331,8 @@ def test_targets_met_missed_and_not_measured():
     assert _outcomes(record) == {"fused_kernels": "met", "fused_core_multiple": "missed", "fused_fidelity": "met",
                                  "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
                                  "tree_bitwise_vs_fused": "not measured",
-                                 "tree_handoff_core_time": "not measured"}  # no probes in this record  # fmt: skip
+                                 "tree_handoff_core_time": "not measured",  # no probes in this record
+                                 **GRAPHS_NOT_TIMED}  # fmt: skip
     tree_stage, fused_stage = tables.stage_by_name(record, "tree"), tables.stage_by_name(record, "fused")
     for w in fused_stage["workloads"]:
         w["probabilities"] = [[0.25, 0.75]]
@@ -317,7 +351,7 @@ def test_targets_met_missed_and_not_measured():
     assert _outcomes(record) == {"fused_kernels": "missed", "fused_core_multiple": "missed",
                                  "fused_fidelity": "missed", "tree_gemm_multiple": "met",
                                  "tree_rows_share": "missed", "tree_bitwise_vs_fused": "missed",
-                                 "tree_handoff_core_time": "not measured"}  # fmt: skip
+                                 "tree_handoff_core_time": "not measured", **GRAPHS_NOT_TIMED}  # fmt: skip
     rows = {row["id"]: row for row in targets.evaluate(record)}
     assert rows["fused_fidelity"]["note"].startswith("against hf_fla, fused <= hf_torch on 1 of 2 workloads;")
     fused["state_rel_rmse"], _headline(record, "hf_torch")["state_rel_rmse"] = [0.0, 1e-3, 3e-2], [0.0, 2e-3, 2e-2]
@@ -331,7 +365,7 @@ def test_targets_met_missed_and_not_measured():
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
     assert {t.id for t in targets.TARGETS} == set(rows)
-    assert {r["issue"] for r in rows.values()} == {4, 5}
+    assert {r["issue"] for r in rows.values()} == {4, 5, 13}
 
 
 # Fabricated probe results (not measurements): the shapes the runner's probes write, with made-up numbers, to test
@@ -390,7 +424,8 @@ def test_targets_not_measured_and_the_token_count_fallback():
     assert {k: r["outcome"] for k, r in rows.items()} == {
         "fused_kernels": "not measured", "fused_core_multiple": "not measured", "fused_fidelity": "not measured",
         "tree_gemm_multiple": "not measured", "tree_rows_share": "met",
-        "tree_bitwise_vs_fused": "not measured", "tree_handoff_core_time": "not measured"}  # fmt: skip
+        "tree_bitwise_vs_fused": "not measured", "tree_handoff_core_time": "not measured",
+        **GRAPHS_NOT_TIMED}  # fmt: skip
     assert rows["fused_kernels"]["note"] == "fused not timed on drone: gate red"
     assert rows["tree_rows_share"]["measured"] == "30.9% (300 of 971 rows)"  # the workload's 971 tokens
     assert rows["tree_rows_share"]["note"] == "unshared rows: the drone request's tokens"
@@ -800,5 +835,5 @@ def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
     assert rows[3][0] == "fused (gate-red)"
     missing = tables.still_missing(record, targets.evaluate(record))
     assert "stage fused: gate-red" in missing
-    assert "stages not built yet: graphs, gemm" in missing
+    assert "stages not built yet: gemm" in missing
     assert any(m.startswith("probes (") for m in missing)

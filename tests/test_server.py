@@ -649,11 +649,12 @@ def two_question_request() -> dict:
 
 
 def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
-    """`--backend fused` / `tree` (tiny twin, Triton interpreter): HTTP answers are exactly `decide`'s in the same
-    process, and tree's answers are fused's bit for bit (the prefix tree changes no bit on the CPU). Synthetic
+    """`--backend fused` / `tree` / `graphs` (tiny twin, Triton interpreter): HTTP answers are exactly `decide`'s in
+    the same process, and tree's and graphs' answers are fused's bit for bit (neither the prefix tree nor the bucket
+    padding changes a bit on the CPU). Synthetic
     weights: the numbers say nothing about the decisions' quality."""
     answers = {}
-    for backend in ("fused", "tree"):
+    for backend in ("fused", "tree", "graphs"):
         model = build_decision_model(backend, "tiny", seed=3)
         with DecisionServer(model, port=0, access_log=io.StringIO()) as engine_server:
             engine_server.start()
@@ -662,9 +663,12 @@ def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
             assert without_timing(body) == without_timing(model.decide(two_question_request()))
             assert post(engine_server, INVALID_SCHEMA)[0] == 422
         answers[backend] = body["answers"]  # probabilities, noul scores, choices and confidences as JSON floats
-    assert answers["tree"] == answers["fused"]
-    with pytest.raises(ValueError, match="unknown stage 'graphs'"):
-        build_decision_model("graphs", "tiny")
+        # graphs on the CPU: bucketed plans run eagerly (no CUDA graphs), and the metadata says so
+        assert ("graph" in body["metadata"]) == (backend == "graphs")
+    assert body["metadata"]["graph"]["hit"] is False and body["metadata"]["graph"]["bucket"].startswith("r")
+    assert answers["tree"] == answers["fused"] == answers["graphs"]
+    with pytest.raises(ValueError, match="unknown stage 'gemm'"):
+        build_decision_model("gemm", "tiny")
 
 
 # ---------------------------------------------------------------- the 27B reference backend (H200)

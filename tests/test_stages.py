@@ -176,7 +176,10 @@ def test_the_ladder_configs_are_todays_backbones():
         ({"backbone": "jax"}, "backbone='jax' is not one of"),
         ({"layout": "padded"}, "the engine runs packed rows"),
         ({"attention": "sdpa_padded"}, "the engine runs packed rows"),
-        ({"graphs": True}, "graphs=True is not one of"),
+        ({"graphs": "yes"}, "graphs='yes' is not one of"),
+        ({"graphs": True, "layout": "flat"}, "graphs=True replays bucketed tree plans"),
+        ({"graphs": True, "elementwise": "torch"}, "graphs=True replays bucketed tree plans"),
+        ({"graphs": True, "gdn_core": "fla"}, "graphs=True replays bucketed tree plans"),
         ({"weight_format": "fp8"}, "weight_format='fp8' is not one of"),
         ({"max_batch_rows": 0}, "max_batch_rows must be an int >= 1"),
         ({"max_batch_rows": 8.5}, "max_batch_rows must be an int >= 1"),
@@ -228,10 +231,12 @@ def test_switches_are_derived_from_the_deltas():
 
 def test_everything_but_sets_a_stages_delta_back_on_the_top_stage():
     top = top_stage().config
-    assert top_stage().name == "tree"
-    assert everything_but("tree") == config_of("fused")
-    without_fused = everything_but("fused")
-    assert without_fused.delta(top) == {"elementwise": "torch", "attention": "mask", "gdn_core": "fla"}
+    assert top_stage().name == "graphs"
+    assert everything_but("graphs") == config_of("tree")
+    assert everything_but("graphs").delta(top) == {"graphs": False}
+    for name in ("tree", "fused"):  # the graphs replay bucketed tree plans over the fused kernels only
+        with pytest.raises(ValueError, match="graphs=True replays bucketed tree plans"):
+            everything_but(name)
     with pytest.raises(ValueError, match="reference"):
         everything_but("hf_torch")
     with pytest.raises(ValueError, match="hf backbone"):
@@ -279,11 +284,14 @@ def test_one_builder_builds_every_cpu_stage():
     ctx = BuildContext(synthetic_weights(TINY, seed=5))
     built = {stage.name: build_backbone(stage.name, ctx) for stage in STAGE_LIST if "cpu" in stage.devices}
     assert isinstance(built["hf_torch"], HFBackbone)
-    for name in ("merged", "fused", "tree"):
+    for name in ("merged", "fused", "tree", "graphs"):
         assert isinstance(built[name], EngineBackbone) and built[name].config == config_of(name).on("cpu")
         assert built[name].name == name
-    ablation = build_backbone(everything_but("fused"), ctx)
-    assert ablation.name == "merged[layout=tree]"  # the nearest stage, and what differs
+    assert built["graphs"].grid and built["graphs"].graphs is None  # bucketed plans, run eagerly on the CPU
+    ablation = build_backbone(everything_but("graphs"), ctx)
+    assert ablation.name == "tree"
+    nearest = build_backbone(config_of("merged", layout="tree"), ctx)
+    assert nearest.name == "merged[layout=tree]"  # the nearest stage, and what differs
 
 
 def test_gemm_state_is_checked_against_the_config(monkeypatch):
