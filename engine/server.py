@@ -2,6 +2,7 @@
 
     python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
+                            [--candidate-budget N] [--token-budget N]
 
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
 `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and `GET /v1/models` describe the loaded model.
@@ -14,10 +15,11 @@ bucket served it and whether a graph did.
 A POST is checked in the contract's order, and the first failing check answers:
 404 unknown path -> 403 foreign `Origin` (unless allowed) -> 415 media type not `application/json` -> 413 body empty or
 over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys, NaN/Infinity) or a schema violation,
-an unknown model, an over-length candidate -> 503 the model queue is full -> 500 inference failed (`error_type` names
-the exception class; never a fallback answer). Malformed framing (a Content-Length that is not one decimal number, a
-bad chunk, a Transfer-Encoding other than chunked) is a 400, which the contract does not name. The server keeps
-serving after every one of these.
+an unknown model, a request over the candidate or the token budget (`--candidate-budget`, `--token-budget`: checked
+from the validated request before any prompt is built, see `reference.service`), an over-length candidate -> 503 the
+model queue is full -> 500 inference failed (`error_type` names the exception class; never a fallback answer).
+Malformed framing (a Content-Length that is not one decimal number, a bad chunk, a Transfer-Encoding other than
+chunked) is a 400, which the contract does not name. The server keeps serving after every one of these.
 
 Concurrency: the HTTP side is one thread per connection (stdlib `ThreadingHTTPServer`, TCP_NODELAY, 30 s socket
 timeout). It frames the body and parses the JSON; all model work (validation, prompts, tokens, forward, readout) runs on
@@ -59,7 +61,7 @@ from tqdm import tqdm
 
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict
-from reference.service import DecisionModel
+from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
 from reference.shapes import QWEN38_27B, SHAPES, TINY, get_shapes
 from reference.weights import load_package, synthetic_weights
 
@@ -554,6 +556,8 @@ def build_decision_model(
     checkpoint: str | None = None,
     base: str | None = None,
     max_length: int | None = None,
+    candidate_budget: int = DEFAULT_CANDIDATE_BUDGET,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
     seed: int = 0,
 ) -> DecisionModel:
     """A `DecisionModel` on any registry stage (`engine.stages`, built by `build_backbone`): a real Open-Jev package
@@ -578,7 +582,9 @@ def build_decision_model(
         warm_up(
             lambda items: tqdm(items, desc=f"{stage.name}: capturing the bucket grid", unit="graph", file=sys.stderr)
         )
-    return DecisionModel(backbone, weights, max_length=max_length)
+    return DecisionModel(
+        backbone, weights, max_length=max_length, candidate_budget=candidate_budget, token_budget=token_budget
+    )
 
 
 def add_model_arguments(
@@ -596,6 +602,18 @@ def add_model_arguments(
     parser.add_argument("--checkpoint", default=None, help="Open-Jev package directory (with --base)")
     parser.add_argument("--base", default=None, help="HF base model directory for --checkpoint")
     parser.add_argument("--max-length", type=int, default=None, help="per-candidate token limit (default: saved)")
+    parser.add_argument(
+        "--candidate-budget",
+        type=int,
+        default=DEFAULT_CANDIDATE_BUDGET,
+        help=f"candidate sequences one request may have (default {DEFAULT_CANDIDATE_BUDGET})",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=DEFAULT_TOKEN_BUDGET,
+        help=f"input tokens one request may have, bounded before tokenizing (default {DEFAULT_TOKEN_BUDGET})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
 
 
@@ -606,6 +624,8 @@ def model_from_arguments(args: argparse.Namespace) -> DecisionModel:
         checkpoint=args.checkpoint,
         base=args.base,
         max_length=args.max_length,
+        candidate_budget=args.candidate_budget,
+        token_budget=args.token_budget,
         seed=args.seed,
     )
 

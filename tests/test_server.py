@@ -2,9 +2,10 @@
 are meaningless for accuracy; these tests check the contract, not the decisions).
 
 Covers every endpoint and status code with its body, the check order (404 -> 403 -> 415 -> 413 -> 422), body framing
-(Content-Length and chunked), HTTP answers identical to `decide()`, a fuzz of generated bodies (never a crash, never a
-500 for a bad request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue
-(503), a forced inference failure (500, then the server answers again) and a clean shutdown.
+(Content-Length and chunked), HTTP answers identical to `decide()`, the candidate and token budgets (issue 15's
+amplification bodies refused in well under a second), a fuzz of generated bodies (never a crash, never a 500 for a bad
+request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue (503), a forced
+inference failure (500, then the server answers again) and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -29,11 +30,19 @@ from hypothesis import strategies as st
 
 from ablations.jevbench import request_body
 from ablations.overhead import TARGET_P50_MS, measure_overhead
-from engine.server import MAX_BODY_BYTES, AccessLog, DecisionServer, build_decision_model, parse_arguments
+from engine.server import (
+    MAX_BODY_BYTES,
+    AccessLog,
+    DecisionServer,
+    build_decision_model,
+    model_from_arguments,
+    parse_arguments,
+)
 from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict
 from reference.service import DecisionModel, default_model
 from reference.shapes import QWEN38_27B
+from tests.cases import amplification_body, many_candidates_body
 
 TIMEOUT_S = 60.0
 INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
@@ -307,6 +316,34 @@ def test_schema_model_and_length_errors(server, tiny_model, drone):
             {"error": "Input length 149 exceeds max_length=148; no silent truncation"},
         )
         assert post(limited, short_request(0))[0] == 200  # per candidate, not per request
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (amplification_body, "too many input tokens for the token budget: up to "),
+        (many_candidates_body, "too many candidate sequences for the candidate budget: 65535 (the budget is 4096 "),
+    ],
+)
+def test_amplification_bodies_are_422_in_well_under_a_second(server, body, message):
+    """Issue 15's bodies over HTTP: 11-14 s and 4.6 GB, or past 9 GB until killed, before admission; now a 422 naming
+    the budget and the numbers, and the server answers the next request as usual."""
+    data = body()
+    start = time.perf_counter()
+    status, _, answer = post(server, data)
+    elapsed = time.perf_counter() - start
+    assert status == 422 and answer["error"].startswith(message) and elapsed < 1.0
+    assert post(server, short_request(8))[0] == 200
+
+
+def test_budgets_on_the_command_line():
+    defaults = parse_arguments([])
+    assert (defaults.candidate_budget, defaults.token_budget) == (4096, 1 << 20)
+    args = parse_arguments(
+        ["--shapes", "tiny", "--backend", "hf_torch", "--candidate-budget", "5", "--token-budget", "9"]
+    )
+    model = model_from_arguments(args)
+    assert (model.candidate_budget, model.token_budget) == (5, 9)
 
 
 def test_errors_never_stop_the_server(server, drone):
