@@ -26,6 +26,15 @@ timeout). It frames the body and parses the JSON; all model work (validation, pr
 one `DecisionWorker` thread fed by a bounded FIFO. Each request carries its own future, so an answer can only go back to
 the request it came from; a full queue answers 503 at once instead of growing.
 
+The worker survives any failure of one request: whatever `decide` raises, a `BaseException` that is not an `Exception`
+included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next request is
+answered as usual. KeyboardInterrupt and SystemExit are no exception to this, on purpose: Python delivers signals to
+the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM has its handler), so in the worker they can
+only come from model code, and a `sys.exit()` there would end just that thread, the silent death this rule prevents.
+Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one line naming the
+error (to the access log, or stderr when that is off), answers every queued and later request 503, and `/health`
+answers 503 with `status` "stopped" instead of "ready", so a supervisor's health check sees the truth.
+
 Deviation from the original server, on purpose: it maps any ValueError/KeyError/TypeError/UnicodeError to 422 by class.
 Here a request is answered 422 only through `RequestError`, which the request pipeline raises with the contract's
 messages for every fault of the body (not UTF-8, not strict JSON, schema, model, length); any other exception inside
@@ -83,6 +92,7 @@ HEXADECIMAL = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size
 TRAILER_LINES_MAX = 64
 
 INFERENCE_FAILED = "model inference failed"
+WORKER_STOPPED = "the model worker stopped; see /health"
 
 
 class ServerBusy(Exception):
@@ -91,6 +101,10 @@ class ServerBusy(Exception):
 
 class ServerClosing(Exception):
     """The server is shutting down: queued requests are answered 503."""
+
+
+class WorkerStopped(Exception):
+    """The model worker stopped after a failure of its own loop: every request is answered 503."""
 
 
 class HTTPError(Exception):
@@ -112,15 +126,26 @@ class DecisionWorker:
     """The one thread that runs model work, in arrival order, one request per forward.
 
     `submit` puts a request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`. The
-    thread calls `decide(request)` for each job and completes that job's future with the answer or the exception.
-    Batching several queued requests into one forward belongs in `_run`: take what is queued, answer it in one call,
-    complete each future with its own part.
+    thread calls `decide(request)` for each job and completes that job's future with the answer or the exception, any
+    `BaseException` included, and goes on. Batching several queued requests into one forward belongs in `_run`: take
+    what is queued, answer it in one call, complete each future with its own part.
+
+    If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
+    job gets `WorkerStopped`.
     """
 
-    def __init__(self, decide: Callable[[Any], dict], queue_size: int = DEFAULT_QUEUE_SIZE):
+    def __init__(
+        self,
+        decide: Callable[[Any], dict],
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        *,
+        on_failure: Callable[[BaseException], None],
+    ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self._decide = decide
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()  # orders submit against close, so no job is queued after the last drain
         self._closed = threading.Event()
@@ -132,6 +157,8 @@ class DecisionWorker:
     def submit(self, request: Any) -> Future:
         job = _Job(request, Future())
         with self._lock:
+            if self.failure is not None:
+                raise WorkerStopped()
             if self._closed.is_set():
                 raise ServerClosing()
             try:
@@ -146,26 +173,36 @@ class DecisionWorker:
             self._closed.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._drain(ServerClosing)
+
+    def _drain(self, error: type[Exception]) -> None:
+        """Answer every queued job with `error`."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ServerClosing())
+                job.future.set_exception(error())
 
     def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                job.future.set_result(self._decide(job.request))
-            except Exception as error:  # noqa: BLE001 - every failure goes back to its own request
-                job.future.set_exception(error)
+        try:
+            while not self._closed.is_set():
+                try:
+                    job = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    job.future.set_result(self._decide(job.request))
+                except BaseException as error:  # noqa: BLE001 - any failure of one request is that request's own
+                    job.future.set_exception(error)
+        except BaseException as error:  # noqa: BLE001 - the loop itself failed: stop for good, and say so
+            with self._lock:
+                self.failure = error
+            self._drain(WorkerStopped)
+            self._on_failure(error)
 
 
 class AccessLog:
@@ -191,6 +228,14 @@ class AccessLog:
         with self._lock:
             self._flush_locked()
 
+    def alert(self, line: str) -> None:
+        """Write `line` at once, after what is buffered: to the log's stream, or to stderr when the log is off."""
+        with self._lock:
+            self._flush_locked()
+            stream = self._stream if self._stream is not None else sys.stderr
+            stream.write(line + "\n")
+            stream.flush()
+
     def _flush_locked(self) -> None:
         if self._lines and self._stream is not None:
             self._stream.write("\n".join(self._lines) + "\n")
@@ -205,6 +250,12 @@ def _json_bytes(obj: Any) -> bytes:
 
 def _error(status: int, message: str, **extra: str) -> tuple[int, bytes]:
     return status, _json_bytes({"error": message, **extra})
+
+
+def _where(error: BaseException) -> str:
+    """` at file:line` of the innermost frame of the error's traceback, or nothing."""
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    return f" at {frame.filename}:{frame.lineno}" if frame else ""
 
 
 class DecisionServer:
@@ -230,7 +281,7 @@ class DecisionServer:
         self.method: str = model.weights.method
         self.allow_cross_origin = allow_cross_origin
         self.access_log = AccessLog(access_log)
-        self.worker = DecisionWorker(model.decide, queue_size)
+        self.worker = DecisionWorker(model.decide, queue_size, on_failure=self._worker_failed)
         self.httpd = _DecisionHTTPServer((host, port), _DecisionHandler, self)
         self._serve_thread: threading.Thread | None = None
         self._closed = False
@@ -240,9 +291,20 @@ class DecisionServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
+    def _worker_failed(self, error: BaseException) -> None:
+        self.access_log.alert(
+            f"model worker stopped: {type(error).__name__}: {error}{_where(error)}; "
+            "every request and /health now answer 503 until the server is restarted"
+        )
+
     def health(self) -> dict:
         """Ready once bound: the model, and for `graphs` its kernels and the whole grid, were built before the bind.
-        A `graphs` backbone adds its cache: graphs captured, capture seconds, reserved CUDA bytes, hits and misses."""
+        A `graphs` backbone adds its cache: graphs captured, capture seconds, reserved CUDA bytes, hits and misses.
+        After the model worker stopped (see the module docstring): `status` "stopped" and the `error` that stopped it,
+        answered with 503."""
+        if self.worker.failure is not None:
+            error = f"model worker stopped: {type(self.worker.failure).__name__}"
+            return {"status": "stopped", "model": self.model_id, "method": self.method, "error": error}
         health = {"status": "ready", "model": self.model_id, "method": self.method}
         graphs = getattr(getattr(self.model, "backbone", None), "graphs", None)
         if graphs is not None:
@@ -271,16 +333,18 @@ class DecisionServer:
             return _error(503, "server busy: the request queue is full")
         except ServerClosing:
             return _error(503, "server is shutting down")
+        except WorkerStopped:
+            return _error(503, WORKER_STOPPED)
         try:
             return 200, _json_bytes(future.result())
         except RequestError as error:
             return _error(error.status, error.message)
         except (ServerClosing, CancelledError):
             return _error(503, "server is shutting down")
-        except Exception as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
-            frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-            where = f" at {frame.filename}:{frame.lineno}" if frame else ""
-            self.access_log.write(f"inference failed: {type(error).__name__}{where}")
+        except WorkerStopped:
+            return _error(503, WORKER_STOPPED)
+        except BaseException as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
+            self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
             return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
 
     def start(self) -> DecisionServer:
@@ -447,7 +511,8 @@ class _DecisionHandler(BaseHTTPRequestHandler):
             self._linger = True  # a GET with a body: answer, then close rather than parse the body as a request
             self.close_connection = True
         if path == "/health":
-            self._send(200, _json_bytes(app.health()))
+            health = app.health()
+            self._send(200 if health["status"] == "ready" else 503, _json_bytes(health))
         elif path == "/v1/models":
             self._send(200, _json_bytes(app.models()))
         else:

@@ -4,8 +4,9 @@ are meaningless for accuracy; these tests check the contract, not the decisions)
 Covers every endpoint and status code with its body, the check order (404 -> 403 -> 415 -> 413 -> 422), body framing
 (Content-Length and chunked), HTTP answers identical to `decide()`, the candidate and token budgets (issue 15's
 amplification bodies refused in well under a second), a fuzz of generated bodies (never a crash, never a 500 for a bad
-request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue (503), a forced
-inference failure (500, then the server answers again) and a clean shutdown.
+request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue (503), forced
+inference failures (500, then the server answers again; a BaseException that is not an Exception included), a worker
+whose loop fails (503 and a truthful /health) and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from ablations.jevbench import request_body
 from ablations.overhead import TARGET_P50_MS, measure_overhead
 from engine.server import (
     MAX_BODY_BYTES,
+    WORKER_STOPPED,
     AccessLog,
     DecisionServer,
+    DecisionWorker,
+    WorkerStopped,
     build_decision_model,
     model_from_arguments,
     parse_arguments,
@@ -389,6 +393,93 @@ def test_nan_in_an_answer_is_500_not_invalid_json(server, tiny_model, monkeypatc
     monkeypatch.setattr(tiny_model.backbone, "forward", lambda prepared: original(prepared) * float("nan"))
     status, _, body = post(server, short_request(6))
     assert status == 500 and body["error"] == "model inference failed" and isinstance(body["error_type"], str)
+
+
+class Panic(BaseException):
+    """What a panicking native extension raises (pyo3's PanicException derives from BaseException)."""
+
+
+class FailingModel:
+    """Echoes a request, or raises the BaseException class named by its `raise` key."""
+
+    weights = types.SimpleNamespace(model_id="failing", method="test")
+    raises = {"Panic": Panic, "KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}
+
+    def decide(self, request):
+        if "raise" in request:
+            raise self.raises[request["raise"]]("from the model")
+        return {"echo": request}
+
+
+def test_a_base_exception_fails_only_its_own_request():
+    """Before: the worker thread died, every later request timed out and /health still said ready. Now each is a 500
+    naming the class; the next request is answered, the worker lives, /health is ready. KeyboardInterrupt and
+    SystemExit from the model are one request's failure too (see the module docstring)."""
+    log = io.StringIO()
+    with DecisionServer(FailingModel(), port=0, access_log=log) as failing:
+        failing.start()
+        for name in ("Panic", "KeyboardInterrupt", "SystemExit", "Panic"):
+            assert post(failing, {"raise": name})[::2] == (500, {"error": "model inference failed", "error_type": name})
+            assert post(failing, {"n": name})[::2] == (200, {"echo": {"n": name}})
+        assert failing.worker._thread.is_alive()
+        assert call(failing, "GET", "/health")[::2] == (200, {"status": "ready", "model": "failing", "method": "test"})
+    assert log.getvalue().count("inference failed: Panic at ") == 2
+
+
+def break_queue_once(worker: DecisionWorker, proceed: threading.Event) -> None:
+    """Make the worker's first wait for a job raise `Panic` once `proceed` is set: a failure outside any request."""
+    original = worker._queue.get
+    calls = []
+
+    def get(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            proceed.wait(TIMEOUT_S)
+            raise Panic("queue broke")
+        return original(*args, **kwargs)
+
+    worker._queue.get = get
+
+
+def test_a_worker_whose_loop_fails_says_so_and_answers_503():
+    """A failure outside any request ends the worker: the queued job and every later one get 503, /health answers 503
+    with status "stopped", and one line names the error."""
+    proceed = threading.Event()
+    failures: list[BaseException] = []
+    worker = DecisionWorker(lambda request: {"echo": request}, on_failure=failures.append)
+    break_queue_once(worker, proceed)
+    worker.start()
+    queued = worker.submit({"n": 1})
+    proceed.set()
+    assert isinstance(queued.exception(TIMEOUT_S), WorkerStopped)
+    worker._thread.join(TIMEOUT_S)
+    assert isinstance(worker.failure, Panic) and failures == [worker.failure]
+    with pytest.raises(WorkerStopped):
+        worker.submit({"n": 2})
+
+    log = io.StringIO()
+    with DecisionServer(FailingModel(), port=0, access_log=log) as stopping:
+        proceed = threading.Event()
+        break_queue_once(stopping.worker, proceed)
+        stopping.start()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, stopping, {"n": 3})
+            wait_until(lambda: stopping.worker._queue.qsize() == 1)
+            proceed.set()
+            assert pending.result(TIMEOUT_S)[::2] == (503, {"error": WORKER_STOPPED})
+        assert stopping.worker.failure is not None
+        assert post(stopping, {"n": 4})[::2] == (503, {"error": WORKER_STOPPED})
+        status, _, health = call(stopping, "GET", "/health")
+        assert (status, health) == (
+            503,
+            {"status": "stopped", "model": "failing", "method": "test", "error": "model worker stopped: Panic"},
+        )
+        assert "model worker stopped: Panic: queue broke at " in log.getvalue()  # written at once, not buffered
+
+
+def test_worker_alert_goes_to_stderr_when_the_access_log_is_off(capsys):
+    AccessLog(None).alert("model worker stopped: Panic")
+    assert capsys.readouterr().err == "model worker stopped: Panic\n"
 
 
 class BlockingModel:
