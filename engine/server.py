@@ -2,7 +2,7 @@
 
     python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
-                            [--candidate-budget N] [--token-budget N]
+                            [--candidate-budget N] [--token-budget N] [--allow-host NAME ...]
 
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
 `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and `GET /v1/models` describe the loaded model.
@@ -12,7 +12,13 @@ eager paths' kernels and capturing the whole bucket grid (a progress bar on stde
 graph cache (graphs, capture seconds, pool bytes, hits, misses) and every response's `metadata.graph` says which
 bucket served it and whether a graph did.
 
-A POST is checked in the contract's order, and the first failing check answers:
+Every request (GET or POST) first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name
+resolves to 127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`):
+400 no `Host`, several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held
+to it too) -> 403 a name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1`
+and `[::1]` (any port, any case) and the names given with `--allow-host`, as Jupyter does; bound to any other
+address, every name passes.
+Then a POST is checked in the contract's order, and the first failing check answers:
 404 unknown path -> 403 foreign `Origin` (unless allowed) -> 415 media type not `application/json` -> 413 body empty or
 over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys, NaN/Infinity) or a schema violation,
 an unknown model, a request over the candidate or the token budget (`--candidate-budget`, `--token-budget`: checked
@@ -47,6 +53,7 @@ buffered: written every 64 lines, at the first line 1 s or more after the last w
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import queue
@@ -57,7 +64,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -258,12 +265,17 @@ def _where(error: BaseException) -> str:
     return f" at {frame.filename}:{frame.lineno}" if frame else ""
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+HOST_FIELD = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/?#@\\]+)(:[0-9]{0,5})?")  # name[:port] (RFC 9110 §7.2)
+
+
 class DecisionServer:
     """A decision model behind the Open-Jev HTTP contract: binds on construction, serves after `start()`.
 
     `model` is a `reference.service.DecisionModel` (anything with `decide(obj) -> dict` and `weights.model_id`,
     `weights.method` will do).
     `port=0` picks a free port; `url` tells which. Use as a context manager, or call `close()`.
+    `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when bound to a loopback address).
     """
 
     def __init__(
@@ -274,6 +286,7 @@ class DecisionServer:
         port: int = DEFAULT_PORT,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         allow_cross_origin: bool = False,
+        allowed_hosts: Iterable[str] = (),
         access_log: TextIO | None = None,
     ):
         self.model = model
@@ -283,6 +296,9 @@ class DecisionServer:
         self.access_log = AccessLog(access_log)
         self.worker = DecisionWorker(model.decide, queue_size, on_failure=self._worker_failed)
         self.httpd = _DecisionHTTPServer((host, port), _DecisionHandler, self)
+        loopback = ipaddress.ip_address(self.httpd.server_address[0]).is_loopback
+        # The names answered, lower case; None: any name (not bound to loopback).
+        self.hosts = {name.lower() for name in (*LOOPBACK_HOSTS, *allowed_hosts)} if loopback else None
         self._serve_thread: threading.Thread | None = None
         self._closed = False
 
@@ -290,6 +306,14 @@ class DecisionServer:
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
+
+    def check_host(self, values: list[str]) -> tuple[int, str] | None:
+        """The refusal of a request whose `Host` field lines are `values`, or None when it may pass."""
+        if len(values) != 1 or not (field := HOST_FIELD.fullmatch(values[0].strip())):
+            return 400, "a request needs exactly one valid Host header"
+        if self.hosts is not None and field.group(1).lower() not in self.hosts:
+            return 403, "Host is not allowed: this server answers localhost, 127.0.0.1, [::1] and --allow-host names"
+        return None
 
     def _worker_failed(self, error: BaseException) -> None:
         self.access_log.alert(
@@ -503,8 +527,17 @@ class _DecisionHandler(BaseHTTPRequestHandler):
         with self.server.in_flight():
             self._post()
 
+    def _refuse_host(self) -> bool:
+        """Answer a request whose `Host` the server does not accept (see `DecisionServer.check_host`)."""
+        refusal = self.server.app.check_host(self.headers.get_all("Host") or [])
+        if refusal is not None:
+            self._reject(*refusal)
+        return refusal is not None
+
     def _get(self) -> None:
         self._started = time.perf_counter()
+        if self._refuse_host():
+            return
         path = urlsplit(self.path).path
         app = self.server.app
         if self.headers.get("Transfer-Encoding") is not None or self.headers.get("Content-Length", "0") != "0":
@@ -520,6 +553,8 @@ class _DecisionHandler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         self._started = time.perf_counter()
+        if self._refuse_host():
+            return
         app = self.server.app
         if urlsplit(self.path).path not in POST_PATHS:
             return self._reject(404, "not found")
@@ -707,6 +742,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("JEV_ALLOW_CROSS_ORIGIN", "") == "1",
         help="accept POSTs with a foreign Origin (also JEV_ALLOW_CROSS_ORIGIN=1)",
     )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback (repeatable)",
+    )
     parser.add_argument("--access-log", choices=["stderr", "off"], default="stderr")
     return parser.parse_args(argv)
 
@@ -724,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         queue_size=args.queue_size,
         allow_cross_origin=args.allow_cross_origin,
+        allowed_hosts=args.allow_host,
         access_log=sys.stderr if args.access_log == "stderr" else None,
     )
     print(json.dumps({"url": server.url, "model": server.model_id, "method": server.method}), flush=True)

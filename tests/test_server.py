@@ -1,12 +1,12 @@
 """The decision server over real HTTP on free local ports, with the tiny twin (synthetic weights: the probabilities
 are meaningless for accuracy; these tests check the contract, not the decisions).
 
-Covers every endpoint and status code with its body, the check order (404 -> 403 -> 415 -> 413 -> 422), body framing
-(Content-Length and chunked), HTTP answers identical to `decide()`, the candidate and token budgets (issue 15's
-amplification bodies refused in well under a second), a fuzz of generated bodies (never a crash, never a 500 for a bad
-request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue (503), forced
-inference failures (500, then the server answers again; a BaseException that is not an Exception included), a worker
-whose loop fails (503 and a truthful /health) and a clean shutdown.
+Covers every endpoint and status code with its body, the check order (400/403 Host -> 404 -> 403 -> 415 -> 413 -> 422),
+the Host check against DNS rebinding, body framing (Content-Length and chunked), HTTP answers identical to `decide()`,
+the candidate and token budgets (issue 15's amplification bodies refused in well under a second), a fuzz of generated
+bodies (never a crash, never a 500 for a bad request), a soak of 8 concurrent clients (no error, every answer the same
+as alone), the bounded queue (503), forced inference failures (500, then the server answers again; a BaseException that
+is not an Exception included), a worker whose loop fails (503 and a truthful /health) and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -211,6 +211,62 @@ def test_cross_origin_flag_and_environment(monkeypatch):
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8791)
 
 
+HOST_NOT_ALLOWED = {
+    "error": "Host is not allowed: this server answers localhost, 127.0.0.1, [::1] and --allow-host names"
+}
+BAD_HOST = {"error": "a request needs exactly one valid Host header"}
+
+
+def test_dns_rebinding_host_is_403_even_with_a_matching_origin(server):
+    """A rebinding page's request: its own name in Host and Origin. Refused on every path, before the path check."""
+    port = address(server)[1]
+    for name in ("evil.example", "localhost.evil.example", "127.0.0.1.nip.io", "[::2]"):
+        headers = {"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}"}
+        status, response_headers, body = post(server, short_request(0), **headers)
+        assert (status, body, response_headers["connection"]) == (403, HOST_NOT_ALLOWED, "close")
+        assert call(server, "GET", "/health", headers=headers)[::2] == (403, HOST_NOT_ALLOWED)
+        assert post(server, INVALID_SCHEMA, path="/x", **headers)[::2] == (403, HOST_NOT_ALLOWED)
+
+
+def test_loopback_host_names_pass_with_or_without_the_port(server, tiny_model):
+    port = address(server)[1]
+    expected = without_timing(tiny_model.decide(short_request(7)))
+    for host in ("localhost", "LocalHost", "127.0.0.1", "[::1]", f"localhost:{port}", f"127.0.0.1:{port}", "[::1]:1"):
+        status, _, body = post(server, short_request(7), Host=host, Origin=f"http://{host}")
+        assert status == 200 and without_timing(body) == expected
+        assert call(server, "GET", "/health", headers={"Host": host})[0] == 200
+
+
+def test_missing_duplicate_or_malformed_host_is_400(server):
+    tail = b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for hosts in (b"", b"Host: localhost\r\nHost: localhost\r\n", b"Host: \r\n", b"Host: a b\r\n", b"Host: [::1\r\n"):
+        raw = b"POST /v1/systemone HTTP/1.1\r\n" + hosts + tail
+        status, headers, body = exchange(server, raw)
+        assert (status, body, headers["connection"]) == (400, BAD_HOST, "close"), hosts
+    assert exchange(server, b"GET /health HTTP/1.0\r\n\r\n")[::2] == (400, BAD_HOST)
+    assert exchange(server, b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")[0] == 200
+
+
+def test_allowed_hosts_and_non_loopback_binding(tiny_model):
+    with DecisionServer(tiny_model, port=0, allowed_hosts=["Jev.Internal"]) as allowing:
+        allowing.start()
+        assert post(allowing, INVALID_SCHEMA, Host="jev.internal:8791")[0] == 422  # past the Host check
+        assert post(allowing, INVALID_SCHEMA, Host="evil.example")[::2] == (403, HOST_NOT_ALLOWED)
+    with DecisionServer(tiny_model, host="0.0.0.0", port=0) as public:  # bound to every address: any name passes
+        public.start()
+        connection = http.client.HTTPConnection("127.0.0.1", address(public)[1], timeout=TIMEOUT_S)
+        try:
+            connection.request("GET", "/health", headers={"Host": "jev.example.org"})
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["status"] == "ready"
+            connection.request("GET", "/health", headers={"Host": "a b"})
+            assert connection.getresponse().status == 400  # still exactly one well-formed Host
+        finally:
+            connection.close()
+    assert parse_arguments([]).allow_host == []
+    assert parse_arguments(["--allow-host", "a.lan", "--allow-host", "b.lan"]).allow_host == ["a.lan", "b.lan"]
+
+
 def test_content_type(server):
     json_body = json.dumps(INVALID_SCHEMA).encode()
     unsupported = {"error": "Content-Type must be application/json"}
@@ -233,7 +289,7 @@ def test_body_size_limits(server):
     status, headers, body = post(server, over)
     assert (status, body, headers["connection"]) == (413, too_large, "close")
     # A declared length over the limit is refused before the body is read.
-    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     assert exchange(server, head + f"Content-Length: {10 * MAX_BODY_BYTES}\r\n\r\n".encode())[::2] == (413, too_large)
 
 
@@ -247,7 +303,8 @@ def chunked(body: bytes, sizes: list[int]) -> bytes:
 
 
 def test_chunked_bodies(server, tiny_model):
-    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    head += b"Transfer-Encoding: chunked\r\n"
     body = json.dumps(short_request(4)).encode()
     status, _, answer = exchange(server, head + b"\r\n" + chunked(body, [7, 30, len(body) - 37]))
     assert status == 200 and without_timing(answer) == without_timing(tiny_model.decide(short_request(4)))
@@ -265,7 +322,7 @@ def test_chunked_bodies(server, tiny_model):
     assert exchange(server, head + b"\r\n" + over)[0] == 413
     for size in (b"zz", b"-1", b"+2", b"0x2"):
         assert exchange(server, head + b"\r\n" + size + b"\r\n{}\r\n0\r\n\r\n")[0] == 400
-    plain = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    plain = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     for length in (b"-1", b"1e3", b"\xb2", b"3, 4"):
         assert exchange(server, plain + b"Content-Length: " + length + b"\r\n\r\n{}")[::2] == (
             400,
@@ -278,8 +335,11 @@ def test_chunked_bodies(server, tiny_model):
 
 
 def test_check_order(server):
-    """404 before 403 before 415 before 413 before 422."""
+    """400 Host before 403 Host before 404 before 403 before 415 before 413 before 422."""
     empty = b""
+    no_host = b"POST /x HTTP/1.1\r\nOrigin: http://evil.example\r\nContent-Type: text/plain\r\n\r\n"
+    assert exchange(server, no_host)[0] == 400
+    assert call(server, "POST", "/x", empty, {"Host": "evil.example", "Origin": "http://evil.example"})[0] == 403
     assert call(server, "POST", "/x", empty, {"Origin": "http://evil.example"})[0] == 404
     assert call(server, "POST", "/v1/systemone", empty, {"Origin": "http://evil.example"})[0] == 403
     assert call(server, "POST", "/v1/systemone", empty, {"Content-Type": "text/plain"})[0] == 415
