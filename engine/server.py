@@ -2,6 +2,7 @@
 
     python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
+                            [--candidate-budget N] [--token-budget N] [--allow-host NAME ...]
 
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
 `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and `GET /v1/models` describe the loaded model.
@@ -11,18 +12,34 @@ eager paths' kernels and capturing the whole bucket grid (a progress bar on stde
 graph cache (graphs, capture seconds, pool bytes, hits, misses) and every response's `metadata.graph` says which
 bucket served it and whether a graph did.
 
-A POST is checked in the contract's order, and the first failing check answers:
+Every request (GET or POST) first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name
+resolves to 127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`):
+400 no `Host`, several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held
+to it too) -> 403 a name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1`
+and `[::1]` (any port, any case) and the names given with `--allow-host`, as Jupyter does; bound to any other
+address, every name passes.
+Then a POST is checked in the contract's order, and the first failing check answers:
 404 unknown path -> 403 foreign `Origin` (unless allowed) -> 415 media type not `application/json` -> 413 body empty or
 over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys, NaN/Infinity) or a schema violation,
-an unknown model, an over-length candidate -> 503 the model queue is full -> 500 inference failed (`error_type` names
-the exception class; never a fallback answer). Malformed framing (a Content-Length that is not one decimal number, a
-bad chunk, a Transfer-Encoding other than chunked) is a 400, which the contract does not name. The server keeps
-serving after every one of these.
+an unknown model, a request over the candidate or the token budget (`--candidate-budget`, `--token-budget`: checked
+from the validated request before any prompt is built, see `reference.service`), an over-length candidate -> 503 the
+model queue is full -> 500 inference failed (`error_type` names the exception class; never a fallback answer).
+Malformed framing (a Content-Length that is not one decimal number, a bad chunk, a Transfer-Encoding other than
+chunked) is a 400, which the contract does not name. The server keeps serving after every one of these.
 
 Concurrency: the HTTP side is one thread per connection (stdlib `ThreadingHTTPServer`, TCP_NODELAY, 30 s socket
 timeout). It frames the body and parses the JSON; all model work (validation, prompts, tokens, forward, readout) runs on
 one `DecisionWorker` thread fed by a bounded FIFO. Each request carries its own future, so an answer can only go back to
 the request it came from; a full queue answers 503 at once instead of growing.
+
+The worker survives any failure of one request: whatever `decide` raises, a `BaseException` that is not an `Exception`
+included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next request is
+answered as usual. KeyboardInterrupt and SystemExit are no exception to this, on purpose: Python delivers signals to
+the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM has its handler), so in the worker they can
+only come from model code, and a `sys.exit()` there would end just that thread, the silent death this rule prevents.
+Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one line naming the
+error (to the access log, or stderr when that is off), answers every queued and later request 503, and `/health`
+answers 503 with `status` "stopped" instead of "ready", so a supervisor's health check sees the truth.
 
 Deviation from the original server, on purpose: it maps any ValueError/KeyError/TypeError/UnicodeError to 422 by class.
 Here a request is answered 422 only through `RequestError`, which the request pipeline raises with the contract's
@@ -36,6 +53,7 @@ buffered: written every 64 lines, at the first line 1 s or more after the last w
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import queue
@@ -46,7 +64,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,7 +77,7 @@ from tqdm import tqdm
 
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict
-from reference.service import DecisionModel
+from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
 from reference.shapes import QWEN38_27B, SHAPES, TINY, get_shapes
 from reference.weights import load_package, synthetic_weights
 
@@ -81,6 +99,7 @@ HEXADECIMAL = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size
 TRAILER_LINES_MAX = 64
 
 INFERENCE_FAILED = "model inference failed"
+WORKER_STOPPED = "the model worker stopped; see /health"
 
 
 class ServerBusy(Exception):
@@ -89,6 +108,10 @@ class ServerBusy(Exception):
 
 class ServerClosing(Exception):
     """The server is shutting down: queued requests are answered 503."""
+
+
+class WorkerStopped(Exception):
+    """The model worker stopped after a failure of its own loop: every request is answered 503."""
 
 
 class HTTPError(Exception):
@@ -110,15 +133,26 @@ class DecisionWorker:
     """The one thread that runs model work, in arrival order, one request per forward.
 
     `submit` puts a request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`. The
-    thread calls `decide(request)` for each job and completes that job's future with the answer or the exception.
-    Batching several queued requests into one forward belongs in `_run`: take what is queued, answer it in one call,
-    complete each future with its own part.
+    thread calls `decide(request)` for each job and completes that job's future with the answer or the exception, any
+    `BaseException` included, and goes on. Batching several queued requests into one forward belongs in `_run`: take
+    what is queued, answer it in one call, complete each future with its own part.
+
+    If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
+    job gets `WorkerStopped`.
     """
 
-    def __init__(self, decide: Callable[[Any], dict], queue_size: int = DEFAULT_QUEUE_SIZE):
+    def __init__(
+        self,
+        decide: Callable[[Any], dict],
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        *,
+        on_failure: Callable[[BaseException], None],
+    ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self._decide = decide
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()  # orders submit against close, so no job is queued after the last drain
         self._closed = threading.Event()
@@ -130,6 +164,8 @@ class DecisionWorker:
     def submit(self, request: Any) -> Future:
         job = _Job(request, Future())
         with self._lock:
+            if self.failure is not None:
+                raise WorkerStopped()
             if self._closed.is_set():
                 raise ServerClosing()
             try:
@@ -144,26 +180,36 @@ class DecisionWorker:
             self._closed.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._drain(ServerClosing)
+
+    def _drain(self, error: type[Exception]) -> None:
+        """Answer every queued job with `error`."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ServerClosing())
+                job.future.set_exception(error())
 
     def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                job.future.set_result(self._decide(job.request))
-            except Exception as error:  # noqa: BLE001 - every failure goes back to its own request
-                job.future.set_exception(error)
+        try:
+            while not self._closed.is_set():
+                try:
+                    job = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    job.future.set_result(self._decide(job.request))
+                except BaseException as error:  # noqa: BLE001 - any failure of one request is that request's own
+                    job.future.set_exception(error)
+        except BaseException as error:  # noqa: BLE001 - the loop itself failed: stop for good, and say so
+            with self._lock:
+                self.failure = error
+            self._drain(WorkerStopped)
+            self._on_failure(error)
 
 
 class AccessLog:
@@ -189,6 +235,14 @@ class AccessLog:
         with self._lock:
             self._flush_locked()
 
+    def alert(self, line: str) -> None:
+        """Write `line` at once, after what is buffered: to the log's stream, or to stderr when the log is off."""
+        with self._lock:
+            self._flush_locked()
+            stream = self._stream if self._stream is not None else sys.stderr
+            stream.write(line + "\n")
+            stream.flush()
+
     def _flush_locked(self) -> None:
         if self._lines and self._stream is not None:
             self._stream.write("\n".join(self._lines) + "\n")
@@ -205,12 +259,23 @@ def _error(status: int, message: str, **extra: str) -> tuple[int, bytes]:
     return status, _json_bytes({"error": message, **extra})
 
 
+def _where(error: BaseException) -> str:
+    """` at file:line` of the innermost frame of the error's traceback, or nothing."""
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    return f" at {frame.filename}:{frame.lineno}" if frame else ""
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+HOST_FIELD = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/?#@\\]+)(:[0-9]{0,5})?")  # name[:port] (RFC 9110 §7.2)
+
+
 class DecisionServer:
     """A decision model behind the Open-Jev HTTP contract: binds on construction, serves after `start()`.
 
     `model` is a `reference.service.DecisionModel` (anything with `decide(obj) -> dict` and `weights.model_id`,
     `weights.method` will do).
     `port=0` picks a free port; `url` tells which. Use as a context manager, or call `close()`.
+    `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when bound to a loopback address).
     """
 
     def __init__(
@@ -221,6 +286,7 @@ class DecisionServer:
         port: int = DEFAULT_PORT,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         allow_cross_origin: bool = False,
+        allowed_hosts: Iterable[str] = (),
         access_log: TextIO | None = None,
     ):
         self.model = model
@@ -228,8 +294,11 @@ class DecisionServer:
         self.method: str = model.weights.method
         self.allow_cross_origin = allow_cross_origin
         self.access_log = AccessLog(access_log)
-        self.worker = DecisionWorker(model.decide, queue_size)
+        self.worker = DecisionWorker(model.decide, queue_size, on_failure=self._worker_failed)
         self.httpd = _DecisionHTTPServer((host, port), _DecisionHandler, self)
+        loopback = ipaddress.ip_address(self.httpd.server_address[0]).is_loopback
+        # The names answered, lower case; None: any name (not bound to loopback).
+        self.hosts = {name.lower() for name in (*LOOPBACK_HOSTS, *allowed_hosts)} if loopback else None
         self._serve_thread: threading.Thread | None = None
         self._closed = False
 
@@ -238,9 +307,28 @@ class DecisionServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
+    def check_host(self, values: list[str]) -> tuple[int, str] | None:
+        """The refusal of a request whose `Host` field lines are `values`, or None when it may pass."""
+        if len(values) != 1 or not (field := HOST_FIELD.fullmatch(values[0].strip())):
+            return 400, "a request needs exactly one valid Host header"
+        if self.hosts is not None and field.group(1).lower() not in self.hosts:
+            return 403, "Host is not allowed: this server answers localhost, 127.0.0.1, [::1] and --allow-host names"
+        return None
+
+    def _worker_failed(self, error: BaseException) -> None:
+        self.access_log.alert(
+            f"model worker stopped: {type(error).__name__}: {error}{_where(error)}; "
+            "every request and /health now answer 503 until the server is restarted"
+        )
+
     def health(self) -> dict:
         """Ready once bound: the model, and for `graphs` its kernels and the whole grid, were built before the bind.
-        A `graphs` backbone adds its cache: graphs captured, capture seconds, reserved CUDA bytes, hits and misses."""
+        A `graphs` backbone adds its cache: graphs captured, capture seconds, reserved CUDA bytes, hits and misses.
+        After the model worker stopped (see the module docstring): `status` "stopped" and the `error` that stopped it,
+        answered with 503."""
+        if self.worker.failure is not None:
+            error = f"model worker stopped: {type(self.worker.failure).__name__}"
+            return {"status": "stopped", "model": self.model_id, "method": self.method, "error": error}
         health = {"status": "ready", "model": self.model_id, "method": self.method}
         graphs = getattr(getattr(self.model, "backbone", None), "graphs", None)
         if graphs is not None:
@@ -269,16 +357,18 @@ class DecisionServer:
             return _error(503, "server busy: the request queue is full")
         except ServerClosing:
             return _error(503, "server is shutting down")
+        except WorkerStopped:
+            return _error(503, WORKER_STOPPED)
         try:
             return 200, _json_bytes(future.result())
         except RequestError as error:
             return _error(error.status, error.message)
         except (ServerClosing, CancelledError):
             return _error(503, "server is shutting down")
-        except Exception as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
-            frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-            where = f" at {frame.filename}:{frame.lineno}" if frame else ""
-            self.access_log.write(f"inference failed: {type(error).__name__}{where}")
+        except WorkerStopped:
+            return _error(503, WORKER_STOPPED)
+        except BaseException as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
+            self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
             return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
 
     def start(self) -> DecisionServer:
@@ -437,15 +527,25 @@ class _DecisionHandler(BaseHTTPRequestHandler):
         with self.server.in_flight():
             self._post()
 
+    def _refuse_host(self) -> bool:
+        """Answer a request whose `Host` the server does not accept (see `DecisionServer.check_host`)."""
+        refusal = self.server.app.check_host(self.headers.get_all("Host") or [])
+        if refusal is not None:
+            self._reject(*refusal)
+        return refusal is not None
+
     def _get(self) -> None:
         self._started = time.perf_counter()
+        if self._refuse_host():
+            return
         path = urlsplit(self.path).path
         app = self.server.app
         if self.headers.get("Transfer-Encoding") is not None or self.headers.get("Content-Length", "0") != "0":
             self._linger = True  # a GET with a body: answer, then close rather than parse the body as a request
             self.close_connection = True
         if path == "/health":
-            self._send(200, _json_bytes(app.health()))
+            health = app.health()
+            self._send(200 if health["status"] == "ready" else 503, _json_bytes(health))
         elif path == "/v1/models":
             self._send(200, _json_bytes(app.models()))
         else:
@@ -453,6 +553,8 @@ class _DecisionHandler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         self._started = time.perf_counter()
+        if self._refuse_host():
+            return
         app = self.server.app
         if urlsplit(self.path).path not in POST_PATHS:
             return self._reject(404, "not found")
@@ -554,6 +656,8 @@ def build_decision_model(
     checkpoint: str | None = None,
     base: str | None = None,
     max_length: int | None = None,
+    candidate_budget: int = DEFAULT_CANDIDATE_BUDGET,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
     seed: int = 0,
 ) -> DecisionModel:
     """A `DecisionModel` on any registry stage (`engine.stages`, built by `build_backbone`): a real Open-Jev package
@@ -578,7 +682,9 @@ def build_decision_model(
         warm_up(
             lambda items: tqdm(items, desc=f"{stage.name}: capturing the bucket grid", unit="graph", file=sys.stderr)
         )
-    return DecisionModel(backbone, weights, max_length=max_length)
+    return DecisionModel(
+        backbone, weights, max_length=max_length, candidate_budget=candidate_budget, token_budget=token_budget
+    )
 
 
 def add_model_arguments(
@@ -596,6 +702,18 @@ def add_model_arguments(
     parser.add_argument("--checkpoint", default=None, help="Open-Jev package directory (with --base)")
     parser.add_argument("--base", default=None, help="HF base model directory for --checkpoint")
     parser.add_argument("--max-length", type=int, default=None, help="per-candidate token limit (default: saved)")
+    parser.add_argument(
+        "--candidate-budget",
+        type=int,
+        default=DEFAULT_CANDIDATE_BUDGET,
+        help=f"candidate sequences one request may have (default {DEFAULT_CANDIDATE_BUDGET})",
+    )
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=DEFAULT_TOKEN_BUDGET,
+        help=f"input tokens one request may have, bounded before tokenizing (default {DEFAULT_TOKEN_BUDGET})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
 
 
@@ -606,6 +724,8 @@ def model_from_arguments(args: argparse.Namespace) -> DecisionModel:
         checkpoint=args.checkpoint,
         base=args.base,
         max_length=args.max_length,
+        candidate_budget=args.candidate_budget,
+        token_budget=args.token_budget,
         seed=args.seed,
     )
 
@@ -621,6 +741,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         default=os.environ.get("JEV_ALLOW_CROSS_ORIGIN", "") == "1",
         help="accept POSTs with a foreign Origin (also JEV_ALLOW_CROSS_ORIGIN=1)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback (repeatable)",
     )
     parser.add_argument("--access-log", choices=["stderr", "off"], default="stderr")
     return parser.parse_args(argv)
@@ -639,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         queue_size=args.queue_size,
         allow_cross_origin=args.allow_cross_origin,
+        allowed_hosts=args.allow_host,
         access_log=sys.stderr if args.access_log == "stderr" else None,
     )
     print(json.dumps({"url": server.url, "model": server.model_id, "method": server.method}), flush=True)

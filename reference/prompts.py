@@ -11,16 +11,24 @@ choice options are "<key>: <description>" (or "<key>" for a null description), i
 the rendered levels; a noul question with criteria gets "\\nYes means: <true>\\nNo means: <false>" appended to its
 question text. Question ids, answer keys, candidate positions and other options never enter a prompt, so each
 candidate's score is independent of the rest of the request.
+
+`prompt_bytes` sizes every candidate prompt of a request without building one: the UTF-8 bytes of each prompt's NFC
+form, summed from the parts (the shared state measured once), so a request that would take gigabytes of prompt text
+can be refused before any of it exists (`reference.service`'s token budget).
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
 from reference.request import Request
 
+CONTEXT_HEAD = "Context:\n"
+QUESTION_HEAD = "\n\nQuestion: "
+OPTION_HEAD = "\nProposed answer: "
 NOUL_ENDING = "Is the answer to this question yes? Answer Yes or No."
 OPTION_ENDING = "\nIs this proposed answer correct? Answer Yes or No."
 NOUL_OPTIONS = ("no", "yes")
@@ -77,7 +85,31 @@ def compile_records(request: Request) -> list[Record]:
 
 def candidate_prompts(record: Record) -> list[str]:
     """The user-message contents of a record's candidates: 1 for noul, one per option otherwise, in option order."""
-    head = f"Context:\n{record.state_text}\n\nQuestion: {record.question_text}\n"
+    head = f"{CONTEXT_HEAD}{record.state_text}{QUESTION_HEAD}{record.question_text}"
     if record.kind == "noul":
-        return [head + NOUL_ENDING]
-    return [f"{head}Proposed answer: {option}{OPTION_ENDING}" for option in record.options]
+        return [f"{head}\n{NOUL_ENDING}"]
+    return [f"{head}{OPTION_HEAD}{option}{OPTION_ENDING}" for option in record.options]
+
+
+def nfc_bytes(text: str) -> int:
+    """UTF-8 bytes of the NFC form of `text` (the form the tokenizer encodes)."""
+    return len(unicodedata.normalize("NFC", text).encode("utf-8"))
+
+
+def prompt_bytes(records: list[Record]) -> int:
+    """`sum(nfc_bytes(p) for r in records for p in candidate_prompts(r))`, computed from the parts without building a
+    prompt: the state text is measured once per distinct text (`compile_records` shares one), each question and option
+    text once. Exact, because every part is joined by a separator that starts and ends with an ASCII character that no
+    combining mark composes with or reorders across, so NFC of the whole is the NFC of the parts joined."""
+    measured: dict[str, int] = {}
+    total = 0
+    for record in records:
+        if record.state_text not in measured:
+            measured[record.state_text] = nfc_bytes(record.state_text)
+        head = len(CONTEXT_HEAD) + measured[record.state_text] + len(QUESTION_HEAD) + nfc_bytes(record.question_text)
+        if record.kind == "noul":
+            total += head + len("\n") + len(NOUL_ENDING)
+        else:
+            per_option = head + len(OPTION_HEAD) + len(OPTION_ENDING)
+            total += per_option * len(record.options) + sum(nfc_bytes(option) for option in record.options)
+    return total

@@ -1,8 +1,19 @@
 """The decision service: request JSON in, Open-Jev response JSON out, over any `Backbone`.
 
-    validate (422 on any contract violation) -> records -> candidate prompts -> chat-templated token ids
-    -> max_length check (422, never truncated) -> backbone.forward(backbone.prepare(candidates, groups)) [C, H] bf16
-    -> fp32 head [C] -> per-question softmax(./T) -> answers
+    validate (422 on any contract violation) -> candidate budget (422) -> records -> token budget (422)
+    -> candidate prompts -> chat-templated token ids -> max_length check (422, never truncated)
+    -> backbone.forward(backbone.prepare(candidates, groups)) [C, H] bf16 -> fp32 head [C] -> per-question softmax(./T)
+    -> answers
+
+Admission: a request is refused before any prompt text exists when it has more candidate sequences than the candidate
+budget (`candidate_budget`, default 4,096: the contract's question limit, against its 65,536-candidate limit) or more
+input tokens than the token budget (`token_budget`, default 1,048,576, 16 candidates of 16,384 tokens at 4 bytes per
+token). The tokens are not counted but bounded from above: the NFC UTF-8 bytes of every candidate prompt, summed from
+the records' texts (`reference.prompts.prompt_bytes`), plus the chat template's ids per candidate
+(`PromptTokenizer.token_bound`), because a byte-level BPE token covers at least one byte. So a request under the token
+budget never tokenizes to more than the budget, and the amplification of one shared state by thousands of candidates is
+refused at the cost of validating the body. Every public JevBench task and Open-Jev example is far under both
+(tests/test_service.py).
 
 Response (contract §3), keys in this order: `answers` (request question order), `model` (the HF base id),
 `usage` {input_tokens: real tokens summed over all candidate sequences, output_tokens: 0}, `metadata` {method,
@@ -30,13 +41,15 @@ from typing import Any
 import torch
 
 from reference.backbone import Backbone
-from reference.prompts import Record, candidate_prompts, compile_records
+from reference.prompts import Record, candidate_prompts, compile_records, prompt_bytes
 from reference.readout import answers, head_scores
 from reference.request import Request, RequestError, parse_json_strict, validate_request
 from reference.tokenizer import PromptTokenizer, default_prompt_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT_CANDIDATES = {"enabled": False, "mode": "independent_candidates"}
+DEFAULT_CANDIDATE_BUDGET = 4096
+DEFAULT_TOKEN_BUDGET = 1 << 20
 
 
 def git_commit(repo: Path = REPO) -> str | None:
@@ -114,6 +127,8 @@ class DecisionModel:
         *,
         tokenizer: PromptTokenizer | None = None,
         max_length: int | None = None,
+        candidate_budget: int = DEFAULT_CANDIDATE_BUDGET,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         code_commit: str | None = None,
     ) -> None:
         self.backbone = backbone
@@ -122,6 +137,10 @@ class DecisionModel:
         self.max_length = int(weights.max_length if max_length is None else max_length)
         if self.max_length < 1:
             raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if candidate_budget < 1 or token_budget < 1:
+            raise ValueError(f"budgets must be positive, got candidates {candidate_budget}, tokens {token_budget}")
+        self.candidate_budget = candidate_budget
+        self.token_budget = token_budget
         self.code_commit = code_commit if code_commit is not None else git_commit()
         self.head_weight = weights.head_weight.to(device=backbone.device)  # fp32 [hidden]
         self.head_bias = weights.head_bias.to(device=backbone.device)  # fp32 []
@@ -130,8 +149,24 @@ class DecisionModel:
         self.parameter_dtypes = sorted({str(tensor.dtype) for tensor in tensors})
 
     def _compile(self, request_obj: Any) -> tuple[Request, list[Record]]:
+        """Validate, admit against the budgets and compile records (linear in the body: no prompt is built)."""
         request = validate_request(request_obj, model_id=self.weights.model_id)
-        return request, compile_records(request)
+        candidates = request.candidate_count
+        if candidates > self.candidate_budget:
+            raise RequestError(
+                422,
+                f"too many candidate sequences for the candidate budget: {candidates} "
+                f"(the budget is {self.candidate_budget} per request)",
+            )
+        records = compile_records(request)
+        tokens = self.tokenizer.token_bound(prompt_bytes(records), candidates)
+        if tokens > self.token_budget:
+            raise RequestError(
+                422,
+                f"too many input tokens for the token budget: up to {tokens} estimated from {candidates} candidate "
+                f"sequences (the budget is {self.token_budget} per request)",
+            )
+        return request, records
 
     def _tokenize(self, request: Request, records: list[Record]) -> DecisionPlan:
         prompts, groups = prompts_and_groups(records)
@@ -144,7 +179,7 @@ class DecisionModel:
         return DecisionPlan(request, records, prompts, candidates, groups)
 
     def plan(self, request_obj: Any) -> DecisionPlan:
-        """Validate, compile, tokenize and check lengths; raises RequestError (422) on any bad request."""
+        """Validate, admit, compile, tokenize and check lengths; raises RequestError (422) on any bad request."""
         return self._tokenize(*self._compile(request_obj))
 
     def _prefix_cache_metadata(self, prepared: Any) -> dict:

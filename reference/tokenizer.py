@@ -52,6 +52,12 @@ class PromptTokenizer:
         encode = self.tokenizer.encode
         return [[self.im_start_id, *encode(USER_TURN + content), *self.suffix_ids] for content in contents]
 
+    def token_bound(self, content_bytes: int, contents: int) -> int:
+        """An upper bound on the ids `encode_prompts` gives `contents` contents whose NFC forms hold `content_bytes`
+        UTF-8 bytes in all, without encoding them: every byte-level BPE token covers at least one byte (a special-token
+        string in the text, several), and each content adds `<|im_start|>`, the bytes of `"user\\n"` and the suffix."""
+        return content_bytes + contents * (1 + len(USER_TURN.encode()) + len(self.suffix_ids))
+
     def count_tokens(self, text: str) -> int:
         """Tokens of plain text without the template: how the workloads' `state_tokens` count the rendered state."""
         return len(self.tokenizer.encode(text))

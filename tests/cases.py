@@ -8,6 +8,8 @@ it shares from here, never from another test module.
 * `write_tiny_checkpoint(root)`: a tiny-twin base checkpoint and an Open-Jev LoRA package (tests/test_weights.py,
   tests/test_gpu_reference.py); `clone_weights`, `LORA_TARGETS`.
 * `counting(function, calls, key)`: a wrapper that counts calls (tests/test_model.py, tests/test_gpu_reference.py).
+* `amplification_body()`, `many_candidates_body()`: the two bodies of issue 15 that made the server build gigabytes
+  before its 422 (tests/test_service.py, tests/test_server.py).
 """
 
 from __future__ import annotations
@@ -279,3 +281,19 @@ def bit_identity_result(**changes) -> dict:
               "note": "CPU: interpreter", "error": None, "seconds": 1.0, "rows": rows}  # fmt: skip
     result.update(changes)
     return result
+
+
+def amplification_body() -> bytes:
+    """About 157 KB asking 16 choice questions of 255 options about one 102 KB state: 4,080 candidates that would
+    repeat the state in every prompt (about 417 MB of prompt text)."""
+    state = "The order arrived late and the customer asked for a refund. " * 1700
+    options = {f"o{index}": "ok" for index in range(255)}
+    question = {"type": "choice", "instructions": "Which?", "criteria": options}
+    return json.dumps({"state": state, "questions": {f"q{index}": question for index in range(16)}}).encode()
+
+
+def many_candidates_body() -> bytes:
+    """About 970 KB asking 257 choice questions of 255 options: 65,535 candidates, inside the contract's 65,536."""
+    options = {f"o{index}": "abc" for index in range(255)}
+    question = {"type": "choice", "instructions": "Which?", "criteria": options}
+    return json.dumps({"state": "s", "questions": {f"q{index}": question for index in range(257)}}).encode()

@@ -6,6 +6,8 @@ import copy
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reference.request import (
     MODEL_NOT_LOADED,
@@ -225,6 +227,28 @@ def test_lone_surrogate_rejected():
         b'{"state": "ok \\ud83d\\ude00", "questions": {"q": {"type": "noul", "instructions": "?"}}}'
     )
     assert validate(paired).state == "ok \U0001f600"
+
+
+@settings(max_examples=300)
+@given(st.lists(st.text(max_size=4) | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)).map("".join))
+def test_string_fast_path_gives_what_the_json_round_trip_gives(text):
+    """Strings skip the JSON round trip: the same value back, or the same refusal for a lone surrogate."""
+    obj = {"state": text, "questions": {text: {"type": "noul", "instructions": text}}}
+    try:
+        json.dumps(text, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        rejected(obj, "state contains a lone surrogate; text must be valid Unicode")
+        return
+    request = validate(obj)
+    assert request.state == json.loads(json.dumps(text)) and request.questions[0].instructions == text
+
+
+def test_string_subclasses_come_back_as_plain_strings():
+    class Text(str):
+        pass
+
+    request = validate({"state": Text("s"), "questions": {"q": {"type": "noul", "instructions": Text("?")}}})
+    assert type(request.state) is str and type(request.questions[0].instructions) is str
 
 
 # ---------------------------------------------------------------- questions

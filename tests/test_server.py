@@ -1,10 +1,12 @@
 """The decision server over real HTTP on free local ports, with the tiny twin (synthetic weights: the probabilities
 are meaningless for accuracy; these tests check the contract, not the decisions).
 
-Covers every endpoint and status code with its body, the check order (404 -> 403 -> 415 -> 413 -> 422), body framing
-(Content-Length and chunked), HTTP answers identical to `decide()`, a fuzz of generated bodies (never a crash, never a
-500 for a bad request), a soak of 8 concurrent clients (no error, every answer the same as alone), the bounded queue
-(503), a forced inference failure (500, then the server answers again) and a clean shutdown.
+Covers every endpoint and status code with its body, the check order (400/403 Host -> 404 -> 403 -> 415 -> 413 -> 422),
+the Host check against DNS rebinding, body framing (Content-Length and chunked), HTTP answers identical to `decide()`,
+the candidate and token budgets (issue 15's amplification bodies refused in well under a second), a fuzz of generated
+bodies (never a crash, never a 500 for a bad request), a soak of 8 concurrent clients (no error, every answer the same
+as alone), the bounded queue (503), forced inference failures (500, then the server answers again; a BaseException that
+is not an Exception included), a worker whose loop fails (503 and a truthful /health) and a clean shutdown.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ from hypothesis import strategies as st
 
 from ablations.jevbench import request_body
 from ablations.overhead import TARGET_P50_MS, measure_overhead
-from engine.server import MAX_BODY_BYTES, AccessLog, DecisionServer, build_decision_model, parse_arguments
+from engine.server import (
+    MAX_BODY_BYTES,
+    WORKER_STOPPED,
+    AccessLog,
+    DecisionServer,
+    DecisionWorker,
+    WorkerStopped,
+    build_decision_model,
+    model_from_arguments,
+    parse_arguments,
+)
 from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict
 from reference.service import DecisionModel, default_model
 from reference.shapes import QWEN38_27B
+from tests.cases import amplification_body, many_candidates_body
 
 TIMEOUT_S = 60.0
 INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
@@ -198,6 +211,62 @@ def test_cross_origin_flag_and_environment(monkeypatch):
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8791)
 
 
+HOST_NOT_ALLOWED = {
+    "error": "Host is not allowed: this server answers localhost, 127.0.0.1, [::1] and --allow-host names"
+}
+BAD_HOST = {"error": "a request needs exactly one valid Host header"}
+
+
+def test_dns_rebinding_host_is_403_even_with_a_matching_origin(server):
+    """A rebinding page's request: its own name in Host and Origin. Refused on every path, before the path check."""
+    port = address(server)[1]
+    for name in ("evil.example", "localhost.evil.example", "127.0.0.1.nip.io", "[::2]"):
+        headers = {"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}"}
+        status, response_headers, body = post(server, short_request(0), **headers)
+        assert (status, body, response_headers["connection"]) == (403, HOST_NOT_ALLOWED, "close")
+        assert call(server, "GET", "/health", headers=headers)[::2] == (403, HOST_NOT_ALLOWED)
+        assert post(server, INVALID_SCHEMA, path="/x", **headers)[::2] == (403, HOST_NOT_ALLOWED)
+
+
+def test_loopback_host_names_pass_with_or_without_the_port(server, tiny_model):
+    port = address(server)[1]
+    expected = without_timing(tiny_model.decide(short_request(7)))
+    for host in ("localhost", "LocalHost", "127.0.0.1", "[::1]", f"localhost:{port}", f"127.0.0.1:{port}", "[::1]:1"):
+        status, _, body = post(server, short_request(7), Host=host, Origin=f"http://{host}")
+        assert status == 200 and without_timing(body) == expected
+        assert call(server, "GET", "/health", headers={"Host": host})[0] == 200
+
+
+def test_missing_duplicate_or_malformed_host_is_400(server):
+    tail = b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for hosts in (b"", b"Host: localhost\r\nHost: localhost\r\n", b"Host: \r\n", b"Host: a b\r\n", b"Host: [::1\r\n"):
+        raw = b"POST /v1/systemone HTTP/1.1\r\n" + hosts + tail
+        status, headers, body = exchange(server, raw)
+        assert (status, body, headers["connection"]) == (400, BAD_HOST, "close"), hosts
+    assert exchange(server, b"GET /health HTTP/1.0\r\n\r\n")[::2] == (400, BAD_HOST)
+    assert exchange(server, b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")[0] == 200
+
+
+def test_allowed_hosts_and_non_loopback_binding(tiny_model):
+    with DecisionServer(tiny_model, port=0, allowed_hosts=["Jev.Internal"]) as allowing:
+        allowing.start()
+        assert post(allowing, INVALID_SCHEMA, Host="jev.internal:8791")[0] == 422  # past the Host check
+        assert post(allowing, INVALID_SCHEMA, Host="evil.example")[::2] == (403, HOST_NOT_ALLOWED)
+    with DecisionServer(tiny_model, host="0.0.0.0", port=0) as public:  # bound to every address: any name passes
+        public.start()
+        connection = http.client.HTTPConnection("127.0.0.1", address(public)[1], timeout=TIMEOUT_S)
+        try:
+            connection.request("GET", "/health", headers={"Host": "jev.example.org"})
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["status"] == "ready"
+            connection.request("GET", "/health", headers={"Host": "a b"})
+            assert connection.getresponse().status == 400  # still exactly one well-formed Host
+        finally:
+            connection.close()
+    assert parse_arguments([]).allow_host == []
+    assert parse_arguments(["--allow-host", "a.lan", "--allow-host", "b.lan"]).allow_host == ["a.lan", "b.lan"]
+
+
 def test_content_type(server):
     json_body = json.dumps(INVALID_SCHEMA).encode()
     unsupported = {"error": "Content-Type must be application/json"}
@@ -220,7 +289,7 @@ def test_body_size_limits(server):
     status, headers, body = post(server, over)
     assert (status, body, headers["connection"]) == (413, too_large, "close")
     # A declared length over the limit is refused before the body is read.
-    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     assert exchange(server, head + f"Content-Length: {10 * MAX_BODY_BYTES}\r\n\r\n".encode())[::2] == (413, too_large)
 
 
@@ -234,7 +303,8 @@ def chunked(body: bytes, sizes: list[int]) -> bytes:
 
 
 def test_chunked_bodies(server, tiny_model):
-    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    head += b"Transfer-Encoding: chunked\r\n"
     body = json.dumps(short_request(4)).encode()
     status, _, answer = exchange(server, head + b"\r\n" + chunked(body, [7, 30, len(body) - 37]))
     assert status == 200 and without_timing(answer) == without_timing(tiny_model.decide(short_request(4)))
@@ -252,7 +322,7 @@ def test_chunked_bodies(server, tiny_model):
     assert exchange(server, head + b"\r\n" + over)[0] == 413
     for size in (b"zz", b"-1", b"+2", b"0x2"):
         assert exchange(server, head + b"\r\n" + size + b"\r\n{}\r\n0\r\n\r\n")[0] == 400
-    plain = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    plain = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     for length in (b"-1", b"1e3", b"\xb2", b"3, 4"):
         assert exchange(server, plain + b"Content-Length: " + length + b"\r\n\r\n{}")[::2] == (
             400,
@@ -265,8 +335,11 @@ def test_chunked_bodies(server, tiny_model):
 
 
 def test_check_order(server):
-    """404 before 403 before 415 before 413 before 422."""
+    """400 Host before 403 Host before 404 before 403 before 415 before 413 before 422."""
     empty = b""
+    no_host = b"POST /x HTTP/1.1\r\nOrigin: http://evil.example\r\nContent-Type: text/plain\r\n\r\n"
+    assert exchange(server, no_host)[0] == 400
+    assert call(server, "POST", "/x", empty, {"Host": "evil.example", "Origin": "http://evil.example"})[0] == 403
     assert call(server, "POST", "/x", empty, {"Origin": "http://evil.example"})[0] == 404
     assert call(server, "POST", "/v1/systemone", empty, {"Origin": "http://evil.example"})[0] == 403
     assert call(server, "POST", "/v1/systemone", empty, {"Content-Type": "text/plain"})[0] == 415
@@ -307,6 +380,34 @@ def test_schema_model_and_length_errors(server, tiny_model, drone):
             {"error": "Input length 149 exceeds max_length=148; no silent truncation"},
         )
         assert post(limited, short_request(0))[0] == 200  # per candidate, not per request
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (amplification_body, "too many input tokens for the token budget: up to "),
+        (many_candidates_body, "too many candidate sequences for the candidate budget: 65535 (the budget is 4096 "),
+    ],
+)
+def test_amplification_bodies_are_422_in_well_under_a_second(server, body, message):
+    """Issue 15's bodies over HTTP: 11-14 s and 4.6 GB, or past 9 GB until killed, before admission; now a 422 naming
+    the budget and the numbers, and the server answers the next request as usual."""
+    data = body()
+    start = time.perf_counter()
+    status, _, answer = post(server, data)
+    elapsed = time.perf_counter() - start
+    assert status == 422 and answer["error"].startswith(message) and elapsed < 1.0
+    assert post(server, short_request(8))[0] == 200
+
+
+def test_budgets_on_the_command_line():
+    defaults = parse_arguments([])
+    assert (defaults.candidate_budget, defaults.token_budget) == (4096, 1 << 20)
+    args = parse_arguments(
+        ["--shapes", "tiny", "--backend", "hf_torch", "--candidate-budget", "5", "--token-budget", "9"]
+    )
+    model = model_from_arguments(args)
+    assert (model.candidate_budget, model.token_budget) == (5, 9)
 
 
 def test_errors_never_stop_the_server(server, drone):
@@ -352,6 +453,93 @@ def test_nan_in_an_answer_is_500_not_invalid_json(server, tiny_model, monkeypatc
     monkeypatch.setattr(tiny_model.backbone, "forward", lambda prepared: original(prepared) * float("nan"))
     status, _, body = post(server, short_request(6))
     assert status == 500 and body["error"] == "model inference failed" and isinstance(body["error_type"], str)
+
+
+class Panic(BaseException):
+    """What a panicking native extension raises (pyo3's PanicException derives from BaseException)."""
+
+
+class FailingModel:
+    """Echoes a request, or raises the BaseException class named by its `raise` key."""
+
+    weights = types.SimpleNamespace(model_id="failing", method="test")
+    raises = {"Panic": Panic, "KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}
+
+    def decide(self, request):
+        if "raise" in request:
+            raise self.raises[request["raise"]]("from the model")
+        return {"echo": request}
+
+
+def test_a_base_exception_fails_only_its_own_request():
+    """Before: the worker thread died, every later request timed out and /health still said ready. Now each is a 500
+    naming the class; the next request is answered, the worker lives, /health is ready. KeyboardInterrupt and
+    SystemExit from the model are one request's failure too (see the module docstring)."""
+    log = io.StringIO()
+    with DecisionServer(FailingModel(), port=0, access_log=log) as failing:
+        failing.start()
+        for name in ("Panic", "KeyboardInterrupt", "SystemExit", "Panic"):
+            assert post(failing, {"raise": name})[::2] == (500, {"error": "model inference failed", "error_type": name})
+            assert post(failing, {"n": name})[::2] == (200, {"echo": {"n": name}})
+        assert failing.worker._thread.is_alive()
+        assert call(failing, "GET", "/health")[::2] == (200, {"status": "ready", "model": "failing", "method": "test"})
+    assert log.getvalue().count("inference failed: Panic at ") == 2
+
+
+def break_queue_once(worker: DecisionWorker, proceed: threading.Event) -> None:
+    """Make the worker's first wait for a job raise `Panic` once `proceed` is set: a failure outside any request."""
+    original = worker._queue.get
+    calls = []
+
+    def get(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            proceed.wait(TIMEOUT_S)
+            raise Panic("queue broke")
+        return original(*args, **kwargs)
+
+    worker._queue.get = get
+
+
+def test_a_worker_whose_loop_fails_says_so_and_answers_503():
+    """A failure outside any request ends the worker: the queued job and every later one get 503, /health answers 503
+    with status "stopped", and one line names the error."""
+    proceed = threading.Event()
+    failures: list[BaseException] = []
+    worker = DecisionWorker(lambda request: {"echo": request}, on_failure=failures.append)
+    break_queue_once(worker, proceed)
+    worker.start()
+    queued = worker.submit({"n": 1})
+    proceed.set()
+    assert isinstance(queued.exception(TIMEOUT_S), WorkerStopped)
+    worker._thread.join(TIMEOUT_S)
+    assert isinstance(worker.failure, Panic) and failures == [worker.failure]
+    with pytest.raises(WorkerStopped):
+        worker.submit({"n": 2})
+
+    log = io.StringIO()
+    with DecisionServer(FailingModel(), port=0, access_log=log) as stopping:
+        proceed = threading.Event()
+        break_queue_once(stopping.worker, proceed)
+        stopping.start()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, stopping, {"n": 3})
+            wait_until(lambda: stopping.worker._queue.qsize() == 1)
+            proceed.set()
+            assert pending.result(TIMEOUT_S)[::2] == (503, {"error": WORKER_STOPPED})
+        assert stopping.worker.failure is not None
+        assert post(stopping, {"n": 4})[::2] == (503, {"error": WORKER_STOPPED})
+        status, _, health = call(stopping, "GET", "/health")
+        assert (status, health) == (
+            503,
+            {"status": "stopped", "model": "failing", "method": "test", "error": "model worker stopped: Panic"},
+        )
+        assert "model worker stopped: Panic: queue broke at " in log.getvalue()  # written at once, not buffered
+
+
+def test_worker_alert_goes_to_stderr_when_the_access_log_is_off(capsys):
+    AccessLog(None).alert("model worker stopped: Panic")
+    assert capsys.readouterr().err == "model worker stopped: Panic\n"
 
 
 class BlockingModel:

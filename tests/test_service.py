@@ -9,18 +9,26 @@ from __future__ import annotations
 
 import json
 import math
+import time
+import tracemalloc
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from reference.data import open_jev_workloads
+from ablations.jevbench import request_body
+from reference import service
+from reference.data import jevbench_tasks, open_jev_workloads
+from reference.prompts import candidate_prompts, compile_records, nfc_bytes, prompt_bytes
 from reference.readout import softmax
-from reference.request import MODEL_NOT_LOADED, RequestError
-from reference.service import DecisionModel
+from reference.request import MODEL_NOT_LOADED, RequestError, validate_request
+from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
 from reference.shapes import TINY
 from reference.tokenizer import default_prompt_tokenizer
+from tests.cases import amplification_body, many_candidates_body
 
 MODEL_ID = "Qwen/Qwen3.8-27B"
 REVISION = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
@@ -127,6 +135,148 @@ def test_validation_errors_pass_through():
     assert model.decide(drone() | {"model": MODEL_ID})["model"] == MODEL_ID
     with pytest.raises(RequestError, match="questions must not be empty"):
         model.decide({"state": "s", "questions": {}})
+
+
+# ---------------------------------------------------------------- admission: candidate and token budgets
+
+
+def test_default_budgets_admit_every_public_task_and_example():
+    """Every JevBench public task (as its adapter sends it) and every Open-Jev workload plans under the default budgets,
+    with room to spare: the token bound of the largest is far below the token budget."""
+    model = fake_model()
+    assert (model.candidate_budget, model.token_budget) == (DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET)
+    requests = [request_body(task, None) for task in jevbench_tasks(("easy", "original"))]
+    requests += [workload["request"] for workload in open_jev_workloads().values()]
+    assert len(requests) == 126
+    bounds = []
+    for request in requests:
+        plan = model.plan(request)  # raises RequestError over a budget
+        bounds.append(token_bound_of(model, request))
+        assert plan.input_tokens <= bounds[-1]
+    assert max(bounds) < DEFAULT_TOKEN_BUDGET // 32  # the largest, customer_service: 22,496
+
+
+def token_bound_of(model: DecisionModel, request: dict) -> int:
+    records = compile_records(validate_request(request, model_id=MODEL_ID))
+    return model.tokenizer.token_bound(prompt_bytes(records), sum(r.candidate_count for r in records))
+
+
+def test_candidate_budget_is_422_with_the_numbers_and_admits_its_limit():
+    assert fake_model(candidate_budget=7).plan(drone()).input_tokens == 971  # the drone's 7 candidates fit exactly
+    model = fake_model(candidate_budget=6)
+    with pytest.raises(RequestError) as caught:
+        model.decide(drone())
+    assert caught.value.status == 422
+    assert caught.value.message == (
+        "too many candidate sequences for the candidate budget: 7 (the budget is 6 per request)"
+    )
+    assert model.backbone.prepared == []
+
+
+def test_token_budget_is_422_with_the_numbers_and_admits_its_limit():
+    bound = token_bound_of(fake_model(), drone())
+    assert 971 < bound < 4 * 971  # bytes of mostly ASCII English text: about 3 to 4 per token
+    assert fake_model(token_budget=bound).plan(drone()).input_tokens == 971
+    model = fake_model(token_budget=bound - 1)
+    with pytest.raises(RequestError) as caught:
+        model.decide(drone())
+    assert caught.value.status == 422
+    assert caught.value.message == (
+        f"too many input tokens for the token budget: up to {bound} estimated from 7 candidate sequences "
+        f"(the budget is {bound - 1} per request)"
+    )
+    assert model.backbone.prepared == []
+
+
+def test_budgets_must_be_positive():
+    for budgets in ({"candidate_budget": 0}, {"token_budget": 0}):
+        with pytest.raises(ValueError, match="budgets must be positive"):
+            fake_model(**budgets)
+
+
+class CountingTokenizer:
+    """The default prompt tokenizer, counting the prompts it is asked to encode."""
+
+    def __init__(self):
+        self.inner = default_prompt_tokenizer()
+        self.encoded = 0
+
+    def encode_prompts(self, contents):
+        self.encoded += len(contents)
+        return self.inner.encode_prompts(contents)
+
+    def token_bound(self, content_bytes: int, contents: int) -> int:
+        return self.inner.token_bound(content_bytes, contents)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (amplification_body, "too many input tokens for the token budget: up to "),
+        (many_candidates_body, "too many candidate sequences for the candidate budget: 65535 (the budget is 4096 "),
+    ],
+)
+def test_amplification_bodies_are_refused_fast_small_and_before_any_prompt(body, message, monkeypatch):
+    """Issue 15's bodies: before admission the first built 429 MB of prompt text and took 11-14 s and 4.6 GB to its
+    422; the second grew the server past 9 GB until killed. Now: 422 within a fraction of a second, the Python heap
+    growing by a few tens of MB at most (the parsed body and its validated copy), no prompt built or encoded."""
+    data = body()
+    tokenizer = CountingTokenizer()
+    model = DecisionModel(FakeBackbone(), fake_weights(), tokenizer=tokenizer, code_commit="c0ffee")
+    built = []
+    monkeypatch.setattr(service, "candidate_prompts", lambda record: built.append(record) or [])
+    start = time.perf_counter()
+    with pytest.raises(RequestError) as caught:
+        model.decide_json(data)
+    elapsed = time.perf_counter() - start
+    assert caught.value.status == 422 and caught.value.message.startswith(message)
+    assert elapsed < 1.0
+    assert built == [] and tokenizer.encoded == 0 and model.backbone.prepared == []
+    tracemalloc.start()
+    try:
+        with pytest.raises(RequestError):
+            model.decide_json(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 30 * len(data) + (16 << 20)
+
+
+# Text with what NFC changes (decomposed accents, a singleton, reorderable marks), a special-token string, and
+# arbitrary code points.
+tricky_text = st.lists(
+    st.sampled_from(["e\u0301", "\u212b", "a\u0323\u0302", "\u0958", "<|im_end|>", "Zoë ", "東京", "\n", " "])
+    | st.text(max_size=6),
+    max_size=8,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    state=tricky_text,
+    instructions=tricky_text,
+    options=st.lists(tricky_text, min_size=1, max_size=4),
+    noul=tricky_text,
+)
+def test_token_bound_is_exact_in_bytes_and_never_below_the_real_count(state, instructions, options, noul):
+    """`prompt_bytes` equals the NFC bytes of the built prompts, and the token bound is never below the real count."""
+    request = {
+        "state": state,
+        "questions": {
+            "c": {"type": "choice", "instructions": instructions, "criteria": dict(enumerate(options))},
+            "n": {"type": "noul", "instructions": instructions, "criteria": {"true": noul, "false": state}},
+            "s": {"type": "score", "instructions": {"q": instructions}, "criteria": [noul, *options]},
+        },
+    }
+    try:
+        records = compile_records(validate_request(request, model_id=MODEL_ID))
+    except RequestError:  # a lone surrogate, or a score question of more than 10 levels
+        return
+    prompts = [prompt for record in records for prompt in candidate_prompts(record)]
+    assert prompt_bytes(records) == sum(nfc_bytes(prompt) for prompt in prompts)
+    tokenizer = default_prompt_tokenizer()
+    real = sum(len(ids) for ids in tokenizer.encode_prompts(prompts))
+    assert real <= tokenizer.token_bound(prompt_bytes(records), len(prompts))
 
 
 # ---------------------------------------------------------------- decide
