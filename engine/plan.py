@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ class BucketPadding:
 @dataclass(frozen=True)
 class TreeLayout:
     """The host-only sizes of a request's prefix tree (before any plan is built): enough for the GDN cost rule and
-    for `bucket_padding`."""
+    for `bucket_padding` (the sizes are computed once per layout: `smallest_bucket` reads them for many buckets)."""
 
     candidate_lens: tuple[int, ...]
     question_of: tuple[int, ...]
@@ -263,36 +264,36 @@ class TreeLayout:
     question_lens: tuple[int, ...]
     chunk_size: int = CHUNK_SIZE
 
-    @property
+    @cached_property
     def leaf_lens(self) -> tuple[int, ...]:
         return tuple(n - self.root_len - self.question_lens[r] for n, r in zip(self.candidate_lens, self.question_of))
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.root_len + sum(self.question_lens) + sum(self.leaf_lens)
 
-    @property
+    @cached_property
     def slots(self) -> int:
         return sum(self.candidate_lens)
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         return sum(-(-n // self.chunk_size) for n in self.candidate_lens)
 
-    @property
+    @cached_property
     def nodes(self) -> int:
         return (self.root_len > 0) + sum(q > 0 for q in self.question_lens) + len(self.candidate_lens)
 
-    @property
+    @cached_property
     def keys(self) -> int:
         root = self.root_len
         return root + sum(root + q for q in self.question_lens if q > 0) + self.slots
 
-    @property
+    @cached_property
     def max_q(self) -> int:
         return max(self.root_len, *self.question_lens, *self.leaf_lens)
 
-    @property
+    @cached_property
     def max_k(self) -> int:
         return max(self.candidate_lens)
 
