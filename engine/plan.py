@@ -629,12 +629,15 @@ def _range_start(indices: np.ndarray) -> int | None:
     return int(indices[0])
 
 
-def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> np.ndarray:
-    """[sum ceil(len / chunk_size), 2]: (sequence index, chunk index within it), as FLA's prepare_chunk_indices."""
-    counts = (lengths + chunk_size - 1) // chunk_size
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    within = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-    return np.stack([np.repeat(np.arange(len(lengths)), counts), within], axis=1).astype(np.int64)
+def _chunk_layout(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """FLA's varlen chunk layout of sequences with bounds `cu_seqlens`: the chunk indices [sum ceil(len / chunk_size),
+    2] ((sequence index, chunk index within it), as FLA's prepare_chunk_indices) and the chunk offsets [S + 1] (first
+    chunk of each sequence)."""
+    counts = -(-np.diff(cu_seqlens) // chunk_size)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    sequence = np.repeat(np.arange(len(counts)), counts)
+    indices = np.stack([sequence, np.arange(int(offsets[-1])) - offsets[sequence]], axis=1)
+    return indices, offsets
 
 
 def _build(
@@ -653,109 +656,81 @@ def _build(
         raise ValueError(f"padding sequences need at least one row each, got {pad.tolist()}")
     assert (leaf_lens >= 1).all() and (q_lens >= 0).all() and root_len >= 0
 
-    # Packed row ranges: [root | question nodes | leaves | dummy sequences].
-    q_start = root_len + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-    leaf_base = root_len + int(q_lens.sum())
-    leaf_start = leaf_base + np.concatenate([[0], np.cumsum(leaf_lens)[:-1]])
-    pad_base = leaf_base + int(leaf_lens.sum())
-    pad_start = pad_base + np.concatenate([[0], np.cumsum(pad)[:-1]]).astype(np.int64)
-    num_rows = pad_base + int(pad.sum())
+    # The node table, by node id (module docstring); packed rows are the nodes' rows in id order:
+    # [root | question nodes | leaves | dummy sequences]. Per node: its rows, its first row's original position, its
+    # parent and grandparent (-1 where none) and its representative path (the first path holding its rows, where
+    # each row sits at its position: the candidate whose tokens it holds, the first member for a question node).
+    num_pad = len(pad)
+    leaf_ids = 1 + num_questions + np.arange(num_cands)
+    pad_ids = 1 + num_questions + num_cands + np.arange(num_pad)
+    questions, dummies = np.ones(num_questions, dtype=np.int64), np.ones(num_pad, dtype=np.int64)
+    first_member = np.array([question_of.index(r) for r in range(num_questions)], dtype=np.int64)
+    node_lens = np.concatenate([[root_len], q_lens, leaf_lens, pad]).astype(np.int64)
+    node_first_pos = np.concatenate([[0], root_len * questions, root_len + q_lens[q_of], 0 * dummies])
+    node_parent = np.concatenate([[-1], 0 * questions, 1 + q_of, -dummies])
+    node_grandparent = np.concatenate([[-1], -questions, 0 * q_of, -dummies])
+    node_path = np.concatenate([[0], first_member, np.arange(num_cands), num_cands + np.arange(num_pad)])
+    node_end = np.cumsum(node_lens)
+    node_start = node_end - node_lens
+    num_rows = int(node_end[-1])
+    pad_base = num_rows - int(pad.sum())
+    # A node's keys (its path up to its last row): its grandparent's rows, its parent's, its own.
+    key_nodes = np.stack([node_grandparent, node_parent, np.arange(len(node_lens))], axis=1)
+    key_lens = np.where(key_nodes >= 0, node_lens[key_nodes], 0)
+    key_starts = node_start[key_nodes]
 
+    def keys_of(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The key rows of `nodes` back to back, and each node's count."""
+        return _concat_ranges(key_starts[nodes].ravel(), key_lens[nodes].ravel()), key_lens[nodes].sum(axis=1)
+
+    row_node = np.repeat(np.arange(len(node_lens)), node_lens)
+    positions = node_first_pos[row_node] + np.arange(num_rows) - node_start[row_node]
+    row_parent = node_parent[row_node]
+    row_grandparent = node_grandparent[row_node]
     token_ids = np.full(num_rows, PAD_TOKEN_ID, dtype=np.int64)
-    positions = np.empty(num_rows, dtype=np.int64)
-    row_node = np.empty(num_rows, dtype=np.int64)
-    row_parent = np.full(num_rows, -1, dtype=np.int64)
-    row_grandparent = np.full(num_rows, -1, dtype=np.int64)
-    token_ids[:root_len] = seqs[0][:root_len]
-    positions[:root_len] = np.arange(root_len)
-    row_node[:root_len] = 0
-    first_member = [question_of.index(r) for r in range(num_questions)]
-    for r in range(num_questions):
-        span = slice(q_start[r], q_start[r] + q_lens[r])
-        token_ids[span] = seqs[first_member[r]][root_len : root_len + q_lens[r]]
-        positions[span] = root_len + np.arange(q_lens[r])
-        row_node[span] = 1 + r
-        row_parent[span] = 0
-    paths = []
-    for c in range(num_cands):
-        r = question_of[c]
-        span = slice(leaf_start[c], leaf_start[c] + leaf_lens[c])
-        own = root_len + q_lens[r]
-        token_ids[span] = seqs[c][own:]
-        positions[span] = own + np.arange(leaf_lens[c])
-        row_node[span] = 1 + num_questions + c
-        row_parent[span] = 1 + r
-        row_grandparent[span] = 0
-        paths.append(
-            np.concatenate(
-                [
-                    np.arange(root_len),
-                    q_start[r] + np.arange(q_lens[r]),
-                    leaf_start[c] + np.arange(leaf_lens[c]),
-                ]
-            )
-        )
-    dummy_paths = []
-    for d, length in enumerate(pad):
-        span = slice(pad_start[d], pad_start[d] + length)
-        positions[span] = np.arange(length)
-        row_node[span] = 1 + num_questions + num_cands + d
-        dummy_paths.append(pad_start[d] + np.arange(length))
-    node_paths = dummy_paths  # the dummy sequences as attention nodes and conv segments
-    if padding is not None:  # the dummy node's path, then the paths cycling through its rows (module docstring)
-        dummy = dummy_paths[0]
-        dummy_paths = [dummy[np.minimum(np.arange(padding.path_lens[0]), len(dummy) - 1)]]
-        dummy_paths += [dummy[np.arange(n) % len(dummy)] for n in padding.path_lens[1:]]
-    all_paths = paths + dummy_paths
-    all_lens = np.array([len(path) for path in all_paths], dtype=np.int64)
-    path_rows = np.concatenate(all_paths).astype(np.int64)
-    path_cu = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
-    read_rows = leaf_start + leaf_lens - 1
-    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
-    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], all_lens)
-    if padding is not None:
-        path_rows = np.concatenate([path_rows, np.full(padding.trailing_slots, last_row, dtype=np.int64)])
-        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
+    candidate_start = np.cumsum(lens) - lens  # of each candidate in the candidates' tokens back to back
+    real = slice(0, pad_base)
+    token_ids[real] = np.concatenate(seqs)[candidate_start[node_path[row_node[real]]] + positions[real]]
 
-    # Representative slot of each packed row: its first occurrence in the concatenated paths.
-    _, first_slot = np.unique(path_rows, return_index=True)
-    row_slot = first_slot.astype(np.int64)
-    assert len(row_slot) == num_rows
+    # Paths: each candidate's (its leaf's keys), then the dummy sequences' (a bucket's: module docstring).
+    path_rows, path_lens = keys_of(leaf_ids if padding is not None else np.concatenate([leaf_ids, pad_ids]))
+    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
+    read_rows = node_end[leaf_ids] - 1
+    if padding is not None:  # the dummy node's path (its rows, then its last row repeated), then paths cycling
+        dummy_lens = np.array(padding.path_lens, dtype=np.int64)  # through its rows
+        dummy_slot = _concat_ranges(np.zeros_like(dummy_lens), dummy_lens)  # slot in its dummy path
+        dummy_row = dummy_slot % padding.dummy_rows
+        dummy_row[: dummy_lens[0]] = np.minimum(dummy_slot[: dummy_lens[0]], padding.dummy_rows - 1)
+        trailing = np.full(padding.trailing_slots, last_row, dtype=np.int64)
+        path_rows = np.concatenate([path_rows, pad_base + dummy_row, trailing])
+        path_lens = np.concatenate([path_lens, dummy_lens])
+        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
+    path_cu = np.concatenate([[0], np.cumsum(path_lens)]).astype(np.int64)
+
+    # Representative slot of each packed row: its first occurrence in the concatenated paths, which is its position
+    # in its node's representative path.
+    row_slot = path_cu[node_path[row_node]] + positions
+    assert np.array_equal(path_rows[row_slot], np.arange(num_rows))
 
     # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
-    conv_rows = np.empty((num_rows, CONV_WIDTH), dtype=np.int64)
-    for k in range(CONV_WIDTH):
-        back = CONV_WIDTH - 1 - k
-        src = row_slot - back
-        conv_rows[:, k] = np.where(slot_pos[row_slot] >= back, path_rows[np.maximum(src, 0)], num_rows)
+    back = np.arange(CONV_WIDTH - 1, -1, -1)
+    window = path_rows[np.maximum(row_slot[:, None] - back, 0)]
+    conv_rows = np.where(positions[:, None] >= back, window, num_rows)
 
-    # Non-empty nodes in packed order: (first row, rows, key rows = the node's path up to its last row).
-    nodes = []
-    if root_len > 0:
-        nodes.append((0, np.arange(root_len), np.arange(root_len)))
-    for r in range(num_questions):
-        if q_lens[r] > 0:
-            own = q_start[r] + np.arange(q_lens[r])
-            nodes.append((q_start[r], own, np.concatenate([np.arange(root_len), own])))
-    for c in range(num_cands):
-        nodes.append((leaf_start[c], leaf_start[c] + np.arange(leaf_lens[c]), paths[c]))
-    for d, rows in enumerate(node_paths):
-        nodes.append((pad_start[d], rows, rows))
-    # Conv segments: each node's rows after its history (the rows at positions p0-W+1..p0-1 of its path, where any).
-    trailing = path_rows[int(path_cu[-1]) :]  # a bucket's trailing slots (none otherwise)
-    conv_layouts = {"conv_paths": _conv_input(all_paths, np.arange(len(path_rows)), trailing)}
+    # Attention: one sequence per non-empty node (packed order), its own rows as queries, its keys.
+    attn_nodes = np.flatnonzero(node_lens)
+    q_counts = node_lens[attn_nodes]
+    key_rows, k_counts = keys_of(attn_nodes)
+    conv_layouts = {"conv_paths": _conv_input(path_rows, path_lens, np.arange(len(path_rows)))}
     if padding is None:  # a bucketed plan runs the replicated mode only: no node segments, no hand-off schedule
-        segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
-        for first, own, _ in nodes:
-            history = conv_rows[first, : CONV_WIDTH - 1]
-            history = history[history < num_rows]
-            segments.append(np.concatenate([history, own]))
-            segment_keep[own] = slot + len(history) + np.arange(len(own))
-            slot += len(history) + len(own)
-        conv_layouts["conv_segments"] = _conv_input(segments, segment_keep, trailing)
-    q_counts = np.array([len(own) for _, own, _ in nodes], dtype=np.int64)
-    k_counts = np.array([len(keys) for _, _, keys in nodes], dtype=np.int64)
-    key_rows = np.concatenate([keys for _, _, keys in nodes]).astype(np.int64)
+        # Conv segments: each non-empty node's rows after its history (the rows at positions p0-W+1..p0-1 of its
+        # representative path, where any), which is one slice of that path.
+        first_slot = row_slot[node_start[attn_nodes]]
+        history = np.minimum(node_first_pos[attn_nodes], CONV_WIDTH - 1)
+        segment_lens = history + q_counts
+        segment_rows = path_rows[_concat_ranges(first_slot - history, segment_lens)]
+        segment_keep = _concat_ranges(np.cumsum(segment_lens) - segment_lens + history, q_counts)
+        conv_layouts["conv_segments"] = _conv_input(segment_rows, segment_lens, segment_keep)
     attn_max = (int(q_counts.max()), int(k_counts.max()))
     if padding is not None:
         q_counts = np.concatenate([q_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
@@ -765,9 +740,12 @@ def _build(
     attn_cu_q = np.concatenate([[0], np.cumsum(q_counts)]).astype(np.int64)
     attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
 
-    schedules = {"replicated": [_replicated_call(path_rows, path_cu)]}
+    schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
     if padding is None:
-        schedules["handoff"] = _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths)
+        paths = [path_rows[path_cu[c] : path_cu[c + 1]] for c in range(len(path_lens))]
+        schedules["handoff"] = _handoff_calls(
+            paths[:num_cands], lens, q_of, root_len, q_lens, chunk_size, paths[num_cands:]
+        )
     for mode, calls in schedules.items():
         produced = np.concatenate([call["out_rows"] for call in calls])
         if not np.array_equal(np.sort(produced), np.arange(num_rows)):
@@ -794,23 +772,22 @@ def _build(
     for mode, calls in schedules.items():
         call_shapes[mode] = []
         for i, call in enumerate(calls):
-            counts = -(-np.diff(call["cu_seqlens"]) // chunk_size)
-            call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
-            call["chunk_offsets"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            call["chunk_indices"], call["chunk_offsets"] = _chunk_layout(call["cu_seqlens"], chunk_size)
             names = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows")
             for name in names:
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
-            out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
-            contiguous = padding is None  # a bucket's shape must not depend on the request: always gather
+            rows_start = out_start = None  # a bucket's shape must not depend on the request: always gather
+            if padding is None:
+                rows_start = _range_start(call["rows"])
+                out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
+                out_start = None if out_slots is None or out_rows is None else (out_slots, out_rows)
             call_shapes[mode].append(
                 GdnCallShape(
                     keep_final=call["keep_final"],
                     has_init_state=call["init_state"] is not None,
-                    rows_start=_range_start(call["rows"]) if contiguous else None,
-                    out_start=None
-                    if not contiguous or out_slots is None or out_rows is None
-                    else (out_slots, out_rows),
+                    rows_start=rows_start,
+                    out_start=out_start,
                 )
             )
     shape = PlanShape(
@@ -927,35 +904,43 @@ def _build(
     )
 
 
-def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, trailing: np.ndarray) -> dict:
-    """Host arrays of a `ConvInput` over `sequences` (packed row ids each) and `trailing` rows after the last sequence
-    (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots `keep`."""
-    lens = np.array([len(seq) for seq in sequences], dtype=np.int64)
-    rows = np.concatenate([*sequences, trailing]).astype(np.int64)
+def _concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """arange(starts[i], starts[i] + lens[i]) for every i, back to back (int64)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
+def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray) -> dict:
+    """Host arrays of a `ConvInput`: sequences of `lens` rows back to back in `rows` (packed row ids), then any rows
+    after the last sequence (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots
+    `keep`."""
     history = CONV_WIDTH - 1
-    spaced = np.concatenate([np.concatenate([np.zeros(history, dtype=np.int64), seq + 1]) for seq in sequences])
-    spaced_slot = np.arange(int(lens.sum())) + history * (np.repeat(np.arange(len(sequences)), lens) + 1)
-    spaced_slot = np.concatenate([spaced_slot, len(spaced) + np.arange(len(trailing))])
-    spaced = np.concatenate([spaced, trailing + 1])
+    trailing = len(rows) - int(lens.sum())
+    # In `spaced`, W-1 zero rows precede each sequence: a slot moves by W-1 per sequence up to its own (a trailing
+    # slot by W-1 per sequence).
+    shift = np.repeat(np.append(np.arange(1, len(lens) + 1), len(lens)), np.append(lens, trailing))
+    spaced_slot = np.arange(len(rows)) + history * shift
+    spaced = np.zeros(len(rows) + history * len(lens), dtype=np.int64)
+    spaced[spaced_slot] = rows + 1
     return {
         "rows": rows,
         "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
         "keep": keep.astype(np.int64),
         "keep_rows": rows[keep],
-        "spaced": spaced.astype(np.int64),
+        "spaced": spaced,
         "spaced_keep": spaced_slot[keep],
     }
 
 
-def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray) -> dict:
-    _, first_slot = np.unique(path_rows, return_index=True)
+def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.ndarray) -> dict:
+    """Every path from position 0; each packed row is produced by its representative slot."""
     return {
         "rows": path_rows,
         "cu_seqlens": path_cu,
         "init_state": None,
         "keep_final": False,
-        "out_slots": first_slot.astype(np.int64),
-        "out_rows": path_rows[first_slot],
+        "out_slots": row_slot,
+        "out_rows": path_rows[row_slot],
         "start_positions": np.zeros(len(path_cu) - 1, dtype=np.int64),
     }
 
