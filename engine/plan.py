@@ -404,10 +404,10 @@ class PlanArena:
         self.shape = shape
         self.device = torch.device(device)
         sizes = [math.prod(dims) for _, dims in shape.arrays]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.buffer = torch.empty(int(offsets[-1]), dtype=torch.int64, device=self.device)
+        self.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        pieces = self.buffer.split_with_sizes(sizes)
         self.views = {
-            name: self.buffer[offsets[i] : offsets[i + 1]].view(dims) for i, (name, dims) in enumerate(shape.arrays)
+            name: piece if len(dims) == 1 else piece.view(dims) for (name, dims), piece in zip(shape.arrays, pieces)
         }
         self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
                       for name in INT32_ARRAYS if name in self.views}  # fmt: skip
@@ -422,7 +422,7 @@ class PlanArena:
         got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
         if got != self.shape.arrays:
             raise ValueError("the plan's arrays do not match this arena's shape")
-        host = np.concatenate([np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()])
+        host = np.concatenate([a.ravel() for a in arrays.values()], dtype=np.int64)
         self.buffer.copy_(torch.from_numpy(host))
         self.refresh_int32()
 
