@@ -509,23 +509,34 @@ def plan_tree(
     pad_lens: Sequence[int] = (),
     arena: PlanArena | Callable[[PlanShape], PlanArena | None] | None = None,
     bucket: Bucket | None = None,
+    layout: TreeLayout | None = None,
 ) -> TreePlan:
     """The two-level prefix tree of a request: `groups[c]` is the question of candidate c. `pad_lens`: detached dummy
     sequences to append (module docstring); `bucket`: lay the request out at this bucket's sizes instead (module
     docstring, "Buckets"; ValueError where it does not fit); `arena`: refill this arena in place (its shape must be
-    the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one)."""
+    the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one); `layout`:
+    the request's `tree_layout` where the caller has it, so that the split is not recomputed (ValueError where its
+    candidate lengths, questions or chunk size are not the request's)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+    if layout is None:
+        root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
+    elif (layout.candidate_lens, layout.question_of, layout.chunk_size) != (
+        tuple(len(q) for q in seqs),
+        tuple(question_of),
+        chunk_size,
+    ):
+        raise ValueError("the layout is another request's")
     padding = None
     if bucket is not None:
         if len(pad_lens):
             raise ValueError("pad_lens and bucket are two ways of padding: pass one")
-        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
         padding = bucket_padding(layout, bucket)
         if padding is None:
             raise ValueError(
                 f"the request does not fit bucket {bucket.name} ({layout.rows} rows, {layout.slots} slots)"
             )
+    root_len, question_lens = layout.root_len, layout.question_lens
     return _build(
         "tree", seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena, bucket, padding
     )
@@ -557,6 +568,8 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    if num_questions == 1:  # one batch, whatever its rows
+        return [list(range(len(seqs)))]
     members: list[list[int]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(c)
