@@ -637,7 +637,7 @@ def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
 
 def _range_start(indices: np.ndarray) -> int | None:
     """indices[0] if indices == arange(indices[0], indices[0] + len), else None."""
-    if len(indices) == 0 or not np.array_equal(indices, indices[0] + np.arange(len(indices))):
+    if len(indices) == 0 or not (indices[1:] - indices[:-1] == 1).all():
         return None
     return int(indices[0])
 
@@ -646,11 +646,19 @@ def _chunk_layout(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, 
     """FLA's varlen chunk layout of sequences with bounds `cu_seqlens`: the chunk indices [sum ceil(len / chunk_size),
     2] ((sequence index, chunk index within it), as FLA's prepare_chunk_indices) and the chunk offsets [S + 1] (first
     chunk of each sequence)."""
-    counts = -(-np.diff(cu_seqlens) // chunk_size)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    sequence = np.repeat(np.arange(len(counts)), counts)
-    indices = np.stack([sequence, np.arange(int(offsets[-1])) - offsets[sequence]], axis=1)
+    offsets = _bounds(-(-(cu_seqlens[1:] - cu_seqlens[:-1]) // chunk_size))
+    num_chunks = int(offsets[-1])
+    indices = np.empty((num_chunks, 2), dtype=np.int64)
+    indices[:, 0] = np.repeat(np.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
+    indices[:, 1] = np.arange(num_chunks) - offsets[indices[:, 0]]
     return indices, offsets
+
+
+def _bounds(lens: np.ndarray) -> np.ndarray:
+    """[0, cumsum(lens)...] (int64): the bounds of sequences of these lengths back to back."""
+    bounds = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=bounds[1:])
+    return bounds
 
 
 def _build(
@@ -676,12 +684,13 @@ def _build(
     num_pad = len(pad)
     leaf_ids = 1 + num_questions + np.arange(num_cands)
     pad_ids = 1 + num_questions + num_cands + np.arange(num_pad)
-    questions, dummies = np.ones(num_questions, dtype=np.int64), np.ones(num_pad, dtype=np.int64)
     first_member = np.array([question_of.index(r) for r in range(num_questions)], dtype=np.int64)
-    node_lens = np.concatenate([[root_len], q_lens, leaf_lens, pad]).astype(np.int64)
+    questions, leaves, dummies = (np.ones(n, dtype=np.int64) for n in (num_questions, num_cands, num_pad))
+    # Each column: the root's value, then the questions', the leaves', the dummies'.
+    node_lens = np.concatenate([[root_len], q_lens, leaf_lens, pad])
     node_first_pos = np.concatenate([[0], root_len * questions, root_len + q_lens[q_of], 0 * dummies])
     node_parent = np.concatenate([[-1], 0 * questions, 1 + q_of, -dummies])
-    node_grandparent = np.concatenate([[-1], -questions, 0 * q_of, -dummies])
+    node_grandparent = np.concatenate([[-1], -questions, 0 * leaves, -dummies])
     node_path = np.concatenate([[0], first_member, np.arange(num_cands), num_cands + np.arange(num_pad)])
     node_end = np.cumsum(node_lens)
     node_start = node_end - node_lens
@@ -709,8 +718,9 @@ def _build(
     path_rows, path_lens = keys_of(leaf_ids if padding is not None else np.concatenate([leaf_ids, pad_ids]))
     last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
     read_rows = node_end[leaf_ids] - 1
-    if padding is not None:  # the dummy node's path (its rows, then its last row repeated), then paths cycling
-        dummy_lens = np.array(padding.path_lens, dtype=np.int64)  # through its rows
+    if padding is not None:
+        # The dummy node's path (its rows, then its last row repeated), then paths cycling through its rows.
+        dummy_lens = np.array(padding.path_lens, dtype=np.int64)
         dummy_slot = _concat_ranges(np.zeros_like(dummy_lens), dummy_lens)  # slot in its dummy path
         dummy_row = dummy_slot % padding.dummy_rows
         dummy_row[: dummy_lens[0]] = np.minimum(dummy_slot[: dummy_lens[0]], padding.dummy_rows - 1)
@@ -718,7 +728,7 @@ def _build(
         path_rows = np.concatenate([path_rows, pad_base + dummy_row, trailing])
         path_lens = np.concatenate([path_lens, dummy_lens])
         read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
-    path_cu = np.concatenate([[0], np.cumsum(path_lens)]).astype(np.int64)
+    path_cu = _bounds(path_lens)
 
     # Representative slot of each packed row: its first occurrence in the concatenated paths, which is its position
     # in its node's representative path.
@@ -750,8 +760,8 @@ def _build(
         k_counts = np.concatenate([k_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
         key_rows = np.concatenate([key_rows, np.full(padding.trailing_keys, last_row, dtype=np.int64)])
         attn_max = (bucket.max_q, bucket.max_k)
-    attn_cu_q = np.concatenate([[0], np.cumsum(q_counts)]).astype(np.int64)
-    attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
+    attn_cu_q = _bounds(q_counts)
+    attn_cu_k = _bounds(k_counts)
 
     schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
     if padding is None:
@@ -937,7 +947,7 @@ def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray) -> dict:
     spaced[spaced_slot] = rows + 1
     return {
         "rows": rows,
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        "cu_seqlens": _bounds(lens),
         "keep": keep.astype(np.int64),
         "keep_rows": rows[keep],
         "spaced": spaced,
@@ -1006,7 +1016,7 @@ def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -
     states = np.array([state for _, _, _, state in pieces], dtype=np.int64)
     return {
         "rows": rows,
-        "cu_seqlens": np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
+        "cu_seqlens": _bounds(seq_lens),
         "init_state": None if (starts == 0).all() else states,
         "keep_final": keep_final,
         "start_positions": starts,
