@@ -331,12 +331,13 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     (64 (c - 1) + 1 slots), and the slots left over trail the last sequence."""
     size = layout.chunk_size
     dummy_rows = bucket.rows - layout.rows
+    if dummy_rows < 1:  # the common case in a search over a grid: settled before the other sizes are read
+        return None
     num_paths = bucket.sequences - len(layout.candidate_lens)
     dummy_chunks = bucket.chunks - layout.chunks
-    first_min = -(-dummy_rows // size) if dummy_rows > 0 else 0
+    first_min = -(-dummy_rows // size)
     fits = (
-        dummy_rows >= 1
-        and num_paths >= 1
+        num_paths >= 1
         and dummy_chunks >= first_min
         and bucket.nodes >= layout.nodes + 1
         and bucket.candidates >= len(layout.candidate_lens)
