@@ -438,10 +438,10 @@ class EngineBackbone:
             mode = "handoff" if costs["handoff"] < costs["replicated"] else "replicated"
         bucket = self._bucket_for(layout) if mode == "replicated" else None
         if bucket is None:
-            plan = plan_tree(candidates, groups, device=self.device)
+            plan = plan_tree(candidates, groups, device=self.device, layout=layout)
             reason = "handoff" if mode == "handoff" else "outside grid"
             return RowBatch(plan, tuple(index), mode, None, eager_reason=reason)
-        plan = plan_tree(candidates, groups, device=self.device, bucket=bucket)
+        plan = plan_tree(candidates, groups, device=self.device, bucket=bucket, layout=layout)
         return RowBatch(plan, tuple(index), "replicated", None)
 
     def _bucket_for(self, layout):

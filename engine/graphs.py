@@ -47,6 +47,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -84,9 +85,12 @@ def default_grid() -> tuple[Bucket, ...]:
 
 
 def smallest_bucket(layout: TreeLayout, grid: Iterable[Bucket]) -> Bucket | None:
-    """The bucket with the fewest rows (then slots) that `layout` fits, or None."""
-    fitting = [b for b in grid if bucket_padding(layout, b) is not None]
-    return min(fitting, key=lambda b: (b.rows, b.slots, b.sequences)) if fitting else None
+    """The bucket with the fewest rows (then slots, then sequences) that `layout` fits, or None: the first fit in
+    that order (the grid's first in a tie)."""
+    for bucket in sorted(grid, key=attrgetter("rows", "slots", "sequences")):
+        if bucket_padding(layout, bucket) is not None:
+            return bucket
+    return None
 
 
 def warm_request(bucket: Bucket) -> tuple[list[list[int]], list[int]]:

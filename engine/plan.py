@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ class BucketPadding:
 @dataclass(frozen=True)
 class TreeLayout:
     """The host-only sizes of a request's prefix tree (before any plan is built): enough for the GDN cost rule and
-    for `bucket_padding`."""
+    for `bucket_padding` (the sizes are computed once per layout: `smallest_bucket` reads them for many buckets)."""
 
     candidate_lens: tuple[int, ...]
     question_of: tuple[int, ...]
@@ -263,36 +264,36 @@ class TreeLayout:
     question_lens: tuple[int, ...]
     chunk_size: int = CHUNK_SIZE
 
-    @property
+    @cached_property
     def leaf_lens(self) -> tuple[int, ...]:
         return tuple(n - self.root_len - self.question_lens[r] for n, r in zip(self.candidate_lens, self.question_of))
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.root_len + sum(self.question_lens) + sum(self.leaf_lens)
 
-    @property
+    @cached_property
     def slots(self) -> int:
         return sum(self.candidate_lens)
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         return sum(-(-n // self.chunk_size) for n in self.candidate_lens)
 
-    @property
+    @cached_property
     def nodes(self) -> int:
         return (self.root_len > 0) + sum(q > 0 for q in self.question_lens) + len(self.candidate_lens)
 
-    @property
+    @cached_property
     def keys(self) -> int:
         root = self.root_len
         return root + sum(root + q for q in self.question_lens if q > 0) + self.slots
 
-    @property
+    @cached_property
     def max_q(self) -> int:
         return max(self.root_len, *self.question_lens, *self.leaf_lens)
 
-    @property
+    @cached_property
     def max_k(self) -> int:
         return max(self.candidate_lens)
 
@@ -330,12 +331,13 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     (64 (c - 1) + 1 slots), and the slots left over trail the last sequence."""
     size = layout.chunk_size
     dummy_rows = bucket.rows - layout.rows
+    if dummy_rows < 1:  # the common case in a search over a grid: settled before the other sizes are read
+        return None
     num_paths = bucket.sequences - len(layout.candidate_lens)
     dummy_chunks = bucket.chunks - layout.chunks
-    first_min = -(-dummy_rows // size) if dummy_rows > 0 else 0
+    first_min = -(-dummy_rows // size)
     fits = (
-        dummy_rows >= 1
-        and num_paths >= 1
+        num_paths >= 1
         and dummy_chunks >= first_min
         and bucket.nodes >= layout.nodes + 1
         and bucket.candidates >= len(layout.candidate_lens)
@@ -403,10 +405,10 @@ class PlanArena:
         self.shape = shape
         self.device = torch.device(device)
         sizes = [math.prod(dims) for _, dims in shape.arrays]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.buffer = torch.empty(int(offsets[-1]), dtype=torch.int64, device=self.device)
+        self.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        pieces = self.buffer.split_with_sizes(sizes)
         self.views = {
-            name: self.buffer[offsets[i] : offsets[i + 1]].view(dims) for i, (name, dims) in enumerate(shape.arrays)
+            name: piece if len(dims) == 1 else piece.view(dims) for (name, dims), piece in zip(shape.arrays, pieces)
         }
         self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
                       for name in INT32_ARRAYS if name in self.views}  # fmt: skip
@@ -421,7 +423,7 @@ class PlanArena:
         got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
         if got != self.shape.arrays:
             raise ValueError("the plan's arrays do not match this arena's shape")
-        host = np.concatenate([np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()])
+        host = np.concatenate([a.ravel() for a in arrays.values()], dtype=np.int64)
         self.buffer.copy_(torch.from_numpy(host))
         self.refresh_int32()
 
@@ -508,23 +510,34 @@ def plan_tree(
     pad_lens: Sequence[int] = (),
     arena: PlanArena | Callable[[PlanShape], PlanArena | None] | None = None,
     bucket: Bucket | None = None,
+    layout: TreeLayout | None = None,
 ) -> TreePlan:
     """The two-level prefix tree of a request: `groups[c]` is the question of candidate c. `pad_lens`: detached dummy
     sequences to append (module docstring); `bucket`: lay the request out at this bucket's sizes instead (module
     docstring, "Buckets"; ValueError where it does not fit); `arena`: refill this arena in place (its shape must be
-    the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one)."""
+    the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one); `layout`:
+    the request's `tree_layout` where the caller has it, so that the split is not recomputed (ValueError where its
+    candidate lengths, questions or chunk size are not the request's)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+    if layout is None:
+        root_len, question_lens = _tree_split(seqs, question_of, num_questions)
+        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
+    elif (layout.candidate_lens, layout.question_of, layout.chunk_size) != (
+        tuple(len(q) for q in seqs),
+        tuple(question_of),
+        chunk_size,
+    ):
+        raise ValueError("the layout is another request's")
     padding = None
     if bucket is not None:
         if len(pad_lens):
             raise ValueError("pad_lens and bucket are two ways of padding: pass one")
-        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
         padding = bucket_padding(layout, bucket)
         if padding is None:
             raise ValueError(
                 f"the request does not fit bucket {bucket.name} ({layout.rows} rows, {layout.slots} slots)"
             )
+    root_len, question_lens = layout.root_len, layout.question_lens
     return _build(
         "tree", seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena, bucket, padding
     )
@@ -556,6 +569,8 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    if num_questions == 1:  # one batch, whatever its rows
+        return [list(range(len(seqs)))]
     members: list[list[int]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(c)
@@ -623,17 +638,28 @@ def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
 
 def _range_start(indices: np.ndarray) -> int | None:
     """indices[0] if indices == arange(indices[0], indices[0] + len), else None."""
-    if len(indices) == 0 or not np.array_equal(indices, indices[0] + np.arange(len(indices))):
+    if len(indices) == 0 or not (indices[1:] - indices[:-1] == 1).all():
         return None
     return int(indices[0])
 
 
-def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> np.ndarray:
-    """[sum ceil(len / chunk_size), 2]: (sequence index, chunk index within it), as FLA's prepare_chunk_indices."""
-    counts = (lengths + chunk_size - 1) // chunk_size
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    within = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-    return np.stack([np.repeat(np.arange(len(lengths)), counts), within], axis=1).astype(np.int64)
+def _chunk_layout(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """FLA's varlen chunk layout of sequences with bounds `cu_seqlens`: the chunk indices [sum ceil(len / chunk_size),
+    2] ((sequence index, chunk index within it), as FLA's prepare_chunk_indices) and the chunk offsets [S + 1] (first
+    chunk of each sequence)."""
+    offsets = _bounds(-(-(cu_seqlens[1:] - cu_seqlens[:-1]) // chunk_size))
+    num_chunks = int(offsets[-1])
+    indices = np.empty((num_chunks, 2), dtype=np.int64)
+    indices[:, 0] = np.repeat(np.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
+    indices[:, 1] = np.arange(num_chunks) - offsets[indices[:, 0]]
+    return indices, offsets
+
+
+def _bounds(lens: np.ndarray) -> np.ndarray:
+    """[0, cumsum(lens)...] (int64): the bounds of sequences of these lengths back to back."""
+    bounds = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=bounds[1:])
+    return bounds
 
 
 def _build(
@@ -652,121 +678,98 @@ def _build(
         raise ValueError(f"padding sequences need at least one row each, got {pad.tolist()}")
     assert (leaf_lens >= 1).all() and (q_lens >= 0).all() and root_len >= 0
 
-    # Packed row ranges: [root | question nodes | leaves | dummy sequences].
-    q_start = root_len + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-    leaf_base = root_len + int(q_lens.sum())
-    leaf_start = leaf_base + np.concatenate([[0], np.cumsum(leaf_lens)[:-1]])
-    pad_base = leaf_base + int(leaf_lens.sum())
-    pad_start = pad_base + np.concatenate([[0], np.cumsum(pad)[:-1]]).astype(np.int64)
-    num_rows = pad_base + int(pad.sum())
+    # The node table, by node id (module docstring); packed rows are the nodes' rows in id order:
+    # [root | question nodes | leaves | dummy sequences]. Per node: its rows, its first row's original position, its
+    # parent and grandparent (-1 where none) and its representative path (the first path holding its rows, where
+    # each row sits at its position: the candidate whose tokens it holds, the first member for a question node).
+    num_pad = len(pad)
+    leaf_ids = 1 + num_questions + np.arange(num_cands)
+    pad_ids = 1 + num_questions + num_cands + np.arange(num_pad)
+    first_member = np.array([question_of.index(r) for r in range(num_questions)], dtype=np.int64)
+    questions, leaves, dummies = (np.ones(n, dtype=np.int64) for n in (num_questions, num_cands, num_pad))
+    # Each column: the root's value, then the questions', the leaves', the dummies'.
+    node_lens = np.concatenate([[root_len], q_lens, leaf_lens, pad])
+    node_first_pos = np.concatenate([[0], root_len * questions, root_len + q_lens[q_of], 0 * dummies])
+    node_parent = np.concatenate([[-1], 0 * questions, 1 + q_of, -dummies])
+    node_grandparent = np.concatenate([[-1], -questions, 0 * leaves, -dummies])
+    node_path = np.concatenate([[0], first_member, np.arange(num_cands), num_cands + np.arange(num_pad)])
+    node_end = np.cumsum(node_lens)
+    node_start = node_end - node_lens
+    num_rows = int(node_end[-1])
+    pad_base = num_rows - int(pad.sum())
+    # A node's keys (its path up to its last row): its grandparent's rows, its parent's, its own.
+    key_nodes = np.stack([node_grandparent, node_parent, np.arange(len(node_lens))], axis=1)
+    key_lens = np.where(key_nodes >= 0, node_lens[key_nodes], 0)
+    key_starts = node_start[key_nodes]
 
+    def keys_of(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The key rows of `nodes` back to back, and each node's count."""
+        return _concat_ranges(key_starts[nodes].ravel(), key_lens[nodes].ravel()), key_lens[nodes].sum(axis=1)
+
+    row_node = np.repeat(np.arange(len(node_lens)), node_lens)
+    positions = node_first_pos[row_node] + np.arange(num_rows) - node_start[row_node]
+    row_parent = node_parent[row_node]
+    row_grandparent = node_grandparent[row_node]
     token_ids = np.full(num_rows, PAD_TOKEN_ID, dtype=np.int64)
-    positions = np.empty(num_rows, dtype=np.int64)
-    row_node = np.empty(num_rows, dtype=np.int64)
-    row_parent = np.full(num_rows, -1, dtype=np.int64)
-    row_grandparent = np.full(num_rows, -1, dtype=np.int64)
-    token_ids[:root_len] = seqs[0][:root_len]
-    positions[:root_len] = np.arange(root_len)
-    row_node[:root_len] = 0
-    first_member = [question_of.index(r) for r in range(num_questions)]
-    for r in range(num_questions):
-        span = slice(q_start[r], q_start[r] + q_lens[r])
-        token_ids[span] = seqs[first_member[r]][root_len : root_len + q_lens[r]]
-        positions[span] = root_len + np.arange(q_lens[r])
-        row_node[span] = 1 + r
-        row_parent[span] = 0
-    paths = []
-    for c in range(num_cands):
-        r = question_of[c]
-        span = slice(leaf_start[c], leaf_start[c] + leaf_lens[c])
-        own = root_len + q_lens[r]
-        token_ids[span] = seqs[c][own:]
-        positions[span] = own + np.arange(leaf_lens[c])
-        row_node[span] = 1 + num_questions + c
-        row_parent[span] = 1 + r
-        row_grandparent[span] = 0
-        paths.append(
-            np.concatenate(
-                [
-                    np.arange(root_len),
-                    q_start[r] + np.arange(q_lens[r]),
-                    leaf_start[c] + np.arange(leaf_lens[c]),
-                ]
-            )
-        )
-    dummy_paths = []
-    for d, length in enumerate(pad):
-        span = slice(pad_start[d], pad_start[d] + length)
-        positions[span] = np.arange(length)
-        row_node[span] = 1 + num_questions + num_cands + d
-        dummy_paths.append(pad_start[d] + np.arange(length))
-    node_paths = dummy_paths  # the dummy sequences as attention nodes and conv segments
-    if padding is not None:  # the dummy node's path, then the paths cycling through its rows (module docstring)
-        dummy = dummy_paths[0]
-        dummy_paths = [dummy[np.minimum(np.arange(padding.path_lens[0]), len(dummy) - 1)]]
-        dummy_paths += [dummy[np.arange(n) % len(dummy)] for n in padding.path_lens[1:]]
-    all_paths = paths + dummy_paths
-    all_lens = np.array([len(path) for path in all_paths], dtype=np.int64)
-    path_rows = np.concatenate(all_paths).astype(np.int64)
-    path_cu = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
-    read_rows = leaf_start + leaf_lens - 1
-    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
-    slot_pos = np.arange(len(path_rows)) - np.repeat(path_cu[:-1], all_lens)
-    if padding is not None:
-        path_rows = np.concatenate([path_rows, np.full(padding.trailing_slots, last_row, dtype=np.int64)])
-        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
+    candidate_start = np.cumsum(lens) - lens  # of each candidate in the candidates' tokens back to back
+    real = slice(0, pad_base)
+    token_ids[real] = np.concatenate(seqs)[candidate_start[node_path[row_node[real]]] + positions[real]]
 
-    # Representative slot of each packed row: its first occurrence in the concatenated paths.
-    _, first_slot = np.unique(path_rows, return_index=True)
-    row_slot = first_slot.astype(np.int64)
-    assert len(row_slot) == num_rows
+    # Paths: each candidate's (its leaf's keys), then the dummy sequences' (a bucket's: module docstring).
+    path_rows, path_lens = keys_of(leaf_ids if padding is not None else np.concatenate([leaf_ids, pad_ids]))
+    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
+    read_rows = node_end[leaf_ids] - 1
+    if padding is not None:
+        # The dummy node's path (its rows, then its last row repeated), then paths cycling through its rows.
+        dummy_lens = np.array(padding.path_lens, dtype=np.int64)
+        dummy_slot = _concat_ranges(np.zeros_like(dummy_lens), dummy_lens)  # slot in its dummy path
+        dummy_row = dummy_slot % padding.dummy_rows
+        dummy_row[: dummy_lens[0]] = np.minimum(dummy_slot[: dummy_lens[0]], padding.dummy_rows - 1)
+        trailing = np.full(padding.trailing_slots, last_row, dtype=np.int64)
+        path_rows = np.concatenate([path_rows, pad_base + dummy_row, trailing])
+        path_lens = np.concatenate([path_lens, dummy_lens])
+        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
+    path_cu = _bounds(path_lens)
+
+    # Representative slot of each packed row: its first occurrence in the concatenated paths, which is its position
+    # in its node's representative path.
+    row_slot = path_cu[node_path[row_node]] + positions
+    assert np.array_equal(path_rows[row_slot], np.arange(num_rows))
 
     # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
-    conv_rows = np.empty((num_rows, CONV_WIDTH), dtype=np.int64)
-    for k in range(CONV_WIDTH):
-        back = CONV_WIDTH - 1 - k
-        src = row_slot - back
-        conv_rows[:, k] = np.where(slot_pos[row_slot] >= back, path_rows[np.maximum(src, 0)], num_rows)
+    back = np.arange(CONV_WIDTH - 1, -1, -1)
+    window = path_rows[np.maximum(row_slot[:, None] - back, 0)]
+    conv_rows = np.where(positions[:, None] >= back, window, num_rows)
 
-    # Non-empty nodes in packed order: (first row, rows, key rows = the node's path up to its last row).
-    nodes = []
-    if root_len > 0:
-        nodes.append((0, np.arange(root_len), np.arange(root_len)))
-    for r in range(num_questions):
-        if q_lens[r] > 0:
-            own = q_start[r] + np.arange(q_lens[r])
-            nodes.append((q_start[r], own, np.concatenate([np.arange(root_len), own])))
-    for c in range(num_cands):
-        nodes.append((leaf_start[c], leaf_start[c] + np.arange(leaf_lens[c]), paths[c]))
-    for d, rows in enumerate(node_paths):
-        nodes.append((pad_start[d], rows, rows))
-    # Conv segments: each node's rows after its history (the rows at positions p0-W+1..p0-1 of its path, where any).
-    trailing = path_rows[int(path_cu[-1]) :]  # a bucket's trailing slots (none otherwise)
-    conv_layouts = {"conv_paths": _conv_input(all_paths, np.arange(len(path_rows)), trailing)}
+    # Attention: one sequence per non-empty node (packed order), its own rows as queries, its keys.
+    attn_nodes = np.flatnonzero(node_lens)
+    q_counts = node_lens[attn_nodes]
+    key_rows, k_counts = keys_of(attn_nodes)
+    conv_layouts = {"conv_paths": _conv_input(path_rows, path_lens, np.arange(len(path_rows)))}
     if padding is None:  # a bucketed plan runs the replicated mode only: no node segments, no hand-off schedule
-        segments, segment_keep, slot = [], np.empty(num_rows, dtype=np.int64), 0
-        for first, own, _ in nodes:
-            history = conv_rows[first, : CONV_WIDTH - 1]
-            history = history[history < num_rows]
-            segments.append(np.concatenate([history, own]))
-            segment_keep[own] = slot + len(history) + np.arange(len(own))
-            slot += len(history) + len(own)
-        conv_layouts["conv_segments"] = _conv_input(segments, segment_keep, trailing)
-    q_counts = np.array([len(own) for _, own, _ in nodes], dtype=np.int64)
-    k_counts = np.array([len(keys) for _, _, keys in nodes], dtype=np.int64)
-    key_rows = np.concatenate([keys for _, _, keys in nodes]).astype(np.int64)
+        # Conv segments: each non-empty node's rows after its history (the rows at positions p0-W+1..p0-1 of its
+        # representative path, where any), which is one slice of that path.
+        first_slot = row_slot[node_start[attn_nodes]]
+        history = np.minimum(node_first_pos[attn_nodes], CONV_WIDTH - 1)
+        segment_lens = history + q_counts
+        segment_rows = path_rows[_concat_ranges(first_slot - history, segment_lens)]
+        segment_keep = _concat_ranges(np.cumsum(segment_lens) - segment_lens + history, q_counts)
+        conv_layouts["conv_segments"] = _conv_input(segment_rows, segment_lens, segment_keep)
     attn_max = (int(q_counts.max()), int(k_counts.max()))
     if padding is not None:
         q_counts = np.concatenate([q_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
         k_counts = np.concatenate([k_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
         key_rows = np.concatenate([key_rows, np.full(padding.trailing_keys, last_row, dtype=np.int64)])
         attn_max = (bucket.max_q, bucket.max_k)
-    attn_cu_q = np.concatenate([[0], np.cumsum(q_counts)]).astype(np.int64)
-    attn_cu_k = np.concatenate([[0], np.cumsum(k_counts)]).astype(np.int64)
+    attn_cu_q = _bounds(q_counts)
+    attn_cu_k = _bounds(k_counts)
 
-    schedules = {"replicated": [_replicated_call(path_rows, path_cu)]}
+    schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
     if padding is None:
-        schedules["handoff"] = _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths)
+        paths = [path_rows[path_cu[c] : path_cu[c + 1]] for c in range(len(path_lens))]
+        schedules["handoff"] = _handoff_calls(
+            paths[:num_cands], lens, q_of, root_len, q_lens, chunk_size, paths[num_cands:]
+        )
     for mode, calls in schedules.items():
         produced = np.concatenate([call["out_rows"] for call in calls])
         if not np.array_equal(np.sort(produced), np.arange(num_rows)):
@@ -793,23 +796,22 @@ def _build(
     for mode, calls in schedules.items():
         call_shapes[mode] = []
         for i, call in enumerate(calls):
-            counts = -(-np.diff(call["cu_seqlens"]) // chunk_size)
-            call["chunk_indices"] = _chunk_indices(np.diff(call["cu_seqlens"]), chunk_size)
-            call["chunk_offsets"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            call["chunk_indices"], call["chunk_offsets"] = _chunk_layout(call["cu_seqlens"], chunk_size)
             names = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows")
             for name in names:
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
-            out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
-            contiguous = padding is None  # a bucket's shape must not depend on the request: always gather
+            rows_start = out_start = None  # a bucket's shape must not depend on the request: always gather
+            if padding is None:
+                rows_start = _range_start(call["rows"])
+                out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
+                out_start = None if out_slots is None or out_rows is None else (out_slots, out_rows)
             call_shapes[mode].append(
                 GdnCallShape(
                     keep_final=call["keep_final"],
                     has_init_state=call["init_state"] is not None,
-                    rows_start=_range_start(call["rows"]) if contiguous else None,
-                    out_start=None
-                    if not contiguous or out_slots is None or out_rows is None
-                    else (out_slots, out_rows),
+                    rows_start=rows_start,
+                    out_start=out_start,
                 )
             )
     shape = PlanShape(
@@ -926,35 +928,43 @@ def _build(
     )
 
 
-def _conv_input(sequences: list[np.ndarray], keep: np.ndarray, trailing: np.ndarray) -> dict:
-    """Host arrays of a `ConvInput` over `sequences` (packed row ids each) and `trailing` rows after the last sequence
-    (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots `keep`."""
-    lens = np.array([len(seq) for seq in sequences], dtype=np.int64)
-    rows = np.concatenate([*sequences, trailing]).astype(np.int64)
+def _concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """arange(starts[i], starts[i] + lens[i]) for every i, back to back (int64)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
+def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray) -> dict:
+    """Host arrays of a `ConvInput`: sequences of `lens` rows back to back in `rows` (packed row ids), then any rows
+    after the last sequence (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots
+    `keep`."""
     history = CONV_WIDTH - 1
-    spaced = np.concatenate([np.concatenate([np.zeros(history, dtype=np.int64), seq + 1]) for seq in sequences])
-    spaced_slot = np.arange(int(lens.sum())) + history * (np.repeat(np.arange(len(sequences)), lens) + 1)
-    spaced_slot = np.concatenate([spaced_slot, len(spaced) + np.arange(len(trailing))])
-    spaced = np.concatenate([spaced, trailing + 1])
+    trailing = len(rows) - int(lens.sum())
+    # In `spaced`, W-1 zero rows precede each sequence: a slot moves by W-1 per sequence up to its own (a trailing
+    # slot by W-1 per sequence).
+    shift = np.repeat(np.append(np.arange(1, len(lens) + 1), len(lens)), np.append(lens, trailing))
+    spaced_slot = np.arange(len(rows)) + history * shift
+    spaced = np.zeros(len(rows) + history * len(lens), dtype=np.int64)
+    spaced[spaced_slot] = rows + 1
     return {
         "rows": rows,
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        "cu_seqlens": _bounds(lens),
         "keep": keep.astype(np.int64),
         "keep_rows": rows[keep],
-        "spaced": spaced.astype(np.int64),
+        "spaced": spaced,
         "spaced_keep": spaced_slot[keep],
     }
 
 
-def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray) -> dict:
-    _, first_slot = np.unique(path_rows, return_index=True)
+def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.ndarray) -> dict:
+    """Every path from position 0; each packed row is produced by its representative slot."""
     return {
         "rows": path_rows,
         "cu_seqlens": path_cu,
         "init_state": None,
         "keep_final": False,
-        "out_slots": first_slot.astype(np.int64),
-        "out_rows": path_rows[first_slot],
+        "out_slots": row_slot,
+        "out_rows": path_rows[row_slot],
         "start_positions": np.zeros(len(path_cu) - 1, dtype=np.int64),
     }
 
@@ -1007,7 +1017,7 @@ def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -
     states = np.array([state for _, _, _, state in pieces], dtype=np.int64)
     return {
         "rows": rows,
-        "cu_seqlens": np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
+        "cu_seqlens": _bounds(seq_lens),
         "init_state": None if (starts == 0).all() else states,
         "keep_final": keep_final,
         "start_positions": starts,

@@ -1,0 +1,200 @@
+"""Exact plan arrays (engine/plan.py) on the CPU: what the host-side planner must keep bit for bit.
+
+The planner builds every index array from the node table with vectorized gathers (module docstring of engine/plan.py
+for the layout); these tests pin its output so that a faster or restructured planner cannot drift:
+* a small tree request written out by hand: every row array, the paths, the representative slots, the conv windows
+  and both conv layouts, the node attention and both GDN schedules (chunk size 2, so the hand-off has a root call and
+  states handed to the leaves);
+* a bucketed plan written out by hand: the dummy node, the dummy paths, trailing slots and keys, rowless nodes;
+* the representative slot is the first occurrence of each row in the paths (what the replicated call produces from);
+* digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
+  default grid's smallest fitting bucket; the values at commit 2b0f72d, whose planner the vectorized one replaced);
+* `plan_tree(..., layout=...)` gives the plan it builds itself and refuses another request's layout;
+  `smallest_bucket` is the minimum by (rows, slots, sequences) of the fitting buckets, whatever the grid's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.graphs import default_grid, smallest_bucket
+from engine.plan import Bucket, TreePlan, bucket_padding, plan_flat, plan_tree, tree_layout
+
+
+def arrays_of(plan: TreePlan) -> dict[str, torch.Tensor]:
+    """Every array a plan carries: the arena's views and int32 copies, and the host tensors."""
+    out = {name: plan.arena.views[name] for name, _ in plan.shape.arrays}
+    out |= {f"int32.{name}": t for name, t in plan.arena.int32.items()}
+    out["conv_rows"], out["path_cu_seqlens_cpu"] = plan.conv_rows, plan.path_cu_seqlens_cpu
+    for mode, schedule in plan.gdn.items():
+        for i, call in enumerate(schedule.calls):
+            out[f"{mode}.{i}.cu_seqlens_cpu"] = call.cu_seqlens_cpu
+    for name in ("conv_paths", "conv_segments"):
+        if getattr(plan, name) is not None:
+            out[f"{name}.cu_seqlens_cpu"] = getattr(plan, name).cu_seqlens_cpu
+    out["attention.cu_seqlens_q_cpu"] = plan.attention.cu_seqlens_q_cpu
+    out["attention.cu_seqlens_k_cpu"] = plan.attention.cu_seqlens_k_cpu
+    return out
+
+
+def digest(plan: TreePlan) -> str:
+    """sha256 over the plan's shape, host facts and every array (name, dtype, shape, bytes); 16 hex digits."""
+    h = hashlib.sha256(repr(plan.shape).encode())
+    host = (plan.candidate_lens, plan.question_of, plan.root_len, plan.question_lens, plan.leaf_lens)
+    h.update(repr((host, plan.padding_lens, plan.bucket)).encode())
+    for mode, schedule in plan.gdn.items():
+        h.update(
+            repr([(mode, c.start_positions, c.chunks, c.rows_start, c.out_start) for c in schedule.calls]).encode()
+        )
+    for name, t in arrays_of(plan).items():
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def as_list(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def test_tree_plan_by_hand():
+    """Root [1, 2]; question 0 holds [3] (candidates 0, 1), question 1 nothing (candidate 2); leaves [4], [5, 6],
+    [7]."""
+    plan = plan_tree([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]], [0, 0, 1], chunk_size=2)
+    assert (plan.root_len, plan.question_lens, plan.leaf_lens) == (2, (1, 0), (1, 2, 1))
+    assert as_list(plan.token_ids) == [1, 2, 3, 4, 5, 6, 7]
+    assert as_list(plan.positions) == [0, 1, 2, 3, 3, 4, 2]
+    assert as_list(plan.row_node) == [0, 0, 1, 3, 4, 4, 5]  # node 2 (question 1) is empty
+    assert as_list(plan.row_parent) == [-1, -1, 0, 1, 1, 1, 2]
+    assert as_list(plan.row_grandparent) == [-1, -1, -1, 0, 0, 0, 0]
+    assert as_list(plan.path_rows) == [0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1, 6]
+    assert as_list(plan.path_cu_seqlens) == as_list(plan.path_cu_seqlens_cpu) == [0, 4, 9, 12]
+    assert as_list(plan.row_slot) == [0, 1, 2, 3, 7, 8, 11]
+    assert as_list(plan.read_rows) == [3, 5, 6]
+    z = 7  # the zero row
+    conv = [[z, z, z, 0], [z, z, 0, 1], [z, 0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [1, 2, 4, 5], [z, 0, 1, 6]]
+    assert as_list(plan.conv_rows) == conv
+
+    paths = plan.conv_paths
+    assert as_list(paths.rows) == as_list(plan.path_rows) and as_list(paths.cu_seqlens) == [0, 4, 9, 12]
+    assert as_list(paths.keep) == list(range(12)) and as_list(paths.keep_rows) == as_list(plan.path_rows)
+    assert as_list(paths.spaced) == [0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 1, 2, 3, 5, 6, 0, 0, 0, 1, 2, 7]
+    assert as_list(paths.spaced_keep) == [3, 4, 5, 6, 10, 11, 12, 13, 14, 18, 19, 20]
+    assert (paths.rows_are_packed, paths.keep_all, paths.keep_rows_are_packed) == (False, True, False)
+    segments = plan.conv_segments  # each non-empty node after its (up to 3) history rows
+    assert as_list(segments.rows) == [0, 1, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1, 6]
+    assert as_list(segments.cu_seqlens) == as_list(segments.cu_seqlens_i32) == [0, 2, 5, 9, 14, 17]
+    assert as_list(segments.keep) == [0, 1, 4, 8, 12, 13, 16] and as_list(segments.keep_rows) == list(range(7))
+    assert (segments.rows_are_packed, segments.keep_all, segments.keep_rows_are_packed) == (False, False, True)
+
+    a = plan.attention  # nodes root, question 0, leaves 0-2
+    assert as_list(a.cu_seqlens_q) == as_list(a.cu_seqlens_q_cpu) == [0, 2, 3, 4, 6, 7]
+    assert as_list(a.cu_seqlens_k) == as_list(a.cu_seqlens_k_cpu) == [0, 2, 5, 9, 14, 17]
+    assert as_list(a.key_rows) == [0, 1, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1, 6]
+    assert (a.max_q, a.max_k, a.keys_are_rows) == (2, 5, False)
+
+    (replicated,) = plan.gdn["replicated"].calls
+    assert as_list(replicated.rows) == as_list(plan.path_rows) and replicated.init_state is None
+    assert as_list(replicated.out_slots) == [0, 1, 2, 3, 7, 8, 11] and as_list(replicated.out_rows) == list(range(7))
+    assert as_list(replicated.chunk_offsets) == [0, 2, 5, 7] and replicated.chunks == 7
+    assert as_list(replicated.chunk_indices) == [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]
+    root, leaves = plan.gdn["handoff"].calls  # A0 = 2; no question node crosses a further boundary
+    assert as_list(root.rows) == [0, 1] and root.keep_final and root.init_state is None and root.out_start == (0, 0)
+    assert as_list(leaves.rows) == [2, 3, 2, 4, 5, 6] and as_list(leaves.cu_seqlens_cpu) == [0, 2, 5, 6]
+    assert as_list(leaves.init_state) == [1, 1, 1] and leaves.start_positions == (2, 2, 2)
+    assert as_list(leaves.out_slots) == [0, 1, 3, 4, 5] and as_list(leaves.out_rows) == [2, 3, 4, 5, 6]
+    assert (leaves.rows_start, leaves.out_start) == (None, None)
+
+
+def test_bucketed_plan_by_hand():
+    """One candidate of one token in a bucket of 4 rows: a dummy node of 3 rows, dummy paths of 3 and 1 slots."""
+    bucket = Bucket(rows=4, slots=10, sequences=3, chunks=3, nodes=4, keys=8, candidates=2, max_q=4, max_k=4)
+    padding = bucket_padding(tree_layout([[1]], [0]), bucket)
+    assert (padding.dummy_rows, padding.path_lens, padding.trailing_slots) == (3, (3, 1), 5)
+    assert (padding.empty_nodes, padding.trailing_keys, padding.extra_reads) == (2, 4, 1)
+    plan = plan_tree([[1]], [0], bucket=bucket)
+    assert as_list(plan.token_ids) == [1, 0, 0, 0] and as_list(plan.positions) == [0, 0, 1, 2]
+    assert as_list(plan.row_node) == [2, 3, 3, 3]
+    assert as_list(plan.row_parent) == [1, -1, -1, -1] and as_list(plan.row_grandparent) == [0, -1, -1, -1]
+    assert as_list(plan.path_rows) == [0, 1, 2, 3, 1, 3, 3, 3, 3, 3]  # dummy paths, then the trailing slots
+    assert as_list(plan.path_cu_seqlens) == [0, 1, 4, 5]
+    assert as_list(plan.row_slot) == [0, 1, 2, 3] and as_list(plan.read_rows) == [0, 3]
+    assert as_list(plan.conv_rows) == [[4, 4, 4, 0], [4, 4, 4, 1], [4, 4, 1, 2], [4, 1, 2, 3]]
+    paths = plan.conv_paths
+    assert as_list(paths.spaced) == [0, 0, 0, 1, 0, 0, 0, 2, 3, 4, 0, 0, 0, 2, 4, 4, 4, 4, 4]
+    assert as_list(paths.spaced_keep) == [3, 7, 8, 9, 13, 14, 15, 16, 17, 18]
+    assert plan.conv_segments is None and list(plan.gdn) == ["replicated"]
+    a = plan.attention
+    assert as_list(a.key_rows) == [0, 1, 2, 3, 3, 3, 3, 3]
+    assert as_list(a.cu_seqlens_q) == [0, 1, 4, 4, 4] and as_list(a.cu_seqlens_k) == [0, 1, 4, 4, 4]
+    assert (a.max_q, a.max_k) == (4, 4)
+    (call,) = plan.gdn["replicated"].calls
+    assert as_list(call.out_slots) == [0, 1, 2, 3] and as_list(call.chunk_indices) == [[0, 0], [1, 0], [2, 0]]
+    assert (call.rows_start, call.out_start) == (None, None)
+
+
+def jevbench_like(seed: int, options: int, questions: int = 1) -> tuple[list[list[int]], list[int]]:
+    """A chat-templated request: a shared state of 40-120 tokens, question texts, options of 1-12 tokens."""
+    rng = random.Random(seed)
+    state = [rng.randrange(100, 150_000) for _ in range(rng.randrange(40, 120))]
+    candidates, groups = [], []
+    for r in range(questions):
+        question = [rng.randrange(100, 150_000) for _ in range(rng.randrange(5, 30))]
+        for _ in range(options):
+            option = [rng.randrange(100, 150_000) for _ in range(rng.randrange(1, 12))]
+            candidates.append([151644, 872] + state + question + option + [151645, 198])
+            groups.append(r)
+    return candidates, groups
+
+
+REQUESTS = {"one option": (1, 1, 1), "five options": (2, 5, 1), "six options": (3, 6, 1), "three questions": (4, 3, 3)}
+DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed (at commit 2b0f72d's planner)
+    "one option": ("cc7655aea0da3b17", "ea21104de18f2ab6", "12bf26501ad399e6", "1b9f8ef0a9db57fe"),
+    "five options": ("30b888beb03a457b", "33ab18a2e95fdd4e", "221bdf9f39e06ba3", "f2957fa546a4306c"),
+    "six options": ("76dba8a3a9cd7f4f", "56ffb534d0c9ba61", "95b4deee70b84b21", "6bccc6ca94e69144"),
+    "three questions": ("68b9f67329754ed8", "e311e2232ada9c90", "0d84f371e7dc821b", "41d9256423bb638e"),
+}
+
+
+@pytest.mark.parametrize("name", REQUESTS)
+def test_plan_digests(name):
+    candidates, groups = jevbench_like(*REQUESTS[name])
+    bucket = smallest_bucket(tree_layout(candidates, groups), default_grid())
+    plans = (
+        plan_tree(candidates, groups),
+        plan_flat(candidates, groups),
+        plan_tree(candidates, groups, pad_lens=(3, 64, 65)),
+        plan_tree(candidates, groups, bucket=bucket),
+    )
+    for plan in plans:  # the representative slot is each row's first occurrence in the paths
+        _, first = np.unique(plan.path_rows.numpy(), return_index=True)
+        assert np.array_equal(plan.row_slot.numpy(), first)
+        assert np.array_equal(plan.gdn["replicated"].calls[0].out_slots.numpy(), first)
+    assert tuple(digest(plan) for plan in plans) == DIGESTS[name]
+
+
+def test_plan_tree_takes_the_callers_layout():
+    candidates, groups = jevbench_like(4, 3, 3)
+    layout = tree_layout(candidates, groups)
+    bucket = smallest_bucket(layout, default_grid())
+    assert digest(plan_tree(candidates, groups, layout=layout)) == digest(plan_tree(candidates, groups))
+    with_layout = plan_tree(candidates, groups, bucket=bucket, layout=layout)
+    assert digest(with_layout) == digest(plan_tree(candidates, groups, bucket=bucket))
+    with pytest.raises(ValueError, match="another request's"):
+        plan_tree(candidates[:-1], groups[:-1], layout=layout)
+    with pytest.raises(ValueError, match="another request's"):
+        plan_tree(candidates, groups, layout=layout, chunk_size=32)
+
+
+def test_smallest_bucket_is_the_minimum_in_any_grid_order():
+    grid = list(default_grid())
+    random.Random(0).shuffle(grid)
+    for seed, options, questions in [(5, 1, 1), (6, 6, 1), (7, 8, 2), (8, 40, 1)]:
+        layout = tree_layout(*jevbench_like(seed, options, questions))
+        fitting = [b for b in grid if bucket_padding(layout, b) is not None]
+        want = min(fitting, key=lambda b: (b.rows, b.slots, b.sequences)) if fitting else None
+        assert smallest_bucket(layout, grid) == want == smallest_bucket(layout, default_grid())
