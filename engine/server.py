@@ -9,8 +9,8 @@ The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POS
 The model is built before the port binds, so a server that answers `/health` is ready; once bound it prints one JSON
 line with `url`, `model` and `method`. With `--backend graphs` (the default on CUDA) building includes compiling the
 eager paths' kernels and capturing the whole bucket grid (a progress bar on stderr); `/health` then also reports the
-graph cache (graphs, capture seconds, reserved CUDA bytes, hits, misses) and every response's `metadata.graph` says which
-bucket served it and whether a graph did.
+graph cache (graphs, capture seconds, reserved CUDA bytes, hits, misses) and every response's `metadata.graph` says
+which bucket served it and whether a graph did.
 
 Every request (GET or POST) first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name
 resolves to 127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`):
