@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from ablations.probes import cuda_time_ms
 from ablations.workloads import get_workload
 from engine.graphs import capture_forward, default_grid, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
@@ -27,21 +28,9 @@ from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
 
 
-def timed(fn, runs=30) -> float:
-    """Median ms of `runs` CUDA-event timings after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    out.sort()
-    return out[len(out) // 2]
+def timed(fn) -> float:
+    """Median ms of 30 CUDA-event timings of one call each, after 3 warm-up calls."""
+    return cuda_time_ms(fn, inner=1, rounds=30)
 
 
 def minimal(lay, rows):
