@@ -10,6 +10,7 @@ capacity just what the request and one dummy node need) and `one_dummy_row_minim
 replay's output is compared bit for bit with the exact-plan graph's.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -66,12 +67,8 @@ def main() -> int:
         row = {"id": wid, "rows": lay.rows, "grid_bucket": grid.name, "exact_ms": timed(exact)}
         variants = {
             "grid": grid,
-            "grid_but_actual_max_qk": Bucket(
-                **{
-                    **grid.__dict__,
-                    "max_q": max(lay.max_q, grid.rows - lay.rows),
-                    "max_k": max(lay.max_k, grid.rows - lay.rows),
-                }
+            "grid_but_actual_max_qk": dataclasses.replace(
+                grid, max_q=max(lay.max_q, grid.rows - lay.rows), max_k=max(lay.max_k, grid.rows - lay.rows)
             ),
             "grid_rows_minimal_rest": minimal(lay, grid.rows),
             "one_dummy_row_minimal_rest": minimal(lay, lay.rows + 1),

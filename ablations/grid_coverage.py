@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ablations.workloads import _count_state_tokens, resolve, synthetic_state
 from engine.config import EngineConfig
-from engine.graphs import coverage_table, default_grid
-from engine.plan import split_questions, tree_layout
-from engine.tree import GDN_CALL_COST_CHUNKS
+from engine.graphs import default_grid, smallest_bucket
+from engine.plan import Bucket, TreeLayout, split_questions, tree_layout
+from engine.tree import GDN_CALL_COST_CHUNKS, cheaper_gdn_mode
 from reference.service import request_candidates
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,31 @@ def layouts(request: dict) -> list:
     candidates, groups = request_candidates(request)
     batches = split_questions(candidates, groups, EngineConfig.max_batch_rows)
     return [tree_layout([candidates[c] for c in index], [groups[c] for c in index]) for index in batches]
+
+
+def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucket], call_cost_chunks: float) -> list:
+    """Per workload group: plans, replicated plans, plans in the grid, rows and slots padded / real."""
+    groups: dict[str, list] = {}
+    for group, layout in plans:
+        entry = None
+        if cheaper_gdn_mode(layout.gdn_mode_costs(call_cost_chunks)) == "replicated":
+            entry = (layout, smallest_bucket(layout, grid))
+        groups.setdefault(group, []).append(entry)
+    rows = []
+    for group, items in groups.items():
+        replicated = [i for i in items if i is not None]
+        held = [(layout, b) for layout, b in replicated if b is not None]
+        rows.append(
+            {
+                "group": group,
+                "plans": len(items),
+                "replicated": len(replicated),
+                "in_grid": len(held),
+                "rows_padded_per_real": sum(b.rows for _, b in held) / max(1, sum(lay.rows for lay, _ in held)),
+                "slots_padded_per_real": sum(b.slots for _, b in held) / max(1, sum(lay.slots for lay, _ in held)),
+            }
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

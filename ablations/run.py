@@ -608,7 +608,7 @@ class Run:
             if self.device == "cuda":
                 entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if getattr(backbone, "graphs", None) is not None:
-                entry["graph_cache"] = backbone.graphs.describe()  # with this run's hits and misses
+                entry["graph_cache"] |= backbone.graphs.describe()  # this run's hits and misses; eager_warm_s stays
             del backbone
             self._release()
         bar.close()

@@ -100,8 +100,16 @@ from torch import Tensor
 import kernels
 from engine import gemm
 from engine.config import EngineConfig
+from engine.graphs import GraphCache, capture_forward, default_grid, smallest_bucket
 from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions, tree_layout
-from engine.tree import GDN_CALL_COST_CHUNKS, choose_gdn_mode, default_node_core, torch_chunk_core, tree_gdn_core
+from engine.tree import (
+    GDN_CALL_COST_CHUNKS,
+    cheaper_gdn_mode,
+    choose_gdn_mode,
+    default_node_core,
+    torch_chunk_core,
+    tree_gdn_core,
+)
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
@@ -393,8 +401,6 @@ class EngineBackbone:
         self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`; the grid pads batches on any device
         self.grid = ()
         if config.graphs:
-            from engine.graphs import GraphCache, default_grid
-
             self.grid = default_grid()
             if self.device.type == "cuda":
                 self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
@@ -432,22 +438,14 @@ class EngineBackbone:
         """`graphs`: the batch laid out at its bucket (replicated GDN mode) when the cost rule picks `replicated` and
         the grid holds it; otherwise the plain tree plan, run eagerly, with the reason."""
         layout = tree_layout(candidates, groups)
-        mode = self.gdn_mode
-        if mode is None:
-            costs = layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS)
-            mode = "handoff" if costs["handoff"] < costs["replicated"] else "replicated"
-        bucket = self._bucket_for(layout) if mode == "replicated" else None
+        mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
+        bucket = smallest_bucket(layout, self.grid) if mode == "replicated" else None
         if bucket is None:
             plan = plan_tree(candidates, groups, device=self.device, layout=layout)
             reason = "handoff" if mode == "handoff" else "outside grid"
             return RowBatch(plan, tuple(index), mode, None, eager_reason=reason)
         plan = plan_tree(candidates, groups, device=self.device, bucket=bucket, layout=layout)
         return RowBatch(plan, tuple(index), "replicated", None)
-
-    def _bucket_for(self, layout):
-        from engine.graphs import smallest_bucket
-
-        return smallest_bucket(layout, self.grid)
 
     def _forward_plan(self, plan: TreePlan) -> Tensor:
         """The eager forward of one bucketed plan: what `engine.graphs.GraphCache` captures. [bucket candidates, H]."""
@@ -487,8 +485,6 @@ class EngineBackbone:
         """The yardstick of the `graphs` targets: the request's own unpadded tree plan captured as one CUDA graph
         (no bucket, no padding); returns a function that replays it and returns its [C, hidden] output (static:
         overwritten by the next replay). None when the request takes several batches or the device is not CUDA."""
-        from engine.graphs import capture_forward
-
         if self.device.type != "cuda" or len(split_questions(candidates, groups, self.max_batch_rows)) > 1:
             return None
         plan = plan_tree(candidates, groups, device=self.device)

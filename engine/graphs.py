@@ -93,9 +93,9 @@ def smallest_bucket(layout: TreeLayout, grid: Iterable[Bucket]) -> Bucket | None
     return None
 
 
-def warm_request(bucket: Bucket) -> tuple[list[list[int]], list[int]]:
-    """A request that fits every bucket (one candidate of one token): the capture's placeholder; the graph's bits do
-    not depend on the placeholder, only on the arrays copied in before each replay."""
+def placeholder_request() -> tuple[list[list[int]], list[int]]:
+    """A request that fits every bucket (one candidate of one token): what each graph is captured on; the graph's bits
+    do not depend on it, only on the arrays copied in before each replay."""
     return [[1]], [0]
 
 
@@ -214,7 +214,7 @@ class GraphCache:
     def capture(self, bucket: Bucket) -> CapturedGraph:
         """Capture the forward of `bucket` (warm-up runs on a side stream first; the pool is shared)."""
         start = time.perf_counter()
-        candidates, groups = warm_request(bucket)
+        candidates, groups = placeholder_request()
         plan = plan_tree(candidates, groups, device=self.device, bucket=bucket)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -245,30 +245,3 @@ class GraphCache:
             "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device),
             **self.stats.as_dict(),
         }
-
-
-def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucket], call_cost_chunks: float) -> list:
-    """Per workload group: plans, replicated plans, plans in the grid, rows and slots padded / real."""
-    groups: dict[str, list] = {}
-    for group, layout in plans:
-        costs = layout.gdn_mode_costs(call_cost_chunks)
-        entry = None
-        if costs["replicated"] <= costs["handoff"]:
-            bucket = smallest_bucket(layout, grid)
-            entry = (layout, bucket)
-        groups.setdefault(group, []).append(entry)
-    rows = []
-    for group, items in groups.items():
-        replicated = [i for i in items if i is not None]
-        held = [(layout, b) for layout, b in replicated if b is not None]
-        rows.append(
-            {
-                "group": group,
-                "plans": len(items),
-                "replicated": len(replicated),
-                "in_grid": len(held),
-                "rows_padded_per_real": sum(b.rows for _, b in held) / max(1, sum(lay.rows for lay, _ in held)),
-                "slots_padded_per_real": sum(b.slots for _, b in held) / max(1, sum(lay.slots for lay, _ in held)),
-            }
-        )
-    return rows

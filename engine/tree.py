@@ -112,10 +112,15 @@ def gdn_mode_costs(plan: TreePlan, call_cost_chunks: float = GDN_CALL_COST_CHUNK
     return {mode: s.chunks + call_cost_chunks * len(s.calls) for mode, s in plan.gdn.items()}
 
 
-def choose_gdn_mode(plan: TreePlan, call_cost_chunks: float = GDN_CALL_COST_CHUNKS) -> str:
-    """`handoff` where it is estimated cheaper than `replicated` (long shared prefixes, several branches)."""
-    costs = gdn_mode_costs(plan, call_cost_chunks)
+def cheaper_gdn_mode(costs: dict[str, float]) -> str:
+    """The cost rule: `handoff` where it is estimated cheaper than `replicated` (long shared prefixes, several
+    branches). `costs` from `gdn_mode_costs` (a plan) or `engine.plan.TreeLayout.gdn_mode_costs` (its sizes alone)."""
     return "handoff" if costs["handoff"] < costs["replicated"] else "replicated"
+
+
+def choose_gdn_mode(plan: TreePlan, call_cost_chunks: float = GDN_CALL_COST_CHUNKS) -> str:
+    """The cost rule (`cheaper_gdn_mode`) on a plan's two schedules."""
+    return cheaper_gdn_mode(gdn_mode_costs(plan, call_cost_chunks))
 
 
 def torch_chunk_core(

@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
 from engine.backbone import EngineRows, _row_batch  # noqa: E402
-from engine.graphs import default_grid, grid_bucket, smallest_bucket, warm_request  # noqa: E402
+from engine.graphs import default_grid, grid_bucket, placeholder_request, smallest_bucket  # noqa: E402
 from engine.plan import PAD_TOKEN_ID, Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.tree import GDN_CALL_COST_CHUNKS, gdn_mode_costs  # noqa: E402
@@ -214,7 +214,7 @@ def test_equal_bucketed_shapes_launch_the_same_parameters():
     bucket = grid_bucket(96, 2)
     a = plan_tree([[5] * 30 + [1, 2], [5] * 30 + [1, 3]], [0, 0], bucket=bucket)
     b = plan_tree([[7] * 10 + [4] * 9, [7] * 10 + [4] * 9 + [8], [7] * 10 + [9]], [0, 0, 1], bucket=bucket)
-    placeholder = plan_tree(*warm_request(bucket), bucket=bucket)  # what the graph of the bucket is captured on
+    placeholder = plan_tree(*placeholder_request(), bucket=bucket)  # what the graph of the bucket is captured on
     assert a.shape == b.shape == placeholder.shape
     for name, view in a.arena.views.items():
         assert view.shape == b.arena.views[name].shape, name
@@ -282,7 +282,7 @@ def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
     """Every bucket can be captured on the placeholder, and its shape is that of a real request in the bucket."""
     grid = default_grid()
     assert len(grid) == len(set(grid)) == 124
-    placeholder = tree_layout(*warm_request(grid[0]))
+    placeholder = tree_layout(*placeholder_request())
     assert all(bucket_padding(placeholder, bucket) is not None for bucket in grid)
     rng = random.Random(2)
     for bucket in grid[::7]:
@@ -290,4 +290,4 @@ def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
         request = [root + [1, 2], root + [1, 3]], [0, 0]
         if bucket_padding(tree_layout(*request), bucket) is not None:
             real = plan_tree(*request, bucket=bucket)
-            assert real.shape == plan_tree(*warm_request(bucket), bucket=bucket).shape, bucket.name
+            assert real.shape == plan_tree(*placeholder_request(), bucket=bucket).shape, bucket.name
