@@ -7,7 +7,8 @@ One process, 27B synthetic weights (seed 0). Per workload, the request's own unp
 (median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket), `grid_but_actual_max_qk`
 (the same with the attention maxima of the request), `grid_rows_minimal_rest` (the grid's rows, every other
 capacity just what the request and one dummy node need) and `one_dummy_row_minimal_rest` (one dummy row). Each
-replay's output is compared bit for bit with the exact-plan graph's.
+replay's output is compared bit for bit with the exact-plan graph's. The JSON holds the environment (commit, GPU,
+versions, time: `ablations.envinfo`) beside the workloads.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ from functools import partial
 
 import torch
 
+from ablations import envinfo
 from ablations.probes import cuda_time_ms
 from ablations.workloads import get_workload
 from engine.graphs import capture_forward, default_grid, smallest_bucket
@@ -97,7 +99,9 @@ def main() -> int:
                 }
             )
         )
-    json.dump(results, open(os.path.join(os.environ.get("OUT", "."), "padding-cost.json"), "w"), indent=1)
+    record = {"env": envinfo.collect("cuda"), "workloads": results}
+    with open(os.path.join(os.environ.get("OUT", "."), "padding-cost.json"), "w") as out:
+        json.dump(record, out, indent=1)
     return 0
 
 

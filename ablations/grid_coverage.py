@@ -7,7 +7,8 @@ Workload sets: the public JevBench tiers (every task), the six Open-Jev requests
 tokenized as the server does (`reference.service.request_candidates`) and split into batches as the `tree` stage
 splits it (`engine.plan.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and
 a replicated batch is held when some bucket fits it. Per set: plans, replicated plans, plans in the grid, and rows
-and path slots padded / real over the plans held. Prints the table and writes it as JSON. CPU only, about 30 s.
+and path slots padded / real over the plans held. Prints the table and writes it as JSON with the environment
+(commit, versions, time: `ablations.envinfo`). CPU only, about 30 s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ablations import envinfo
 from ablations.workloads import _count_state_tokens, resolve, synthetic_state
 from engine.config import EngineConfig
 from engine.graphs import default_grid, smallest_bucket
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['rows_padded_per_real']:>7.3f} {row['slots_padded_per_real']:>7.3f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"buckets": len(grid), "sets": table}, indent=1) + "\n")
+    record = {"env": envinfo.collect("cpu"), "buckets": len(grid), "sets": table}
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"written: {args.out}")
     return 0
 
