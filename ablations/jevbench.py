@@ -499,7 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     tasks = load_tasks(args.tasks)
     if args.overhead is not None:
         result = record_overhead(tasks, shapes_name=args.shapes or "qwen3.8-27b", rounds=args.rounds, out=args.overhead)
-        print(json.dumps({key: result[key] for key in ("http", "decide", "meets_target")}, indent=2))
+        print(
+            json.dumps(
+                {key: result[key] for key in ("http", "floor", "ratio_to_floor", "decide", "meets_target")}, indent=2
+            )
+        )
         return 0 if result["meets_target"] else 1
     server = None
     if args.backend is not None:

@@ -9,6 +9,14 @@ worker hand-off, and no forward. Target: at most 2 ms at P50 over the JevBench p
 directly (no HTTP, no queue) so the HTTP share can be read off. `python -m ablations.jevbench --overhead` runs it over
 the JevBench tasks and writes `results/server/overhead.json`.
 
+The floor: right after each request, the same client sends the same body to a bare `http.server` on loopback that
+reads it and answers the response bytes the decision server gave, doing nothing else (`floor`). Its P50 is what any
+Python HTTP exchange costs on the machine at that moment, and `ratio_to_floor` = http P50 / floor P50 is the server's
+cost in bare exchanges, a figure that does not move with the machine's speed. The 2 ms target is a wall-clock figure
+of one machine (met at 0.97 ms on 2026-11-30, `results/server/overhead.json`); the same code measured 1.7-3.1 ms on
+the same kind of machine a day later, where the floor alone cost 0.8-1.2 ms. So the CPU suite asserts the ratio
+(`MAX_RATIO_TO_FLOOR`) and the record states whether the absolute target was met.
+
 The precomputed hidden states are seeded random bf16 and the head is synthetic: the answers are meaningless, only the
 time is measured.
 """
@@ -18,8 +26,10 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import threading
 import time
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -31,6 +41,10 @@ from reference.shapes import ModelShapes
 from reference.weights import SYNTHETIC_MAX_LENGTH, SYNTHETIC_MODEL_IDS, SYNTHETIC_TEMPERATURE, DecisionWeights
 
 TARGET_P50_MS = 2.0
+# The CPU suite's bound on http P50 / floor P50, the 2 ms target on a machine whose bare exchange costs 1 ms: measured
+# 1.58-1.64 in five runs on the 2-core machine (1.52-1.61 for the server as of 0f6ac7b), while the absolute P50 moved
+# from 1.4 to 1.9 ms between the same runs.
+MAX_RATIO_TO_FLOOR = 2.0
 
 
 class PrecomputedBackbone:
@@ -91,6 +105,24 @@ def latency_stats(values_ms: Sequence[float]) -> dict | None:
     }
 
 
+class _FloorHandler(BaseHTTPRequestHandler):
+    """Reads the body and answers `server.reply` (set before each request) with its length; nothing else."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's dispatch name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        reply = self.server.reply
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        pass
+
+
 def _post(host: str, port: int, body: bytes) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection(host, port, timeout=30)
     try:
@@ -105,9 +137,10 @@ def measure_overhead(bodies: Sequence[Any], *, shapes: ModelShapes, rounds: int 
     """Time each request body `rounds` times over HTTP and through `decide`, after one warm-up each.
 
     Returns P50/P95/mean/max in ms for `http` (client wall clock: connect, send, server, read, JSON decode; the client
-    shares the server's interpreter and GIL, which can only add to the figure), `decide`
-    (parse + `DecisionModel.decide` + encode, in-process) and `server_inference` (the response's inference_seconds:
-    tokenization + stub forward + readout), and whether the HTTP P50 meets the 2 ms target.
+    shares the server's interpreter and GIL, which can only add to the figure), `floor` (the same exchange with a bare
+    server, see the module docstring), `decide` (parse + `DecisionModel.decide` + encode, in-process) and
+    `server_inference` (the response's inference_seconds: tokenization + stub forward + readout); `ratio_to_floor`,
+    and whether the HTTP P50 meets the 2 ms target.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -116,6 +149,12 @@ def measure_overhead(bodies: Sequence[Any], *, shapes: ModelShapes, rounds: int 
     http_ms: list[float] = []
     decide_ms: list[float] = []
     inference_ms: list[float] = []
+    floor_ms: list[float] = []
+    floor = ThreadingHTTPServer(("127.0.0.1", 0), _FloorHandler)
+    floor.daemon_threads = True
+    floor_thread = threading.Thread(target=floor.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    floor_thread.start()
+    floor_host, floor_port = floor.server_address[:2]
     with DecisionServer(model, port=0, access_log=io.StringIO()) as server:
         server.start()
         host, port = server.httpd.server_address[:2]
@@ -132,16 +171,26 @@ def measure_overhead(bodies: Sequence[Any], *, shapes: ModelShapes, rounds: int 
                 if status != 200:
                     raise RuntimeError(f"overhead request answered {status}: {response}")
                 inference_ms.append(1e3 * response["metadata"]["inference_seconds"])
+                floor.reply = data
+                start = time.perf_counter()
+                _post(floor_host, floor_port, body)
+                floor_ms.append(1e3 * (time.perf_counter() - start))
                 start = time.perf_counter()
                 json.dumps(model.decide_json(body), ensure_ascii=False).encode("utf-8")
                 decide_ms.append(1e3 * (time.perf_counter() - start))
+    floor.shutdown()
+    floor.server_close()
+    floor_thread.join(10.0)
     http_stats = latency_stats(http_ms)
+    floor_stats = latency_stats(floor_ms)
     return {
         "what": "server overhead without a forward: precomputed hidden states behind the full request path",
         "shapes": shapes.name,
         "requests": len(encoded),
         "rounds": rounds,
         "http": http_stats,
+        "floor": floor_stats,
+        "ratio_to_floor": http_stats["p50_ms"] / floor_stats["p50_ms"],
         "decide": latency_stats(decide_ms),
         "server_inference": latency_stats(inference_ms),
         "target_p50_ms": TARGET_P50_MS,
