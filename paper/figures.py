@@ -22,6 +22,8 @@ it holds, and its figure files end in `-partial`. For each record it writes, und
   RMSE of every residual state (embedding, the output of each layer, the final norm) per stage, log scale, with
   bit-identical states on a labelled floor band and each stage's first departing state starred; full-attention
   layers shaded (records older than the per-state comparison get a figure that says so).
+* `serving-<gpu|cpu>.png`: the newest concurrency run per device (results/serving/, `python -m
+  ablations.concurrency`): requests/s and client P50/P95 against concurrent clients (paper/serving.py).
 * `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
   them out (it reads this file and the PNGs, nothing else); among them a one-page overview, the targets of issues 4
   and 5 (ablations/targets.py) each met, missed or not measured, and the tables of the record's probes
@@ -52,7 +54,7 @@ from matplotlib.ticker import NullLocator  # noqa: E402
 
 from ablations import targets  # noqa: E402
 from ablations.records import STATUS_TEXT, has_timings, measured, ms, newest_records, read_record  # noqa: E402
-from paper import readme, tables  # noqa: E402
+from paper import readme, serving, tables  # noqa: E402
 
 SUMMARY_SCHEMA = "jevlab-report-summary/1"
 SUMMARY_FILE = "figures/summary.json"  # under the results folder
@@ -349,6 +351,7 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
         "schema": SUMMARY_SCHEMA,
         "plans": [plan_summary(record, path, root) for path, record in chosen],
         "attempts": tables.attempt_table(records),
+        "serving": serving.serving_summary(root),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),
     }
