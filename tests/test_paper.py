@@ -20,7 +20,7 @@ from paper import build, figures, readme, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
-            "Correctness", "Where each path departs", "Probes", "Stages", "Failed attempts",
+            "Correctness", "Where each path departs", "Probes", "Stages", "Serving", "Failed attempts",
             "Limits"]  # fmt: skip
 PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
 
