@@ -98,6 +98,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -826,18 +827,15 @@ class DecisionProtocol(HttpToolsProtocol):
             cycle.message_event.set()
         if not self.transport.is_closing() and (cycle is None or not cycle.response_started):
             payload = _json_bytes({"error": message})
-            head = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}".encode()]
+            head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
             head += [name + b": " + value for name, value in self.server_state.default_headers]
             head += [b"content-type: application/json", b"content-length: %d" % len(payload)]
             head += [name + b": " + value for name, value in ANSWER_HEADERS] + [b"connection: close"]
             self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
-            method = self.scope.get("method") if self.scope else None
-            line = _request_line(self.scope) if method and "path" in self.scope else "-"
-            self.decisions.answered(self.client[0] if self.client else "-", line, status, len(payload), None)
+            if cycle is None:  # else the app, reading the disconnect, logs and counts the request
+                line = _request_line(self.scope) if self.scope and "path" in self.scope else "-"
+                self.decisions.answered(self.client[0] if self.client else "-", line, status, len(payload), None)
         self.transport.close()
-
-
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large", 501: "Not Implemented"}
 
 
 def _framing_refusal(error: httptools.HttpParserError) -> tuple[int, str]:

@@ -801,20 +801,25 @@ def metric(text: str, name: str) -> float:
     return float(value)
 
 
+def metrics_text(server) -> str:
+    connection = http.client.HTTPConnection(*address(server), timeout=TIMEOUT_S)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        text = response.read().decode()
+        assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+        return text
+    finally:
+        connection.close()
+
+
 def test_metrics(tiny_model):
     with DecisionServer(tiny_model, port=0, access_log=io.StringIO()) as counted:
         counted.start()
         answer = post(counted, short_request(1))[2]
         assert post(counted, INVALID_SCHEMA)[0] == 422
         assert call(counted, "GET", "/nope")[0] == 404
-        connection = http.client.HTTPConnection(*address(counted), timeout=TIMEOUT_S)
-        try:
-            connection.request("GET", "/metrics")
-            response = connection.getresponse()
-            text = response.read().decode()
-            assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
-        finally:
-            connection.close()
+        text = metrics_text(counted)
     assert metric(text, 'jev_requests_total{status="200"}') == 1
     assert metric(text, 'jev_requests_total{status="422"}') == 1
     assert metric(text, 'jev_requests_total{status="404"}') == 1
@@ -823,7 +828,24 @@ def test_metrics(tiny_model):
     assert metric(text, "jev_batch_requests_count") == 1 and metric(text, "jev_batch_requests_sum") == 1
     assert metric(text, "jev_batch_candidates_sum") == answer["metadata"]["candidate_sequences"]
     assert metric(text, "jev_batch_rows_sum") == answer["usage"]["input_tokens"]
-    assert "jev_graph" not in text  # no graph cache behind this backbone
+    assert "jev_graph" not in text  # no graph cache behind this backbone (on the CPU `graphs` has none either)
+
+
+def test_metrics_of_a_graph_cache():
+    """A backbone with a graph cache (`backbone.graphs.describe()`, as engine.graphs.GraphCache on CUDA): its
+    figures are read at each scrape."""
+    described = {"graphs": 124, "grid": 124, "cuda_reserved_bytes": 0, "hits": 7, "misses": {"rows": 2, "paths": 1}}
+    model = FailingModel()
+    model.backbone = types.SimpleNamespace(graphs=types.SimpleNamespace(describe=lambda: described))
+    with DecisionServer(model, port=0) as cached:
+        cached.start()
+        text = metrics_text(cached)
+        described["hits"] = 8
+        assert metric(metrics_text(cached), "jev_graph_hits_total") == 8
+        assert call(cached, "GET", "/health")[2]["graphs"] == described
+    assert metric(text, "jev_graphs_captured") == 124 and metric(text, "jev_graph_hits_total") == 7
+    assert metric(text, 'jev_graph_misses_total{reason="rows"}') == 2
+    assert metric(text, 'jev_graph_misses_total{reason="paths"}') == 1
 
 
 def test_the_app_runs_under_another_asgi_server():
