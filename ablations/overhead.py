@@ -157,7 +157,7 @@ def measure_overhead(bodies: Sequence[Any], *, shapes: ModelShapes, rounds: int 
     floor_host, floor_port = floor.server_address[:2]
     with DecisionServer(model, port=0, access_log=io.StringIO()) as server:
         server.start()
-        host, port = server.httpd.server_address[:2]
+        host, port = server.server_address
         for body in encoded:
             status, data = _post(host, port, body)  # warm-up
             if status != 200:

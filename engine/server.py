@@ -1,58 +1,89 @@
-"""The drop-in decision server: the Open-Jev HTTP contract in front of any backbone.
+"""The drop-in decision server: the Open-Jev HTTP contract in front of any backbone, as one ASGI app.
 
     python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
-                            [--candidate-budget N] [--token-budget N] [--allow-host NAME ...]
+                            [--candidate-budget N] [--token-budget N] [--allow-host NAME ...] [--deadline S]
 
-The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. `POST /v1/systemone` (aliases
-`/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and `GET /v1/models` describe the loaded model.
-The model is built before the port binds, so a server that answers `/health` is ready; once bound it prints one JSON
-line with `url`, `model` and `method`. With `--backend graphs` (the default on CUDA) building includes compiling the
-eager paths' kernels and capturing the whole bucket grid (a progress bar on stderr); `/health` then also reports the
-graph cache (graphs, capture seconds, reserved CUDA bytes, hits, misses) and every response's `metadata.graph` says
-which bucket served it and whether a graph did.
+The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. The stack is Starlette on uvicorn
+(httptools parses HTTP/1.1, uvloop runs the event loop when installed): `build_app(model, ...)` returns the Starlette
+app, the one object a replica manager (Ray Serve's `@serve.ingress`) wraps; `DecisionServer` binds a socket for it and
+runs uvicorn, on a background thread after `start()` or on the calling thread in `serve_forever()`.
 
-Every request (GET or POST) first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name
-resolves to 127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`):
-400 no `Host`, several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held
-to it too) -> 403 a name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1`
-and `[::1]` (any port, any case) and the names given with `--allow-host`, as Jupyter does; bound to any other
-address, every name passes.
-Then a POST is checked in the contract's order, and the first failing check answers:
-404 unknown path -> 403 foreign `Origin` (unless allowed) -> 415 media type not `application/json` -> 413 body empty or
-over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys, NaN/Infinity) or a schema violation,
-an unknown model, a request over the candidate or the token budget (`--candidate-budget`, `--token-budget`: checked
-from the validated request before any prompt is built, see `reference.service`), an over-length candidate -> 503 the
-model queue is full -> 500 inference failed (`error_type` names the exception class; never a fallback answer).
-Malformed framing (a Content-Length that is not one decimal number, a bad chunk, a Transfer-Encoding other than
-chunked) is a 400, which the contract does not name. The server keeps serving after every one of these.
+Routes: `POST /v1/systemone` (aliases `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and
+`GET /v1/models` describe the loaded model; `GET /metrics` is Prometheus text (below); `GET /examples.json` lists the
+JSON files under the repository's `examples/` that validate as requests (the repository has no such folder: `[]`);
+`GET /` redirects (302) to `/examples/workbench/index.html`, the contract's workbench (not served here: 404). A HEAD
+is answered as its GET without a body. The model is built before the port binds, so a server that answers `/health`
+is ready; once bound it prints one JSON line with `url`, `model` and `method`. With `--backend graphs` (the default on
+CUDA) building includes compiling the eager paths' kernels and capturing the whole bucket grid (a progress bar on
+stderr); `/health` then also reports the graph cache (graphs, capture seconds, reserved CUDA bytes, hits, misses) and
+every response's `metadata.graph` says which bucket served it and whether a graph did.
 
-Concurrency: the HTTP side is one thread per connection (stdlib `ThreadingHTTPServer`, TCP_NODELAY, 30 s socket
-timeout). It frames the body and parses the JSON; all model work (validation, prompts, tokens, forward, readout) runs on
-one `DecisionWorker` thread fed by a bounded FIFO. Each request carries its own future, so an answer can only go back to
-the request it came from; a full queue answers 503 at once instead of growing.
+Every request first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name resolves to
+127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`): 400 no `Host`,
+several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held to it too) ->
+403 a name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1` and `[::1]`
+(any port, any case) and the names given with `--allow-host`, as Jupyter does; bound to any other address, every name
+passes. Then 501 a method other than GET, HEAD and POST, and 404 an unknown path (or a known one with the other
+method). Then a POST is checked in the contract's order, and the first failing check answers:
+403 an `Origin` that is not `http://` plus this request's `Host` (unless cross origins are allowed; an `https://`
+origin on the same host and port is another origin, and so is one that does not parse) -> 415 media type not
+`application/json` -> 413 body empty or over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys,
+NaN/Infinity) or a schema violation, an unknown model, a request over the candidate or the token budget
+(`--candidate-budget`, `--token-budget`: checked from the validated request before any prompt is built, see
+`reference.service`), an over-length candidate -> 503 the model queue is full (with `Retry-After: 1`) -> 504 the
+request's deadline passed (`--deadline`, default 60 s from the hand-off to the model worker: queue wait and inference)
+-> 500 inference failed (`error_type` names the exception class; never a fallback answer).
+
+Framing the contract does not name, each a JSON answer on a closed connection: 400 a Content-Length that is not one
+decimal number (or two that differ), a bad chunk, a Transfer-Encoding other than one `chunked` (two fields included),
+a request target that does not parse; 431 a head over 64 KiB or over 100 fields; 501 a method the parser does not
+know; 408 a head not complete 30 s after its first byte, or a declared body not complete 30 s after the head. These
+come from `DecisionProtocol`, uvicorn's httptools protocol with these answers (a replica manager that runs its own
+uvicorn answers the parser's refusals with uvicorn's plain-text 400). A request with both Content-Length and chunked
+is read as chunked and answered on a closed connection (RFC 9112 §6.3). A connection idle for 30 s (before its first
+request or between requests) is closed. An answer given before the body was read (403, 415, 413, 408 ...) closes the
+connection after reading and dropping what the client still sends (at most 8 MiB, 2 s), so the client reads the answer
+instead of a connection reset. The server keeps serving after every one of these.
+
+Concurrency: the HTTP side is one event loop (no thread per connection: idle connections cost a socket each). It frames
+the body and parses the JSON; all model work (validation, prompts, tokens, forward, readout) runs on one
+`DecisionWorker` thread fed by a bounded FIFO, which the handler awaits without blocking the loop. Each request carries
+its own future, so an answer can only go back to the request it came from; a full queue answers 503 at once instead of
+growing. A request whose deadline passes is answered 504; if it was still queued it is dropped from the queue, if the
+worker had started it the worker finishes it and its answer is discarded.
 
 The worker survives any failure of one request: whatever `decide` raises, a `BaseException` that is not an `Exception`
 included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next request is
 answered as usual. KeyboardInterrupt and SystemExit are no exception to this, on purpose: Python delivers signals to
-the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM has its handler), so in the worker they can
-only come from model code, and a `sys.exit()` there would end just that thread, the silent death this rule prevents.
-Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one line naming the
-error (to the access log, or stderr when that is off), answers every queued and later request 503, and `/health`
-answers 503 with `status` "stopped" instead of "ready", so a supervisor's health check sees the truth.
+the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM stops it gracefully), so in the worker they
+can only come from model code, and a `sys.exit()` there would end just that thread, the silent death this rule
+prevents. Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one line
+naming the error (to the access log, or stderr when that is off), answers every queued and later request 503, and
+`/health` answers 503 with `status` "stopped" instead of "ready", so a supervisor's health check sees the truth.
 
 Deviation from the original server, on purpose: it maps any ValueError/KeyError/TypeError/UnicodeError to 422 by class.
 Here a request is answered 422 only through `RequestError`, which the request pipeline raises with the contract's
 messages for every fault of the body (not UTF-8, not strict JSON, schema, model, length); any other exception inside
 the model is a 500, so a bug in a forward cannot pass for a client error.
 
-Request bodies are never logged. The access log (one line per request: client, request line, status, bytes, ms) is
-buffered: written every 64 lines, at the first line 1 s or more after the last write, and on shutdown.
+`/metrics` (a registry per app, `prometheus_client`): `jev_queue_depth`, `jev_requests_total` by `status`,
+`jev_request_seconds` (request to answer), per forward `jev_batch_requests` (one today: every forward answers one
+request), `jev_batch_candidates` and `jev_batch_rows` (candidate sequences and input tokens, as `usage` counts them; a
+prefix tree packs fewer rows), and with a graph cache `jev_graphs_captured`, `jev_graph_hits_total` and
+`jev_graph_misses_total` by `reason`.
+
+Request bodies are never logged. The access log (one line per request: client, request line, status, bytes, ms;
+uvicorn's own access log is off) is buffered: written every 64 lines, at the first line 1 s or more after the last
+write, and on shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -64,19 +95,30 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import CancelledError, Future
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+import httptools
 import torch
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 from tqdm import tqdm
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
-from reference.request import MODEL_ALIASES, RequestError, parse_json_strict
+from reference.request import MODEL_ALIASES, RequestError, parse_json_strict, validate_request
 from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
 from reference.shapes import QWEN38_27B, SHAPES, TINY, get_shapes
 from reference.weights import load_package, synthetic_weights
@@ -85,18 +127,23 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8791
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_QUEUE_SIZE = 64
-SOCKET_TIMEOUT_S = 30.0
+DEFAULT_DEADLINE_S = 60.0  # a request's queue wait and inference
+IDLE_TIMEOUT_S = 30.0  # a connection without a request in progress (the contract's socket timeout)
+HEAD_TIMEOUT_S = 30.0  # from a request's first byte to the end of its head
+BODY_TIMEOUT_S = 30.0  # from the end of the head to the end of a declared body
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADER_FIELDS = 100
+LISTEN_BACKLOG = 1024  # many clients may connect at once
 POST_PATHS = ("/v1/systemone", "/v1/inference", "/api/jev")
 RELEASE_DATE = "2026-09-19"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+WORKBENCH = "/examples/workbench/index.html"
 
-# After a response sent before the body was read, the rest of the body is read and dropped (at most this many bytes,
-# for at most this long) before the socket closes, so the client reads the response instead of a connection reset.
+# After an answer sent before the body was read, the rest of the body is read and dropped (at most this many bytes,
+# for at most this long) before the connection closes, so the client reads the answer instead of a connection reset.
 LINGER_BYTES = 2 * MAX_BODY_BYTES
 LINGER_S = 2.0
-CHUNK_LINE_MAX = 1024  # bytes of one chunk-size or trailer line
 DECIMAL = re.compile(r"[0-9]{1,19}")  # a Content-Length value (no sign, no spaces, no other digits)
-HEXADECIMAL = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size
-TRAILER_LINES_MAX = 64
 
 INFERENCE_FAILED = "model inference failed"
 WORKER_STOPPED = "the model worker stopped; see /health"
@@ -115,7 +162,7 @@ class WorkerStopped(Exception):
 
 
 class HTTPError(Exception):
-    """An HTTP-level rejection (framing, size) raised while reading a request body."""
+    """An HTTP-level rejection (framing, size, time) raised while reading a request."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -134,8 +181,9 @@ class DecisionWorker:
 
     `submit` puts a request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`. The
     thread calls `decide(request)` for each job and completes that job's future with the answer or the exception, any
-    `BaseException` included, and goes on. Batching several queued requests into one forward belongs in `_run`: take
-    what is queued, answer it in one call, complete each future with its own part.
+    `BaseException` included, and goes on; a job whose future was cancelled while queued is skipped. `on_batch(answers)`
+    is told the answers of each forward that succeeded (the metrics). Batching several queued requests into one forward
+    belongs in `_run`: take what is queued, answer it in one call, complete each future with its own part.
 
     If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
     job gets `WorkerStopped`.
@@ -147,11 +195,13 @@ class DecisionWorker:
         queue_size: int = DEFAULT_QUEUE_SIZE,
         *,
         on_failure: Callable[[BaseException], None],
+        on_batch: Callable[[list[dict]], None] = lambda answers: None,
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self._decide = decide
         self._on_failure = on_failure
+        self._on_batch = on_batch
         self.failure: BaseException | None = None
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()  # orders submit against close, so no job is queued after the last drain
@@ -160,6 +210,10 @@ class DecisionWorker:
 
     def start(self) -> None:
         self._thread.start()
+
+    def depth(self) -> int:
+        """Jobs waiting (not counting the one running)."""
+        return self._queue.qsize()
 
     def submit(self, request: Any) -> Future:
         job = _Job(request, Future())
@@ -200,11 +254,14 @@ class DecisionWorker:
                 except queue.Empty:
                     continue
                 if not job.future.set_running_or_notify_cancel():
-                    continue
+                    continue  # its deadline passed while it was queued
                 try:
-                    job.future.set_result(self._decide(job.request))
+                    answer = self._decide(job.request)
                 except BaseException as error:  # noqa: BLE001 - any failure of one request is that request's own
                     job.future.set_exception(error)
+                    continue
+                job.future.set_result(answer)
+                self._on_batch([answer])
         except BaseException as error:  # noqa: BLE001 - the loop itself failed: stop for good, and say so
             with self._lock:
                 self.failure = error
@@ -231,6 +288,14 @@ class AccessLog:
             if len(self._lines) >= self._flush_lines or time.monotonic() - self._last_flush >= self._flush_s:
                 self._flush_locked()
 
+    def request(self, client: str, request_line: str, status: int, size: int, elapsed_s: float | None) -> None:
+        """One request's line: `client - [date] "request line" status bytes ms`."""
+        if self._stream is None:
+            return
+        elapsed = f" {1e3 * elapsed_s:.2f}ms" if elapsed_s is not None else ""
+        when = time.strftime("%d/%b/%Y %H:%M:%S")
+        self.write(f'{client} - [{when}] "{request_line}" {status} {size}{elapsed}')
+
     def flush(self) -> None:
         with self._lock:
             self._flush_locked()
@@ -251,6 +316,71 @@ class AccessLog:
         self._last_flush = time.monotonic()
 
 
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = tuple(4**k for k in range(11))  # 1 .. 1,048,576
+
+
+class ServerMetrics:
+    """The app's Prometheus metrics, in a registry of its own (several servers may share a process)."""
+
+    def __init__(self, queue_depth: Callable[[], int], graphs: Any | None):
+        self.registry = CollectorRegistry()
+        depth = Gauge("jev_queue_depth", "requests waiting for the model worker", registry=self.registry)
+        depth.set_function(queue_depth)
+        self.requests = Counter("jev_requests", "requests answered, by status", ["status"], registry=self.registry)
+        self.latency = Histogram(
+            "jev_request_seconds", "request to answer, seconds", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.batch_requests = Histogram(
+            "jev_batch_requests", "requests answered by one forward", buckets=BATCH_BUCKETS, registry=self.registry
+        )
+        self.batch_candidates = Histogram(
+            "jev_batch_candidates", "candidate sequences of one forward", buckets=ROW_BUCKETS, registry=self.registry
+        )
+        self.batch_rows = Histogram(
+            "jev_batch_rows", "input tokens of one forward (usage)", buckets=ROW_BUCKETS, registry=self.registry
+        )
+        if graphs is not None:
+            self.registry.register(_GraphCollector(graphs))
+
+    def answered(self, status: int, elapsed_s: float | None) -> None:
+        self.requests.labels(str(status)).inc()
+        if elapsed_s is not None:
+            self.latency.observe(elapsed_s)
+
+    def batch(self, answers: list[dict]) -> None:
+        """One forward's answers (a model other than `DecisionModel` may answer without `usage` and `metadata`)."""
+        self.batch_requests.observe(len(answers))
+        candidates = [
+            a["metadata"]["candidate_sequences"] for a in answers if "candidate_sequences" in a.get("metadata", {})
+        ]
+        tokens = [a["usage"]["input_tokens"] for a in answers if "input_tokens" in a.get("usage", {})]
+        if candidates:
+            self.batch_candidates.observe(sum(candidates))
+        if tokens:
+            self.batch_rows.observe(sum(tokens))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _GraphCollector:
+    """The graph cache's figures (`engine.graphs.GraphCache.describe`), read at each scrape."""
+
+    def __init__(self, graphs: Any):
+        self._graphs = graphs
+
+    def collect(self) -> Iterable[Any]:
+        described = self._graphs.describe()
+        yield GaugeMetricFamily("jev_graphs_captured", "CUDA graphs held by the cache", value=described["graphs"])
+        yield CounterMetricFamily("jev_graph_hits", "forwards replayed from a graph", value=described["hits"])
+        misses = CounterMetricFamily("jev_graph_misses", "forwards run eagerly, by reason", labels=["reason"])
+        for reason, count in described["misses"].items():
+            misses.add_metric([reason], count)
+        yield misses
+
+
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
@@ -267,45 +397,113 @@ def _where(error: BaseException) -> str:
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 HOST_FIELD = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/?#@\\]+)(:[0-9]{0,5})?")  # name[:port] (RFC 9110 §7.2)
+ANSWER_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
 
 
-class DecisionServer:
-    """A decision model behind the Open-Jev HTTP contract: binds on construction, serves after `start()`.
+def _fields(scope: Scope, name: bytes) -> list[str]:
+    """The values of every header field `name` (lower case) of a request, in order."""
+    return [value.decode("latin-1") for key, value in scope["headers"] if key == name]
+
+
+def _declares_body(scope: Scope) -> bool:
+    return bool(_fields(scope, b"transfer-encoding")) or any(
+        v.strip() != "0" for v in _fields(scope, b"content-length")
+    )
+
+
+def _request_line(scope: Scope) -> str:
+    target = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("latin-1")
+    return f"{scope['method']} {target} HTTP/{scope['http_version']}"
+
+
+def _same_origin(origin: str, host: str | None) -> bool:
+    """`Origin` names this server as the request reached it: `http://` and exactly the request's `Host`."""
+    try:
+        parts = urlsplit(origin)
+    except ValueError:  # an unclosed `[`, a bad port: not this origin
+        return False
+    return parts.scheme == "http" and parts.netloc == host and not parts.path.strip("/")
+
+
+class _Answer(Response):
+    """A JSON answer with the contract's headers. `close`: end the connection after it. `drain`: the body was not
+    read; after the answer, read and drop what the client still sends (bounded) before the connection closes, so the
+    client reads the answer instead of a reset (the answer goes out in full first: its Content-Length is met)."""
+
+    media_type = "application/json"
+
+    def __init__(self, status: int, payload: bytes, *, close: bool = False, drain: bool = False, retry: bool = False):
+        super().__init__(payload, status_code=status)
+        self.raw_headers.extend(ANSWER_HEADERS)
+        if retry:
+            self.raw_headers.append((b"retry-after", b"1"))
+        if close or drain:
+            self.raw_headers.append((b"connection", b"close"))
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": self.drain})
+        if self.drain:
+            await _discard_body(receive)
+            await send({"type": "http.response.body", "body": b""})
+
+
+def _refusal(scope: Scope, status: int, message: str) -> _Answer:
+    """An answer before the body was read: close the connection, dropping the unread body first."""
+    return _Answer(*_error(status, message), close=True, drain=_declares_body(scope))
+
+
+async def _discard_body(receive: Receive) -> None:
+    """Read and drop the rest of a request body: at most `LINGER_BYTES`, for at most `LINGER_S`."""
+    received = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while received < LINGER_BYTES:
+                message = await receive()
+                received += len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+
+
+class DecisionApp:
+    """What the routes serve: a decision model behind its worker, the access log, the metrics and the checks.
 
     `model` is a `reference.service.DecisionModel` (anything with `decide(obj) -> dict` and `weights.model_id`,
-    `weights.method` will do).
-    `port=0` picks a free port; `url` tells which. Use as a context manager, or call `close()`.
-    `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when bound to a loopback address).
+    `weights.method` will do). `answered_hosts`: the `Host` names answered (any case, any port); None answers every
+    name. `deadline_s`: a request's queue wait and inference before it is answered 504. `body_timeout_s`: from the
+    end of a request's head to the end of its declared body before it is answered 408. `examples_dir`: the folder
+    `/examples.json` lists.
     """
 
     def __init__(
         self,
         model: Any,
         *,
-        host: str = DEFAULT_HOST,
-        port: int = DEFAULT_PORT,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         allow_cross_origin: bool = False,
-        allowed_hosts: Iterable[str] = (),
+        answered_hosts: Iterable[str] | None = LOOPBACK_HOSTS,
         access_log: TextIO | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        examples_dir: Path = EXAMPLES_DIR,
     ):
         self.model = model
         self.model_id: str = model.weights.model_id
         self.method: str = model.weights.method
         self.allow_cross_origin = allow_cross_origin
+        self.hosts = None if answered_hosts is None else {name.lower() for name in answered_hosts}
+        self.deadline_s = deadline_s
+        self.body_timeout_s = body_timeout_s
+        self.examples_dir = examples_dir
         self.access_log = AccessLog(access_log)
-        self.worker = DecisionWorker(model.decide, queue_size, on_failure=self._worker_failed)
-        self.httpd = _DecisionHTTPServer((host, port), _DecisionHandler, self)
-        loopback = ipaddress.ip_address(self.httpd.server_address[0]).is_loopback
-        # The names answered, lower case; None: any name (not bound to loopback).
-        self.hosts = {name.lower() for name in (*LOOPBACK_HOSTS, *allowed_hosts)} if loopback else None
-        self._serve_thread: threading.Thread | None = None
-        self._closed = False
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self.graphs = getattr(getattr(model, "backbone", None), "graphs", None)
+        self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
+        self.worker = DecisionWorker(
+            model.decide, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch
+        )
 
     def check_host(self, values: list[str]) -> tuple[int, str] | None:
         """The refusal of a request whose `Host` field lines are `values`, or None when it may pass."""
@@ -314,6 +512,11 @@ class DecisionServer:
         if self.hosts is not None and field.group(1).lower() not in self.hosts:
             return 403, "Host is not allowed: this server answers localhost, 127.0.0.1, [::1] and --allow-host names"
         return None
+
+    def answered(self, client: str, request_line: str, status: int, size: int, elapsed_s: float | None) -> None:
+        """Log and count one answer."""
+        self.access_log.request(client, request_line, status, size, elapsed_s)
+        self.metrics.answered(status, elapsed_s)
 
     def _worker_failed(self, error: BaseException) -> None:
         self.access_log.alert(
@@ -330,9 +533,8 @@ class DecisionServer:
             error = f"model worker stopped: {type(self.worker.failure).__name__}"
             return {"status": "stopped", "model": self.model_id, "method": self.method, "error": error}
         health = {"status": "ready", "model": self.model_id, "method": self.method}
-        graphs = getattr(getattr(self.model, "backbone", None), "graphs", None)
-        if graphs is not None:
-            health["graphs"] = graphs.describe()
+        if self.graphs is not None:
+            health["graphs"] = self.graphs.describe()
         return health
 
     def models(self) -> dict:
@@ -345,7 +547,20 @@ class DecisionServer:
         }
         return {"models": [entry], "aliases": list(MODEL_ALIASES)}
 
-    def answer(self, body: bytes) -> tuple[int, bytes]:
+    def examples(self) -> list[str]:
+        """The JSON files under `examples_dir` that validate as requests for this model, as `examples/...` paths."""
+        if not self.examples_dir.is_dir():
+            return []
+        valid = []
+        for path in sorted(self.examples_dir.rglob("*.json")):
+            try:
+                validate_request(parse_json_strict(path.read_bytes()), model_id=self.model_id)
+            except (OSError, RequestError):
+                continue
+            valid.append(f"{self.examples_dir.name}/{path.relative_to(self.examples_dir).as_posix()}")
+        return valid
+
+    async def answer(self, body: bytes) -> tuple[int, bytes]:
         """The decision endpoint behind the HTTP framing: body bytes -> (status, response JSON bytes)."""
         try:
             request = parse_json_strict(body)
@@ -360,10 +575,14 @@ class DecisionServer:
         except WorkerStopped:
             return _error(503, WORKER_STOPPED)
         try:
-            return 200, _json_bytes(future.result())
+            async with asyncio.timeout(self.deadline_s):
+                answer = await asyncio.wrap_future(future)  # a timeout cancels the job if it is still queued
+            return 200, _json_bytes(answer)
+        except TimeoutError:
+            return _error(504, f"request deadline exceeded: {self.deadline_s:g} s for queue wait and inference")
         except RequestError as error:
             return _error(error.status, error.message)
-        except (ServerClosing, CancelledError):
+        except ServerClosing:
             return _error(503, "server is shutting down")
         except WorkerStopped:
             return _error(503, WORKER_STOPPED)
@@ -371,32 +590,361 @@ class DecisionServer:
             self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
             return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
 
+    # ---- endpoints -------------------------------------------------------------------------------------------------
+
+    async def get_health(self, request: Request) -> Response:
+        health = self.health()
+        return _Answer(200 if health["status"] == "ready" else 503, _json_bytes(health))
+
+    async def get_models(self, request: Request) -> Response:
+        return _Answer(200, _json_bytes(self.models()))
+
+    async def get_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST, headers={"cache-control": "no-store"})
+
+    async def get_examples(self, request: Request) -> Response:
+        return _Answer(200, _json_bytes(self.examples()))
+
+    async def get_root(self, request: Request) -> Response:
+        return RedirectResponse(WORKBENCH, status_code=302)
+
+    async def post_decide(self, request: Request) -> Response:
+        scope = request.scope
+        origin = request.headers.get("origin")
+        if origin is not None and not self.allow_cross_origin and not _same_origin(origin, request.headers.get("host")):
+            return _refusal(scope, 403, "cross-origin requests are disabled")
+        if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/json":
+            return _refusal(scope, 415, "Content-Type must be application/json")
+        try:
+            body = await self._read_body(scope, request.receive)
+        except HTTPError as error:
+            return _Answer(*_error(error.status, error.message), close=True, drain=error.status != 408)
+        status, payload = await self.answer(body)
+        # With both framings, chunked won (RFC 9112 §6.3): answer, then close.
+        both = bool(_fields(scope, b"transfer-encoding")) and bool(_fields(scope, b"content-length"))
+        return _Answer(status, payload, close=both, retry=status == 503)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The request body by `Transfer-Encoding: chunked` or `Content-Length`; empty or over 4 MiB -> 413."""
+        encodings = _fields(scope, b"transfer-encoding")
+        if encodings:
+            if len(encodings) != 1 or encodings[0].strip().lower() != "chunked":
+                raise HTTPError(400, f"unsupported Transfer-Encoding {', '.join(encodings)!r}")
+        else:
+            lengths = {value.strip() for value in _fields(scope, b"content-length") or ["0"]}
+            if len(lengths) != 1 or not DECIMAL.fullmatch(text := lengths.pop()):
+                raise HTTPError(400, "invalid Content-Length")
+            if not 1 <= int(text) <= MAX_BODY_BYTES:
+                raise HTTPError(413, "request body size is outside server limits")
+        parts: list[bytes] = []
+        total = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        raise HTTPError(400, "the client closed the connection before the body was complete")
+                    parts.append(message.get("body", b""))
+                    total += len(parts[-1])
+                    if total > MAX_BODY_BYTES:
+                        raise HTTPError(413, "request body size is outside server limits")
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise HTTPError(408, f"the request body was not complete within {self.body_timeout_s:g} s") from None
+        if total == 0:
+            raise HTTPError(413, "request body size is outside server limits")
+        return b"".join(parts)
+
+
+class _Gate:
+    """The checks before routing (Host, method), and the access log and metrics of every answer."""
+
+    def __init__(self, app: ASGIApp, decisions: DecisionApp):
+        self.app = app
+        self.decisions = decisions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        answer = {"status": 500, "size": 0, "elapsed": None}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                if answer["elapsed"] is None:
+                    answer["elapsed"] = time.perf_counter() - started
+                answer["size"] += len(message.get("body", b""))
+            await send(message)
+
+        refusal = self.decisions.check_host(_fields(scope, b"host"))
+        if refusal is None and scope["method"] not in ("GET", "HEAD", "POST"):
+            refusal = 501, f"unsupported method {scope['method']!r}"
+        try:
+            if refusal is not None:
+                await _refusal(scope, *refusal)(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            client = scope["client"][0] if scope.get("client") else "-"
+            self.decisions.answered(client, _request_line(scope), answer["status"], answer["size"], answer["elapsed"])
+
+
+async def _not_found(request: Request, error: Exception) -> Response:
+    """404 for an unknown path and for a known one asked with the other method (Starlette's 405)."""
+    return _Answer(*_error(404, "not found"), close=_declares_body(request.scope), drain=_declares_body(request.scope))
+
+
+def build_app(model: Any, **options: Any) -> Starlette:
+    """The decision server as one ASGI app (Starlette): the routes of the module docstring over a `DecisionApp` of
+    `model` and `options` (its keyword arguments), which `app.state.decisions` holds. The app's lifespan starts the
+    model worker and closes it; an ASGI server or a replica manager (Ray Serve's `@serve.ingress`) runs it as is."""
+    decisions = DecisionApp(model, **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        decisions.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(decisions.worker.close)
+            decisions.access_log.flush()
+
+    routes = [
+        Route("/health", decisions.get_health, methods=["GET"]),
+        Route("/v1/models", decisions.get_models, methods=["GET"]),
+        Route("/metrics", decisions.get_metrics, methods=["GET"]),
+        Route("/examples.json", decisions.get_examples, methods=["GET"]),
+        Route("/", decisions.get_root, methods=["GET"]),
+        *(Route(path, decisions.post_decide, methods=["POST"]) for path in POST_PATHS),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(_Gate, decisions=decisions)],
+        exception_handlers={404: _not_found, 405: _not_found},
+        lifespan=lifespan,
+    )
+    app.state.decisions = decisions
+    return app
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request the protocol refuses."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class DecisionProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the framing answers of the module docstring as JSON, a bound on the head
+    (bytes, fields, time), idle connections closed after `IDLE_TIMEOUT_S` from the start, and the access log and
+    metrics of what it refuses. Both framings are read as chunked (httptools' `lenient_chunked_length`); the app
+    answers such a request on a closed connection."""
+
+    def __init__(self, *args: Any, decisions: DecisionApp, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.decisions = decisions
+        self._in_head = False
+        self._head_bytes = 0  # bytes received while the head is unfinished
+        self._head_parsed = 0  # bytes of the target and fields the parser has read
+        self._head_fields = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no protocol upgrades: the request is answered as plain HTTP
+        except httptools.HttpParserError as error:
+            self._refuse(*_framing_refusal(error))
+            return
+        if self._in_head:  # all of `data` belongs to an unfinished head (one field may be growing without end)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_parsed = 0
+        self._head_fields = 0
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_fields += 1
+        if self._head_fields > MAX_HEADER_FIELDS:
+            raise _Refused(431, f"request head over {MAX_HEADER_FIELDS} header fields")
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        """A head that arrives in one piece is counted as the parser reads it (target and fields)."""
+        self._head_parsed += size
+        if self._head_parsed > MAX_HEAD_BYTES:
+            raise _Refused(431, f"request head over {MAX_HEAD_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._refuse(408, f"the request head was not complete within {HEAD_TIMEOUT_S:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request the parser refused, unless its answer has begun, and close the connection."""
+        self._in_head = False
+        self._stop_head_timer()
+        cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None
+        if cycle is not None:
+            cycle.disconnected = True  # the app, if it runs, reads a disconnect and its answer goes nowhere
+            cycle.message_event.set()
+        if not self.transport.is_closing() and (cycle is None or not cycle.response_started):
+            payload = _json_bytes({"error": message})
+            head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
+            head += [name + b": " + value for name, value in self.server_state.default_headers]
+            head += [b"content-type: application/json", b"content-length: %d" % len(payload)]
+            head += [name + b": " + value for name, value in ANSWER_HEADERS] + [b"connection: close"]
+            self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
+            if cycle is None:  # else the app, reading the disconnect, logs and counts the request
+                line = _request_line(self.scope) if self.scope and "path" in self.scope else "-"
+                self.decisions.answered(self.client[0] if self.client else "-", line, status, len(payload), None)
+        self.transport.close()
+
+
+def _framing_refusal(error: httptools.HttpParserError) -> tuple[int, str]:
+    """The answer to what httptools refused (its messages are llhttp's)."""
+    cause = error.__context__
+    if isinstance(cause, _Refused):
+        return cause.status, cause.message
+    if isinstance(error, httptools.HttpParserInvalidMethodError):
+        return 501, "unsupported method"
+    if isinstance(cause, httptools.HttpParserInvalidURLError):
+        return 400, "invalid request target"
+    text = str(error)
+    if "Content-Length" in text:
+        return 400, "invalid Content-Length"
+    if "Transfer-Encoding" in text:
+        return 400, "unsupported Transfer-Encoding"
+    if "chunk" in text.lower():
+        return 400, "invalid chunked body"
+    return 400, f"malformed request: {text}"
+
+
+class DecisionServer:
+    """A decision model behind the Open-Jev HTTP contract: binds on construction, serves after `start()`.
+
+    `model`: see `DecisionApp`. `port=0` picks a free port; `url` and `server_address` tell which. Use as a context
+    manager, or call `close()`. `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when
+    bound to a loopback address). `app` is the ASGI app (`build_app`), `uvicorn` the server that runs it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        allow_cross_origin: bool = False,
+        allowed_hosts: Iterable[str] = (),
+        access_log: TextIO | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
+        loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
+        self.app = build_app(
+            model,
+            queue_size=queue_size,
+            allow_cross_origin=allow_cross_origin,
+            answered_hosts=(*LOOPBACK_HOSTS, *allowed_hosts) if loopback else None,
+            access_log=access_log,
+            deadline_s=deadline_s,
+            body_timeout_s=body_timeout_s,
+        )
+        self.decisions: DecisionApp = self.app.state.decisions
+        self.worker = self.decisions.worker
+        self.access_log = self.decisions.access_log
+        config = uvicorn.Config(
+            self.app,
+            http=functools.partial(DecisionProtocol, decisions=self.decisions),
+            lifespan="on",
+            ws="none",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=IDLE_TIMEOUT_S,
+            timeout_graceful_shutdown=10,
+            backlog=LISTEN_BACKLOG,
+            log_config=None,
+            log_level="warning",
+        )
+        self.uvicorn = uvicorn.Server(config)
+        self._serve_thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
     def start(self) -> DecisionServer:
         """Serve on a background thread (tests, in-process benchmarks)."""
-        self.worker.start()
         self._serve_thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="decision-http", daemon=True
+            target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, name="decision-http", daemon=True
         )
         self._serve_thread.start()
         return self
 
     def serve_forever(self) -> None:
-        """Serve on this thread until `close()` is called from another thread (or a signal)."""
-        self.worker.start()
-        self.httpd.serve_forever(poll_interval=0.05)
+        """Serve on this thread until `close()` is called from another thread, or SIGINT or SIGTERM stops it (uvicorn
+        answers what is in flight first, then raises the signal again for the handler it had replaced)."""
+        self.uvicorn.run(sockets=[self.socket])
+
+    def stop(self) -> None:
+        """Ask the serving loop to stop (from a signal handler or another thread); `close()` waits for it."""
+        self.uvicorn.should_exit = True
 
     def close(self) -> None:
-        """Stop accepting, answer queued requests 503, end every connection, join the threads, flush the log."""
+        """Stop accepting, answer queued requests 503, let answers in flight go out, end every connection, join the
+        threads, flush the log."""
         if self._closed:
             return
         self._closed = True
-        if self._serve_thread is not None:
-            self.httpd.shutdown()
-            self._serve_thread.join(10.0)
+        self.stop()
         self.worker.close()
-        self.httpd.wait_idle(10.0)  # answers already computed (or refused) get written before the sockets go
-        self.httpd.close_connections()
-        self.httpd.server_close()
+        if self._serve_thread is not None:
+            self._serve_thread.join(30.0)
+        self.socket.close()
         self.access_log.flush()
 
     def __enter__(self) -> DecisionServer:
@@ -404,238 +952,6 @@ class DecisionServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _DecisionHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256  # listen backlog: many clients may connect at once
-
-    def __init__(self, address: tuple[str, int], handler: type, app: DecisionServer):
-        self.app = app
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        self._in_flight = 0  # requests between dispatch and their response written
-        self._idle = threading.Condition()
-        super().__init__(address, handler)
-
-    @contextmanager
-    def in_flight(self) -> Iterator[None]:
-        with self._idle:
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Wait (bounded) until no request is between dispatch and its written response."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
-
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
-        with self._connections_lock:
-            self._connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: socket.socket) -> None:
-        with self._connections_lock:
-            self._connections.discard(request)
-        super().shutdown_request(request)
-
-    def close_connections(self) -> None:
-        """End every connection still open (idle keep-alive clients) so `server_close` can join its thread."""
-        with self._connections_lock:
-            connections = list(self._connections)
-        for connection in connections:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, (ConnectionError, TimeoutError)):
-            return  # the client went away; nothing to answer
-        self.app.access_log.write(f"handler error: {type(error).__name__}")
-
-
-class _DecisionHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    timeout = SOCKET_TIMEOUT_S
-    server: _DecisionHTTPServer
-
-    def setup(self) -> None:
-        super().setup()
-        self._linger = False
-
-    # ---- responses -------------------------------------------------------------------------------------------------
-
-    def _send(self, status: int, payload: bytes, *, close: bool = False, headers: tuple = ()) -> None:
-        """Status line, headers and body in one write (one segment on loopback for small answers)."""
-        if close:
-            self.close_connection = True
-        lines = [
-            f"{self.protocol_version} {status} {self.responses.get(status, ('',))[0]}",
-            f"Server: {self.version_string()}",
-            f"Date: {self.date_time_string()}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(payload)}",
-            "Cache-Control: no-store",
-            "X-Content-Type-Options: nosniff",
-            *(f"{name}: {value}" for name, value in headers),
-        ]
-        if self.close_connection:
-            lines.append("Connection: close")
-        self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
-        self._log_access(status, len(payload))
-
-    def _reject(self, status: int, message: str) -> None:
-        """Answer before the body was read: close the connection, dropping the unread body first (see `finish`)."""
-        self._linger = True
-        self._send(*_error(status, message), close=True)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The stdlib's own rejections (bad request line, headers too large, unknown method) as JSON bodies."""
-        self._linger = True
-        self._send(*_error(code, message or self.responses.get(code, ("error",))[0]), close=True)
-
-    def _log_access(self, status: int, size: int) -> None:
-        started = getattr(self, "_started", None)
-        elapsed = f" {1e3 * (time.perf_counter() - started):.2f}ms" if started is not None else ""
-        self.server.app.access_log.write(
-            f'{self.address_string()} - [{self.log_date_time_string()}] "{self.requestline}" {status} {size}{elapsed}'
-        )
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
-        self.server.app.access_log.write(f"{self.address_string()} - [{self.log_date_time_string()}] {format % args}")
-
-    def finish(self) -> None:
-        super().finish()
-        if self._linger:
-            _drain(self.connection)
-
-    # ---- endpoints -------------------------------------------------------------------------------------------------
-
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's dispatch name
-        with self.server.in_flight():
-            self._get()
-
-    def do_POST(self) -> None:  # noqa: N802
-        with self.server.in_flight():
-            self._post()
-
-    def _refuse_host(self) -> bool:
-        """Answer a request whose `Host` the server does not accept (see `DecisionServer.check_host`)."""
-        refusal = self.server.app.check_host(self.headers.get_all("Host") or [])
-        if refusal is not None:
-            self._reject(*refusal)
-        return refusal is not None
-
-    def _get(self) -> None:
-        self._started = time.perf_counter()
-        if self._refuse_host():
-            return
-        path = urlsplit(self.path).path
-        app = self.server.app
-        if self.headers.get("Transfer-Encoding") is not None or self.headers.get("Content-Length", "0") != "0":
-            self._linger = True  # a GET with a body: answer, then close rather than parse the body as a request
-            self.close_connection = True
-        if path == "/health":
-            health = app.health()
-            self._send(200 if health["status"] == "ready" else 503, _json_bytes(health))
-        elif path == "/v1/models":
-            self._send(200, _json_bytes(app.models()))
-        else:
-            self._send(*_error(404, "not found"))
-
-    def _post(self) -> None:
-        self._started = time.perf_counter()
-        if self._refuse_host():
-            return
-        app = self.server.app
-        if urlsplit(self.path).path not in POST_PATHS:
-            return self._reject(404, "not found")
-        origin = self.headers.get("Origin")
-        if origin is not None and urlsplit(origin).netloc != self.headers.get("Host") and not app.allow_cross_origin:
-            return self._reject(403, "cross-origin requests are disabled")
-        if self.headers.get_content_type() != "application/json":
-            return self._reject(415, "Content-Type must be application/json")
-        try:
-            body = self._read_body()
-        except HTTPError as error:
-            return self._reject(error.status, error.message)
-        status, payload = app.answer(body)
-        self._send(status, payload, headers=(("Retry-After", "1"),) if status == 503 else ())
-
-    # ---- body framing ----------------------------------------------------------------------------------------------
-
-    def _read_body(self) -> bytes:
-        """The request body by `Transfer-Encoding: chunked` or `Content-Length`; empty or over 4 MiB -> 413."""
-        transfer_encoding = self.headers.get("Transfer-Encoding")
-        if transfer_encoding is not None:
-            if transfer_encoding.strip().lower() != "chunked":
-                raise HTTPError(400, f"unsupported Transfer-Encoding {transfer_encoding!r}")
-            if self.headers.get("Content-Length") is not None:
-                self.close_connection = True  # RFC 9112 §6.3: chunked wins; do not reuse the connection
-            body = self._read_chunked()
-        else:
-            lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ["0"]}
-            if len(lengths) != 1 or not DECIMAL.fullmatch(text := lengths.pop()):
-                raise HTTPError(400, "invalid Content-Length")
-            length = int(text)
-            if length < 1 or length > MAX_BODY_BYTES:
-                raise HTTPError(413, "request body size is outside server limits")
-            body = self.rfile.read(length)
-            if len(body) != length:
-                raise HTTPError(400, "incomplete request body")
-        if not body:
-            raise HTTPError(413, "request body size is outside server limits")
-        return body
-
-    def _read_chunked(self) -> bytes:
-        parts: list[bytes] = []
-        total = 0
-        while True:
-            line = self.rfile.readline(CHUNK_LINE_MAX + 1)
-            size_text = line.split(b";", 1)[0].strip()
-            if len(line) > CHUNK_LINE_MAX or not line.endswith(b"\n") or not HEXADECIMAL.fullmatch(size_text):
-                raise HTTPError(400, "invalid chunked body")
-            size = int(size_text, 16)
-            if size == 0:
-                break
-            total += size
-            if total > MAX_BODY_BYTES:
-                raise HTTPError(413, "request body size is outside server limits")
-            data = self.rfile.read(size)
-            if len(data) != size or self.rfile.readline(3) not in (b"\r\n", b"\n"):
-                raise HTTPError(400, "invalid chunked body")
-            parts.append(data)
-        for _ in range(TRAILER_LINES_MAX):
-            trailer = self.rfile.readline(CHUNK_LINE_MAX + 1)
-            if trailer in (b"\r\n", b"\n"):
-                return b"".join(parts)
-            if not trailer.endswith(b"\n"):
-                break
-        raise HTTPError(400, "invalid chunked body")
-
-
-def _drain(connection: socket.socket) -> None:
-    """Half-close, then read and drop what the client still sends (bounded in bytes and time)."""
-    try:
-        connection.shutdown(socket.SHUT_WR)
-        connection.settimeout(0.25)
-        deadline = time.monotonic() + LINGER_S
-        received = 0
-        while received < LINGER_BYTES and time.monotonic() < deadline:
-            data = connection.recv(65536)
-            if not data:
-                break
-            received += len(data)
-    except OSError:
-        pass
 
 
 # ---- building a model and running the server -----------------------------------------------------------------------
@@ -749,6 +1065,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="a Host name to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback (repeatable)",
     )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=DEFAULT_DEADLINE_S,
+        metavar="S",
+        help=f"seconds a request may wait in the queue and run before its 504 (default {DEFAULT_DEADLINE_S:g})",
+    )
     parser.add_argument("--access-log", choices=["stderr", "off"], default="stderr")
     return parser.parse_args(argv)
 
@@ -768,10 +1091,12 @@ def main(argv: list[str] | None = None) -> int:
         allow_cross_origin=args.allow_cross_origin,
         allowed_hosts=args.allow_host,
         access_log=sys.stderr if args.access_log == "stderr" else None,
+        deadline_s=args.deadline,
     )
-    print(json.dumps({"url": server.url, "model": server.model_id, "method": server.method}), flush=True)
-    # SIGTERM stops the accept loop from another thread (shutdown() waits for serve_forever on this one).
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown, daemon=True).start())
+    ready = {"url": server.url, "model": server.decisions.model_id, "method": server.decisions.method}
+    print(json.dumps(ready), flush=True)
+    # SIGTERM before uvicorn takes the signals, or raised again after it gave them back: stop (again), exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -28,16 +28,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
 
+import engine.server
 from ablations.jevbench import request_body
 from ablations.overhead import MAX_RATIO_TO_FLOOR, TARGET_P50_MS, measure_overhead
 from engine.server import (
     MAX_BODY_BYTES,
     WORKER_STOPPED,
     AccessLog,
+    DecisionApp,
     DecisionServer,
     DecisionWorker,
     WorkerStopped,
+    build_app,
     build_decision_model,
     model_from_arguments,
     parse_arguments,
@@ -70,7 +74,7 @@ def drone() -> dict:
 
 
 def address(server: DecisionServer) -> tuple[str, int]:
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     return host, port
 
 
@@ -606,17 +610,19 @@ def test_close_answers_queued_requests_and_ends_every_thread():
     idle.close()
     assert not blocking.worker._thread.is_alive()
     assert not blocking._serve_thread.is_alive()
-    assert not [thread for thread in blocking.httpd._threads if thread.is_alive()]  # handler threads joined
+    assert not blocking.uvicorn.server_state.connections  # every connection ended, the idle one included
     with pytest.raises(OSError):
         socket.create_connection(address(blocking), timeout=1.0)
 
 
 def test_tcp_nodelay_on_accepted_connections(server):
-    before = set(server.httpd._connections)
+    connections = server.uvicorn.server_state.connections
+    before = set(connections)
     with socket.create_connection(address(server), timeout=TIMEOUT_S):
-        wait_until(lambda: len(server.httpd._connections - before) == 1)
-        (accepted,) = server.httpd._connections - before
-        wait_until(lambda: accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0)
+        wait_until(lambda: len(connections - before) == 1)
+        (accepted,) = connections - before
+        sock = accepted.transport.get_extra_info("socket")
+        wait_until(lambda: sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0)
 
 
 def test_access_log_is_buffered_and_never_holds_a_body(tiny_model):
@@ -643,6 +649,216 @@ def test_access_log_flushes_by_count():
     assert stream.getvalue() == ""
     log.write("c")
     assert stream.getvalue() == "a\nb\nc\n"
+
+
+# ---------------------------------------------------------------- the ASGI stack: fuzz findings, limits, metrics
+
+
+def raw_exchange(server, raw: bytes) -> bytes:
+    """Send raw bytes, read until the server closes: the bytes it answered."""
+    with socket.create_connection(address(server), timeout=TIMEOUT_S) as sock:
+        sock.sendall(raw)
+        out = b""
+        while data := sock.recv(65536):
+            out += data
+        return out
+
+
+def test_fuzz_findings_get_the_contract_answers(server):
+    """What a fuzz campaign found against the hand-written stack: each used to close the connection without an answer
+    (unclosed `[`), answer 404 (`/`, `/examples.json`), answer a HEAD with a body, or read only the first of two
+    Transfer-Encoding fields."""
+    host, port = address(server)
+    assert post(server, INVALID_SCHEMA, Origin="http://[::1")[::2] == (
+        403,
+        {"error": "cross-origin requests are disabled"},
+    )
+    assert post(server, INVALID_SCHEMA, Origin=f"https://{host}:{port}")[0] == 403  # another scheme: another origin
+    assert call(server, "GET", "/[")[::2] == (404, {"error": "not found"})
+    assert post(server, INVALID_SCHEMA, path="/v1/systemone[")[0] == 404
+    target = exchange(server, b"GET http://[::1/x HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert (target[0], target[2], target[1]["connection"]) == (400, {"error": "invalid request target"}, "close")
+    connection = http.client.HTTPConnection(host, port, timeout=TIMEOUT_S)
+    try:
+        connection.request("GET", "/")
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 302 and response.getheader("location") == "/examples/workbench/index.html"
+    finally:
+        connection.close()
+    assert call(server, "GET", "/examples.json")[::2] == (200, [])  # the repository has no examples/ folder
+    for path, status in (("/health", 200), ("/nope", 404), ("/v1/systemone", 404)):
+        answer = raw_exchange(server, f"HEAD {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.1 {status} ".encode()) and rest == b"", answer  # no body
+    two = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    for fields in (b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", b"Transfer-Encoding: gzip\r\n" * 2):
+        assert exchange(server, two + fields + b"\r\n2\r\n{}\r\n0\r\n\r\n")[0] == 400
+    # gzip then chunked passes the parser (chunked is last); one coding only: still 400
+    assert (
+        exchange(server, two + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")[0]
+        == 400
+    )
+    assert exchange(server, b"BREW /health HTTP/1.1\r\nHost: localhost\r\n\r\n")[::2] == (
+        501,
+        {"error": "unsupported method"},
+    )
+
+
+def test_examples_json_lists_the_files_that_validate(tmp_path, tiny_model, drone):
+    (tmp_path / "decide").mkdir()
+    (tmp_path / "decide" / "drone.json").write_text(json.dumps(drone))
+    (tmp_path / "short.json").write_text(json.dumps(short_request(0)))
+    (tmp_path / "schema.json").write_text(json.dumps(INVALID_SCHEMA))
+    (tmp_path / "broken.json").write_text('{"state": "s", "state": "t"}')
+    (tmp_path / "notes.txt").write_text("not json")
+    app = DecisionApp(tiny_model, examples_dir=tmp_path)
+    assert app.examples() == [f"{tmp_path.name}/decide/drone.json", f"{tmp_path.name}/short.json"]
+    assert DecisionApp(tiny_model, examples_dir=tmp_path / "absent").examples() == []
+
+
+def test_oversize_heads_are_431(server):
+    head = b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+    big = exchange(server, head + b"X-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n")
+    assert (big[0], big[2], big[1]["connection"]) == (431, {"error": "request head over 65536 bytes"}, "close")
+    many = exchange(server, head + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n")
+    assert many[::2] == (431, {"error": "request head over 100 header fields"})
+    assert exchange(server, head + b"".join(b"X-%d: 1\r\n" % i for i in range(90)) + b"\r\n")[0] == 200
+
+
+def test_slow_heads_and_bodies_are_408(tiny_model, monkeypatch):
+    """A declared body that never arrives, or a head that never ends: 408 at the timeout, then the connection closes
+    (the hand-written stack dropped the connection after 30 s without an answer)."""
+    monkeypatch.setattr(engine.server, "HEAD_TIMEOUT_S", 0.3)
+    with DecisionServer(tiny_model, port=0, body_timeout_s=0.3) as slow:
+        slow.start()
+        start = time.perf_counter()
+        head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        status, headers, body = exchange(slow, head + b"Content-Length: 10\r\n\r\n{}")
+        assert (status, body, headers["connection"]) == (
+            408,
+            {"error": "the request body was not complete within 0.3 s"},
+            "close",
+        )
+        status, headers, body = exchange(slow, b"GET /health HTTP/1.1\r\nHost: loc")
+        assert (status, body) == (408, {"error": "the request head was not complete within 0.3 s"})
+        assert time.perf_counter() - start < 5.0
+        assert call(slow, "GET", "/health")[0] == 200
+
+
+class SlowModel:
+    """A model whose `decide` waits for `release` (at most TIMEOUT_S), counting its calls."""
+
+    weights = types.SimpleNamespace(model_id="slow", method="test")
+
+    def __init__(self):
+        self.calls = 0
+        self.release = threading.Event()
+
+    def decide(self, request):
+        self.calls += 1
+        self.release.wait(TIMEOUT_S)
+        return {"echo": request}
+
+
+def test_deadline_answers_504_and_drops_the_queued_request():
+    """Deadline 0.2 s: the running request and the one queued behind it are both 504 at their deadline; the queued one
+    never reaches the model; once the model is fast again, requests are answered."""
+    model = SlowModel()
+    deadline = {"error": "request deadline exceeded: 0.2 s for queue wait and inference"}
+    with DecisionServer(model, port=0, deadline_s=0.2) as slow, ThreadPoolExecutor(2) as pool:
+        slow.start()
+        running = pool.submit(post, slow, {"n": 1})
+        wait_until(lambda: model.calls == 1)
+        queued = pool.submit(post, slow, {"n": 2})
+        assert running.result(TIMEOUT_S)[::2] == (504, deadline)
+        assert queued.result(TIMEOUT_S)[::2] == (504, deadline)
+        model.release.set()
+        wait_until(lambda: slow.worker.depth() == 0)
+        assert post(slow, {"n": 3})[::2] == (200, {"echo": {"n": 3}})
+        assert model.calls == 2  # n=1 and n=3; n=2 was dropped from the queue at its deadline
+
+
+def test_idle_connections_cost_no_thread(server):
+    """500 connections that never send: no thread each, and another client is answered at once."""
+    threads = threading.active_count()
+    idle = [socket.create_connection(address(server), timeout=TIMEOUT_S) for _ in range(500)]
+    try:
+        wait_until(lambda: len(server.uvicorn.server_state.connections) >= 500)
+        assert threading.active_count() <= threads + 2
+        start = time.perf_counter()
+        assert call(server, "GET", "/health")[0] == 200
+        assert post(server, short_request(9))[0] == 200
+        assert time.perf_counter() - start < 2.0
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample line `name` (with its labels, as written) in Prometheus text."""
+    (value,) = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.rsplit(" ", 1)[0] == name]
+    return float(value)
+
+
+def metrics_text(server) -> str:
+    connection = http.client.HTTPConnection(*address(server), timeout=TIMEOUT_S)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        text = response.read().decode()
+        assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+        return text
+    finally:
+        connection.close()
+
+
+def test_metrics(tiny_model):
+    with DecisionServer(tiny_model, port=0, access_log=io.StringIO()) as counted:
+        counted.start()
+        answer = post(counted, short_request(1))[2]
+        assert post(counted, INVALID_SCHEMA)[0] == 422
+        assert call(counted, "GET", "/nope")[0] == 404
+        text = metrics_text(counted)
+    assert metric(text, 'jev_requests_total{status="200"}') == 1
+    assert metric(text, 'jev_requests_total{status="422"}') == 1
+    assert metric(text, 'jev_requests_total{status="404"}') == 1
+    assert metric(text, "jev_request_seconds_count") == 3
+    assert metric(text, "jev_queue_depth") == 0
+    assert metric(text, "jev_batch_requests_count") == 1 and metric(text, "jev_batch_requests_sum") == 1
+    assert metric(text, "jev_batch_candidates_sum") == answer["metadata"]["candidate_sequences"]
+    assert metric(text, "jev_batch_rows_sum") == answer["usage"]["input_tokens"]
+    assert "jev_graph" not in text  # no graph cache behind this backbone (on the CPU `graphs` has none either)
+
+
+def test_metrics_of_a_graph_cache():
+    """A backbone with a graph cache (`backbone.graphs.describe()`, as engine.graphs.GraphCache on CUDA): its
+    figures are read at each scrape."""
+    described = {"graphs": 124, "grid": 124, "cuda_reserved_bytes": 0, "hits": 7, "misses": {"rows": 2, "paths": 1}}
+    model = FailingModel()
+    model.backbone = types.SimpleNamespace(graphs=types.SimpleNamespace(describe=lambda: described))
+    with DecisionServer(model, port=0) as cached:
+        cached.start()
+        text = metrics_text(cached)
+        described["hits"] = 8
+        assert metric(metrics_text(cached), "jev_graph_hits_total") == 8
+        assert call(cached, "GET", "/health")[2]["graphs"] == described
+    assert metric(text, "jev_graphs_captured") == 124 and metric(text, "jev_graph_hits_total") == 7
+    assert metric(text, 'jev_graph_misses_total{reason="rows"}') == 2
+    assert metric(text, 'jev_graph_misses_total{reason="paths"}') == 1
+
+
+def test_the_app_runs_under_another_asgi_server():
+    """`build_app` is the whole server: here under Starlette's test client (no socket), as a replica manager would
+    run it; its lifespan starts and stops the worker."""
+    app = build_app(FailingModel(), answered_hosts=None)
+    with TestClient(app) as client:
+        assert client.post("/v1/systemone", json={"n": 1}).json() == {"echo": {"n": 1}}
+        response = client.post("/api/jev", json={"raise": "Panic"})
+        assert (response.status_code, response.json()["error_type"]) == (500, "Panic")
+        assert client.get("/health").json()["status"] == "ready"
+        assert client.put("/health").status_code == 501
+    assert not app.state.decisions.worker._thread.is_alive()
 
 
 # ---------------------------------------------------------------- fuzz
