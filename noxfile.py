@@ -1,11 +1,11 @@
 """Sessions of the lab. `nox -l` lists them; options after `--` pass through to the command each one runs.
 
 Sessions that install the same dependency groups share one venv: `.nox/lab` (the project alone: answer, serve,
-jevbench), `.nox/lab-dev` (tests, gpu_tests, ablate), `.nox/lab-report`, `.nox/lab-notebooks`; each holds one copy of
-torch (about 2.5 GB). nox itself gives every session a venv of its own and has no option to share one (wntrblm/nox#167),
-so these sessions are declared without one (`python=False`) and build theirs in `_lab_python`. A shared venv is
-created on first use and updated by pip on every run; delete its folder to rebuild it. `lint` needs only ruff and
-keeps nox's own venv, `.nox/lint`.
+jevbench), `.nox/lab-dev` (tests, gpu_tests, ablate), `.nox/lab-report`, `.nox/lab-notebooks`, `.nox/lab-replicas`;
+each holds one copy of torch (about 2.5 GB). nox itself gives every session a venv of its own and has no option to
+share one (wntrblm/nox#167), so these sessions are declared without one (`python=False`) and build theirs in
+`_lab_python`. A shared venv is created on first use and updated by pip on every run; delete its folder to rebuild
+it. `lint` needs only ruff and keeps nox's own venv, `.nox/lint`.
 
 Every session also works with `--no-venv` (nox's passthrough mode): it then runs in the current interpreter and
 installs nothing. That is how the sessions run on the H200, whose image already has torch, triton and cupy and
@@ -111,6 +111,17 @@ def serve(session: nox.Session) -> None:
     """The drop-in decision server on 127.0.0.1:8791 (`-- --backend hf_fla --host ... --port ...`)."""
     python = _lab_python(session)
     session.run(python, "-m", "engine.server", *session.posargs)
+
+
+@nox.session(python=False)
+def replicas(session: nox.Session) -> None:
+    """Ray Serve replicas on the CPU: the tiny twin behind Ray Serve's proxy, one replica (tests/test_replicas.py).
+    To serve N replicas instead: `nox -s replicas -- serve --replicas N [engine.server flags]`."""
+    python = _lab_python(session, "replicas")
+    if session.posargs[:1] == ["serve"]:
+        session.run(python, "-m", "engine.replicas", *session.posargs[1:])
+    else:
+        session.run(python, "-m", "pytest", "-m", "replicas", "tests/test_replicas.py", *session.posargs)
 
 
 @nox.session(python=False)
