@@ -78,6 +78,13 @@ Exactness.
   the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count; without a cuBLAS
   workspace (the config's `gemm="cublas_row_invariant"`, engine/gemm.py) all six GEMM shapes are row-count invariant
   (tests/test_gpu_gemm_rows.py; the runner's `gemm_rows` probe). The measurements: engine/stages/tree.md.
+* Requests batched together (`reference.service.DecisionModel.answer_many`: several requests' candidates in one
+  `prepare`, their questions numbered apart): the same invariance makes each request's rows bit-identical to the
+  request alone, whatever root, question batches (`split_questions`), GDN mode or bucket the batch gets. Declared by
+  `batch_invariant` (varlen attention, and on CUDA row-count-invariant GEMMs; not the masked SDPA, which tiles all N
+  keys), measured bitwise on the CPU (tiny twin: `merged` with varlen attention in both layouts, `tree`, `graphs`;
+  tests/test_batching.py). `batch_rows` weighs a batch for `DecisionModel.batch_requests` (tree rows, or the
+  bucket's rows on `graphs`), `batch_max_rows` bounds it (the grid's largest bucket on `graphs`).
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if
