@@ -46,8 +46,9 @@ with `batch_invariant = True` (engine backbones with varlen attention, on the CP
 `merged` with varlen attention in both layouts, `tree`, `graphs`); tests/test_batching.py enforces it (hypothesis
 over mixes of 1-4 requests on the CPU tiny twin, the `tree` and `graphs` stages under the Triton interpreter). Every
 other backbone (HF's padded batches, whose padding depends on the batch; `merged`'s masked SDPA over all rows; a
-stand-in without the attribute) is answered one request per forward. The head runs per request on its own rows, so
-even a head kernel that depended on the row count could not couple requests.
+stand-in without the attribute) is answered one request per forward: forced to batch, `merged` and `hf_torch` moved a
+request's probabilities by up to 7e-4 on a three-request mix (tests/test_batching.py). The head runs per request on
+its own rows, so even a head kernel that depended on the row count could not couple requests.
 
 Failure isolation: when the batch's `prepare` or `forward` raises, or returns the wrong shape, each request is
 answered alone, so only a request that fails alone gets the exception, returned in its slot (any BaseException; the

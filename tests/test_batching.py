@@ -315,3 +315,15 @@ def test_answer_many_on_a_backbone_that_is_not_batch_invariant_answers_one_by_on
     for body, got in zip(bodies, results):
         assert "batch" not in got["metadata"]
         assert without(got) == without(plain.decide(body))
+
+
+def test_the_masked_sdpa_is_not_batch_invariant(tiny):
+    """Why `merged` (one masked SDPA over all packed rows) does not batch: forced to, a request's probabilities move
+    (by 7e-4 on this seeded mix; HF's padded batches, `hf_torch`, moved by 4e-4 on it when tried by hand)."""
+    model = engine_model(tiny, "merged")
+    assert not model.batch_invariant
+    model.backbone.batch_invariant = True  # forced, to show what it would cost
+    rng = random.Random(11)
+    bodies = [request_body(rng, 5 + 15 * i, 1 + i % 2) for i in range(3)]
+    results = model.answer_many(compile_all(model, bodies))
+    assert any(without(got) != without(model.decide(body)) for body, got in zip(bodies, results))
