@@ -51,8 +51,10 @@ request's probabilities by up to 7e-4 on a three-request mix (tests/test_batchin
 its own rows, so even a head kernel that depended on the row count could not couple requests.
 
 Failure isolation: when the batch's `prepare` or `forward` raises, or returns the wrong shape, each request is
-answered alone, so only a request that fails alone gets the exception, returned in its slot (any BaseException; the
-server answers 500). A request's own readout failing (a non-finite score) fails that request only, without a retry.
+answered alone, so only a request that fails alone gets the exception, returned in its slot (any BaseException but
+KeyboardInterrupt and SystemExit, which stop the process and are raised; the server answers 500). A batch too large
+for the device (out of memory) thus falls back to one forward per request. A request's own readout failing (a
+non-finite score) fails that request only, without a retry.
 
 What each batched response says: `usage`, `candidate_sequences` and `answers` are the request's own;
 `inference_seconds` is its own tokenization, plus the shared prepare and forward (the whole batch's), plus its own
@@ -86,6 +88,7 @@ REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT_CANDIDATES = {"enabled": False, "mode": "independent_candidates"}
 DEFAULT_CANDIDATE_BUDGET = 4096
 DEFAULT_TOKEN_BUDGET = 1 << 20
+PROCESS_EXITS = (KeyboardInterrupt, SystemExit)  # raised through answer_many, never kept as a request's result
 DEFAULT_BATCH_ROWS = 8192  # rows of one batched forward on a backbone that states no `batch_max_rows`
 
 
@@ -269,15 +272,16 @@ class DecisionModel:
         """How many of the queued requests, from the front, to answer in one forward (at least 1: a lone request is
         never held back).
 
-        The front request always goes; request k joins while (a) the backbone is batch-invariant, (b) the rows of the
-        batch's forward, `backbone.batch_rows(candidates, groups)` (the engine: the packed rows of the prefix tree over
-        the batch's candidates; `graphs`: the rows of its bucket, None where the batch fits no bucket), stay within
-        `max_rows` (default: the backbone's `batch_max_rows`, the largest bucket's rows on `graphs`; else
-        `DEFAULT_BATCH_ROWS`), and (c) they are no more than the requests' rows when each is answered alone. (c)
-        matters because the tree is two-level: requests in one batch share only their common prefix (the chat
-        template's first tokens) as the root, so a request with several questions over one context would repeat that
-        context in each question node instead of packing it once. A backbone without `batch_rows` is costed at the
-        candidates' tokens (the flat layout's rows, an upper bound on any tree's).
+        The front request always goes; the next ones join in queue order (the first that does not fit ends the batch: no
+        request overtakes another) while (a) the backbone is batch-invariant, (b) the rows of the batch's forward,
+        `backbone.batch_rows(candidates, groups)` (the engine: the packed rows of the prefix tree over the batch's
+        candidates; `graphs`: the rows of its bucket, None where the batch fits no bucket), stay within `max_rows`
+        (default: the backbone's `batch_max_rows`, the largest bucket's rows on `graphs`; else `DEFAULT_BATCH_ROWS`),
+        and (c) they are no more than the requests' rows when each is answered alone. (c) matters because the tree is
+        two-level: requests in one batch share only their common prefix (the chat template's first tokens) as the root,
+        so a request with several questions over one context would repeat that context in each question node instead of
+        packing it once. A backbone without `batch_rows` is costed at the candidates' tokens (the flat layout's rows, an
+        upper bound on any tree's).
         """
         if not queue:
             raise ValueError("no queued requests")
@@ -329,6 +333,8 @@ class DecisionModel:
                     f"backbone {self.backbone.name} returned hidden states of shape {tuple(hidden.shape)} for "
                     f"{len(candidates)} candidates of width {self.head_weight.shape[0]}"
                 )
+        except PROCESS_EXITS:
+            raise  # the process is stopping: no request's fault, nothing to retry
         except BaseException as error:  # noqa: BLE001 - returned in the request's slot (the server makes it a 500)
             if len(batch) == 1:
                 return [error]
@@ -342,6 +348,8 @@ class DecisionModel:
             first = rows.stop
             try:
                 results.append(self._respond(one, hidden[rows], prepared, forward_seconds, shared))
+            except PROCESS_EXITS:
+                raise
             except BaseException as error:  # noqa: BLE001 - this request's own readout failed (e.g. non-finite)
                 results.append(error)
         return results

@@ -228,6 +228,18 @@ def test_a_failing_request_fails_alone(tiny, where, error):
         model.decide(bodies[bad])  # decide raises what answering it alone raised
 
 
+def test_a_stopping_process_is_not_a_request_failure(tiny):
+    """KeyboardInterrupt and SystemExit propagate out of answer_many: no retry, no slot."""
+    plain = engine_model(tiny, MERGED_TREE)
+    bodies = [request_body(random.Random(5), 6, 1), request_body(random.Random(6), 8, 1)]
+    for error in (KeyboardInterrupt(), SystemExit(3)):
+        failing = Failing(plain.backbone, plain.compile(bodies[0]).candidates, "prepare", error)
+        model = DecisionModel(failing, tiny[0], code_commit="test")
+        with pytest.raises(type(error)):
+            model.answer_many(compile_all(model, bodies))
+        assert len(failing.batches) == 1
+
+
 def test_a_request_error_in_compile_concerns_that_request_only(tiny):
     """The server's flow: compile each body (a RequestError is that request's 422), answer the rest as one batch."""
     model = engine_model(tiny, MERGED_TREE, max_batch_rows=8192)
