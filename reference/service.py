@@ -36,19 +36,19 @@ candidates = cand_1 ++ cand_2 ++ ... ++ cand_n                      (C = sum C_i
 groups     = g_1 ++ (g_2 + R_1) ++ ... ++ (g_n + R_1 + ... + R_{n-1})  (no two requests share a question)
 hidden     = backbone.forward(backbone.prepare(candidates, groups))  [C, H] bf16
 ```
-and request i reads rows [C_1 + ... + C_{i-1}, + C_i) through its own head, softmax and answers. The engine's tree
-stage then plans one two-level tree over all of them: the root is the batch's common prefix (the chat template's
-first tokens, or more where requests share a state), one node per question of every request, one leaf per candidate.
-Exactness: request i's response equals its response alone, bit for bit on every probability, wherever every op of the
-backbone is row- and prefix-invariant (a row's bits depend only on its own path, not on the rows beside it or how the
-shared prefix is split into nodes): the property that makes `tree` bitwise against `fused`. The backbone declares it
-with `batch_invariant = True` (engine backbones with varlen attention, on the CPU or with row-count-invariant GEMMs:
-`merged` with varlen attention in both layouts, `tree`, `graphs`); tests/test_batching.py enforces it (hypothesis
-over mixes of 1-4 requests on the CPU tiny twin, the `tree` and `graphs` stages under the Triton interpreter). Every
-other backbone (HF's padded batches, whose padding depends on the batch; `merged`'s masked SDPA over all rows; a
-stand-in without the attribute) is answered one request per forward: forced to batch, `merged` and `hf_torch` moved a
-request's probabilities by up to 7e-4 on a three-request mix (tests/test_batching.py). The head runs per request on
-its own rows, so even a head kernel that depended on the row count could not couple requests.
+and request i reads rows [o_i, o_i + C_i), o_i = C_1 + ... + C_{i-1}, through its own head, softmax and answers. The
+engine's tree stage then plans one two-level tree over all of them: the root is the batch's common prefix (the chat
+template's first tokens, or more where requests share a state), one node per question of every request, one leaf per
+candidate. Exactness: request i's response equals its response alone, bit for bit on every probability, wherever every
+op of the backbone is row- and prefix-invariant (a row's bits depend only on its own path, not on the rows beside it or
+how the shared prefix is split into nodes): the property that makes `tree` bitwise against `fused`. The backbone
+declares it with `batch_invariant = True` (engine backbones with varlen attention, on the CPU or with row-count-
+invariant GEMMs: `merged` with varlen attention in both layouts, `tree`, `graphs`); tests/test_batching.py enforces it
+(hypothesis over mixes of 1-4 requests on the CPU tiny twin, the `tree` and `graphs` stages under the Triton
+interpreter). Every other backbone (HF's padded batches, whose padding depends on the batch; `merged`'s masked SDPA over
+all rows; a stand-in without the attribute) is answered one request per forward: forced to batch, `merged` and
+`hf_torch` moved a request's probabilities by up to 7e-4 on a three-request mix (tests/test_batching.py). The head runs
+per request on its own rows, so even a head kernel that depended on the row count could not couple requests.
 
 Failure isolation: when the batch's `prepare` or `forward` raises, or returns the wrong shape, each request is
 answered alone, so only a request that fails alone gets the exception, returned in its slot (any BaseException but
@@ -56,11 +56,12 @@ KeyboardInterrupt and SystemExit, which stop the process and are raised; the ser
 for the device (out of memory) thus falls back to one forward per request. A request's own readout failing (a
 non-finite score) fails that request only, without a retry.
 
-What each batched response says: `usage`, `candidate_sequences` and `answers` are the request's own;
-`inference_seconds` is its own tokenization, plus the shared prepare and forward (the whole batch's), plus its own
-head and readout (queueing between `compile` and `answer_many` is not counted); `prefix_cache` and `graph` describe the
-shared forward that served it (the batch's rows, candidates and buckets), and, only when n > 1, `metadata.batch` =
-{requests: n, candidate_sequences: C} says so (a lone request's keys and their order are unchanged).
+What each batched response says: `usage`, `candidate_sequences` and `answers` are the request's own; `inference_seconds`
+is its own tokenization, plus the shared prepare and forward (the whole batch's), plus its own head and readout
+(queueing between `compile` and `answer_many` is not counted; after a failed batch, the forward is the request's own
+retry); `prefix_cache` and `graph` describe the shared forward that served it (the batch's rows, candidates and
+buckets), and, only when n > 1, `metadata.batch` = {requests: n, candidate_sequences: C} says so (a lone request's keys
+and their order are unchanged).
 
 How many requests go into one forward: `batch_requests(queue, max_rows)` (a lone request always goes; see there).
 """
