@@ -122,7 +122,6 @@ def assert_answered_alone(model: DecisionModel, bodies: list[dict], results: lis
 ENGINES = {
     "merged-tree": MERGED_TREE,
     "merged-tree-96-rows": MERGED_TREE.replace(max_batch_rows=96),  # the batch split over plans by whole questions
-    "merged-flat-varlen": config_of("merged", attention="varlen"),
 }
 
 
@@ -134,6 +133,15 @@ def test_batched_answers_equal_each_request_alone_bitwise(tiny, engine, bodies):
     assert model.batch_invariant
     compiled = [model.compile(body) for body in bodies]
     assert_answered_alone(model, bodies, model.answer_many(compiled))
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bodies=request_mixes())
+def test_batched_answers_equal_each_request_alone_bitwise_flat(tiny, bodies):
+    """The flat varlen layout (no sharing, so every candidate's rows in full: fewer examples)."""
+    model = engine_model(tiny, config_of("merged", attention="varlen"))
+    assert model.batch_invariant
+    assert_answered_alone(model, bodies, model.answer_many([model.compile(body) for body in bodies]))
 
 
 def test_a_lone_request_through_answer_many_is_decide(tiny):
