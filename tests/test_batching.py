@@ -347,3 +347,15 @@ def test_the_masked_sdpa_is_not_batch_invariant(tiny):
     bodies = [request_body(rng, 5 + 15 * i, 1 + i % 2) for i in range(3)]
     results = model.answer_many(compile_all(model, bodies))
     assert any(without(got) != without(model.decide(body)) for body, got in zip(bodies, results))
+
+
+def test_batch_packing_tool_drains_a_queue(tiny):
+    """`ablations.batch_packing.pack`: every request in exactly one forward, and batched rows never above alone."""
+    from ablations.batch_packing import pack
+
+    rng = random.Random(12)
+    bodies = [request_body(rng, 4 + 3 * i, 1) for i in range(5)] + [request_body(rng, 150, 3)]
+    for stage in (MERGED_TREE, "graphs"):
+        packed = pack(engine_model(tiny, stage), bodies)
+        assert packed["requests"] == 6 and 2 <= packed["forwards"] < 6
+        assert packed["rows_batched"] <= packed["rows_alone"]
