@@ -78,6 +78,13 @@ Exactness.
   the down projection (K = 17408) at 150-199 rows, so a row's bits there depend on the row count; without a cuBLAS
   workspace (the config's `gemm="cublas_row_invariant"`, engine/gemm.py) all six GEMM shapes are row-count invariant
   (tests/test_gpu_gemm_rows.py; the runner's `gemm_rows` probe). The measurements: engine/stages/tree.md.
+* Requests batched together (`reference.service.DecisionModel.answer_many`: several requests' candidates in one
+  `prepare`, their questions numbered apart): the same invariance makes each request's rows bit-identical to the
+  request alone, whatever root, question batches (`split_questions`), GDN mode or bucket the batch gets. Declared by
+  `batch_invariant` (varlen attention, and on CUDA row-count-invariant GEMMs; not the masked SDPA, which tiles all N
+  keys), measured bitwise on the CPU (tiny twin: `merged` with varlen attention in both layouts, `tree`, `graphs`;
+  tests/test_batching.py). `batch_rows` weighs a batch for `DecisionModel.batch_requests` (tree rows, or the
+  bucket's rows on `graphs`), `batch_max_rows` bounds it (the grid's largest bucket on `graphs`).
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if
@@ -404,6 +411,15 @@ class EngineBackbone:
             self.grid = default_grid()
             if self.device.type == "cuda":
                 self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
+        # Batching of requests (reference.service.DecisionModel.answer_many): a row's bits must not depend on the rows
+        # beside it. Varlen attention and every other op are row- and prefix-invariant; the GEMMs are row-count
+        # invariant on the CPU and, on CUDA, only without a cuBLAS workspace. The masked SDPA (`merged`) is not
+        # claimed (its kernel tiles all N keys). Tested on the CPU: tests/test_batching.py.
+        self.batch_invariant = config.attention == "varlen" and (
+            self.device.type == "cpu" or config.gemm == gemm.NEEDS_ROW_INVARIANT
+        )
+        grid_rows = max((bucket.rows for bucket in self.grid), default=config.max_batch_rows)
+        self.batch_max_rows = min(config.max_batch_rows, grid_rows)  # rows of one batched forward (`batch_rows`)
 
     def gemm_weight_bytes(self) -> int:
         """Bytes of every GEMM weight (the weight-streaming floor's numerator)."""
@@ -536,6 +552,20 @@ class EngineBackbone:
     def rows_computed(self, prepared: EngineRows) -> int:
         """Packed rows of all batches (the rows the GEMMs run over)."""
         return prepared.rows_computed
+
+    def batch_rows(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> int | None:
+        """The rows one forward over these candidates computes, from the host-only layout (no plan is built): the
+        prefix tree's packed rows (`tree`), the tokens (flat layouts), or the rows of the smallest bucket that holds
+        the batch (`graphs`; None where the cost rule picks hand-off or no bucket holds it: the batch would run
+        eagerly). What `DecisionModel.batch_requests` weighs a batch of requests by."""
+        if not self.tree:
+            return sum(len(ids) for ids in candidates)
+        layout = tree_layout(candidates, groups)
+        if not self.config.graphs:
+            return layout.rows
+        mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
+        bucket = smallest_bucket(layout, self.grid) if mode == "replicated" else None
+        return None if bucket is None else bucket.rows
 
     def prefix_cache_metadata(self, prepared: EngineRows) -> dict:
         """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7)."""

@@ -26,6 +26,44 @@ head and readout). `prefix_cache` is {"enabled": false, "mode": "independent_can
 `prefix_cache_metadata` attribute: a dict, or a callable taking the prepared input and returning one.
 The over-length message reports the longest candidate of the request (the original reports the longest of the first
 over-length batch of `batch_size` candidates: the same number whenever the request fits one batch, 32 by default).
+
+Batching (issue 15). The work splits in two: `compile` (validation, budgets, records, prompts, token ids, max_length
+check; CPU only, no backbone state, so a server's threads may run it concurrently; RequestError is that request's 422)
+and `answer_many` (the forward and the readouts). `decide` is `compile` + `answer_many` of one request. For requests
+1..n with C_i candidates and R_i questions, `answer_many` runs one forward over
+```
+candidates = cand_1 ++ cand_2 ++ ... ++ cand_n                      (C = sum C_i, request order)
+groups     = g_1 ++ (g_2 + R_1) ++ ... ++ (g_n + R_1 + ... + R_{n-1})  (no two requests share a question)
+hidden     = backbone.forward(backbone.prepare(candidates, groups))  [C, H] bf16
+```
+and request i reads rows [o_i, o_i + C_i), o_i = C_1 + ... + C_{i-1}, through its own head, softmax and answers. The
+engine's tree stage then plans one two-level tree over all of them: the root is the batch's common prefix (the chat
+template's first tokens, or more where requests share a state), one node per question of every request, one leaf per
+candidate. Exactness: request i's response equals its response alone, bit for bit on every probability, wherever every
+op of the backbone is row- and prefix-invariant (a row's bits depend only on its own path, not on the rows beside it or
+how the shared prefix is split into nodes): the property that makes `tree` bitwise against `fused`. The backbone
+declares it with `batch_invariant = True` (engine backbones with varlen attention, on the CPU or with row-count-
+invariant GEMMs: `merged` with varlen attention in both layouts, `tree`, `graphs`); tests/test_batching.py enforces it
+(hypothesis over mixes of 1-4 requests on the CPU tiny twin, the `tree` and `graphs` stages under the Triton
+interpreter). Every other backbone (HF's padded batches, whose padding depends on the batch; `merged`'s masked SDPA over
+all rows; a stand-in without the attribute) is answered one request per forward: forced to batch, `merged` and
+`hf_torch` moved a request's probabilities by up to 7e-4 on a three-request mix (tests/test_batching.py). The head runs
+per request on its own rows, so even a head kernel that depended on the row count could not couple requests.
+
+Failure isolation: when the batch's `prepare` or `forward` raises, or returns the wrong shape, each request is
+answered alone, so only a request that fails alone gets the exception, returned in its slot (any BaseException but
+KeyboardInterrupt and SystemExit, which stop the process and are raised; the server answers 500). A batch too large
+for the device (out of memory) thus falls back to one forward per request. A request's own readout failing (a
+non-finite score) fails that request only, without a retry.
+
+What each batched response says: `usage`, `candidate_sequences` and `answers` are the request's own; `inference_seconds`
+is its own tokenization, plus the shared prepare and forward (the whole batch's), plus its own head and readout
+(queueing between `compile` and `answer_many` is not counted; after a failed batch, the forward is the request's own
+retry); `prefix_cache` and `graph` describe the shared forward that served it (the batch's rows, candidates and
+buckets), and, only when n > 1, `metadata.batch` = {requests: n, candidate_sequences: C} says so (a lone request's keys
+and their order are unchanged).
+
+How many requests go into one forward: `batch_requests(queue, max_rows)` (a lone request always goes; see there).
 """
 
 from __future__ import annotations
@@ -33,6 +71,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,6 +89,8 @@ REPO = Path(__file__).resolve().parents[1]
 INDEPENDENT_CANDIDATES = {"enabled": False, "mode": "independent_candidates"}
 DEFAULT_CANDIDATE_BUDGET = 4096
 DEFAULT_TOKEN_BUDGET = 1 << 20
+PROCESS_EXITS = (KeyboardInterrupt, SystemExit)  # raised through answer_many, never kept as a request's result
+DEFAULT_BATCH_ROWS = 8192  # rows of one batched forward on a backbone that states no `batch_max_rows`
 
 
 def git_commit(repo: Path = REPO) -> str | None:
@@ -87,6 +128,37 @@ class DecisionPlan:
     @property
     def input_tokens(self) -> int:
         return sum(len(ids) for ids in self.candidates)
+
+
+@dataclass(frozen=True)
+class CompiledRequest:
+    """A request after `DecisionModel.compile`: its plan (token ids, groups, records) and the seconds its tokenization
+    took, the first part of its `inference_seconds`."""
+
+    plan: DecisionPlan
+    tokenize_seconds: float  # from after validation and admission to the length-checked token ids
+
+    @property
+    def candidates(self) -> list[list[int]]:
+        return self.plan.candidates
+
+    @property
+    def groups(self) -> list[int]:
+        return self.plan.groups
+
+
+def batch_inputs(batch: Sequence[CompiledRequest]) -> tuple[list[list[int]], list[int]]:
+    """The backbone's input for a batch of requests: their candidates back to back, request order, and each
+    candidate's question index offset by the questions of the requests before it (so no two requests share a
+    question, and questions stay numbered in order of first appearance)."""
+    candidates: list[list[int]] = []
+    groups: list[int] = []
+    offset = 0
+    for one in batch:
+        candidates += one.candidates
+        groups += [offset + g for g in one.groups]
+        offset += len(one.plan.records)
+    return candidates, groups
 
 
 def backbone_tensors(backbone: Backbone) -> list[torch.Tensor]:
@@ -182,48 +254,146 @@ class DecisionModel:
         """Validate, admit, compile, tokenize and check lengths; raises RequestError (422) on any bad request."""
         return self._tokenize(*self._compile(request_obj))
 
+    def compile(self, request_obj: Any) -> CompiledRequest:
+        """All CPU work before the forward: validate, admit, compile records, build prompts, tokenize and check lengths.
+        Raises RequestError (422) on any bad request; touches no backbone state, so threads may call it concurrently.
+        """
+        request, records = self._compile(request_obj)
+        start = time.perf_counter()
+        plan = self._tokenize(request, records)
+        return CompiledRequest(plan, time.perf_counter() - start)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether `answer_many` may put several requests into one forward: the backbone says its rows are batch- and
+        prefix-invariant (`batch_invariant = True`), so a request's hidden states do not depend on the others."""
+        return bool(getattr(self.backbone, "batch_invariant", False))
+
+    def batch_requests(self, queue: Sequence[CompiledRequest], max_rows: int | None = None) -> int:
+        """How many of the queued requests, from the front, to answer in one forward (at least 1: a lone request is
+        never held back).
+
+        The front request always goes; the next ones join in queue order (the first that does not fit ends the batch: no
+        request overtakes another) while (a) the backbone is batch-invariant, (b) the rows of the batch's forward,
+        `backbone.batch_rows(candidates, groups)` (the engine: the packed rows of the prefix tree over the batch's
+        candidates; `graphs`: the rows of its bucket, None where the batch fits no bucket), stay within `max_rows`
+        (default: the backbone's `batch_max_rows`, the largest bucket's rows on `graphs`; else `DEFAULT_BATCH_ROWS`),
+        and (c) they are no more than the requests' rows when each is answered alone. (c) matters because the tree is
+        two-level: requests in one batch share only their common prefix (the chat template's first tokens) as the root,
+        so a request with several questions over one context would repeat that context in each question node instead of
+        packing it once. A backbone without `batch_rows` is costed at the candidates' tokens (the flat layout's rows, an
+        upper bound on any tree's).
+        """
+        if not queue:
+            raise ValueError("no queued requests")
+        if len(queue) == 1 or not self.batch_invariant:
+            return 1
+        limit = max_rows if max_rows is not None else getattr(self.backbone, "batch_max_rows", DEFAULT_BATCH_ROWS)
+        rows_of = getattr(self.backbone, "batch_rows", None)
+
+        def rows(batch: Sequence[CompiledRequest]) -> int | None:
+            candidates, groups = batch_inputs(batch)
+            return sum(map(len, candidates)) if rows_of is None else rows_of(candidates, groups)
+
+        alone = rows(queue[:1])
+        for k in range(1, len(queue)):
+            own = rows(queue[k : k + 1])
+            together = rows(queue[: k + 1])
+            if alone is None or own is None or together is None or together > limit or together > alone + own:
+                return k
+            alone += own
+        return len(queue)
+
+    def answer_many(self, compiled: Sequence[CompiledRequest]) -> list[dict[str, Any] | BaseException]:
+        """Answer compiled requests: one `prepare` + `forward` for all of them where the backbone is batch-invariant
+        (else one per request), then each request's own head, softmax and response. Returns, per request in order, its
+        response dict or the exception that answering it raised (BaseException included: the caller decides; the
+        server answers 500). If the batch's forward raises, every request is retried alone, so only a request that
+        fails alone gets an exception.
+
+        The batch (module docstring, "Batching"): request i's candidates follow request i-1's, its question indices
+        offset by the questions before it; hidden row c of the forward is candidate c of the concatenation, and
+        request i's head reads its own rows, [C_i, H], exactly the rows (and so the bits) it would read alone on a
+        batch-invariant backbone (tests/test_batching.py).
+        """
+        if len(compiled) > 1 and not self.batch_invariant:
+            return [result for one in compiled for result in self._answer_batch([one])]
+        return self._answer_batch(compiled)
+
+    def _answer_batch(self, batch: Sequence[CompiledRequest]) -> list[dict[str, Any] | BaseException]:
+        if not batch:
+            return []
+        candidates, groups = batch_inputs(batch)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():  # not inference_mode: its tensors could not be updated in place outside it later
+                prepared = self.backbone.prepare(candidates, groups)
+                hidden = self.backbone.forward(prepared)  # [C, hidden] bf16
+            if tuple(hidden.shape) != (len(candidates), self.head_weight.shape[0]):
+                raise RuntimeError(
+                    f"backbone {self.backbone.name} returned hidden states of shape {tuple(hidden.shape)} for "
+                    f"{len(candidates)} candidates of width {self.head_weight.shape[0]}"
+                )
+        except PROCESS_EXITS:
+            raise  # the process is stopping: no request's fault, nothing to retry
+        except BaseException as error:  # noqa: BLE001 - returned in the request's slot (the server makes it a 500)
+            if len(batch) == 1:
+                return [error]
+            return [result for one in batch for result in self._answer_batch([one])]
+        forward_seconds = time.perf_counter() - start
+        shared = {"requests": len(batch), "candidate_sequences": len(candidates)} if len(batch) > 1 else None
+        results: list[dict[str, Any] | BaseException] = []
+        first = 0
+        for one in batch:
+            rows = slice(first, first + len(one.candidates))
+            first = rows.stop
+            try:
+                results.append(self._respond(one, hidden[rows], prepared, forward_seconds, shared))
+            except PROCESS_EXITS:
+                raise
+            except BaseException as error:  # noqa: BLE001 - this request's own readout failed (e.g. non-finite)
+                results.append(error)
+        return results
+
+    def _respond(
+        self, one: CompiledRequest, hidden: torch.Tensor, prepared: Any, forward_seconds: float, shared: dict | None
+    ) -> dict[str, Any]:
+        """A request's response from its own hidden rows [C_i, H] of the (possibly shared) forward."""
+        start = time.perf_counter()
+        plan = one.plan
+        with torch.no_grad():
+            scores = head_scores(hidden, self.head_weight, self.head_bias).cpu().tolist()  # C_i fp32 values
+        result = answers(plan.records, scores, self.weights.temperature)
+        inference_seconds = one.tokenize_seconds + forward_seconds + (time.perf_counter() - start)
+        metadata = {
+            "method": self.weights.method,
+            "temperature": self.weights.temperature,
+            "candidate_sequences": len(plan.candidates),
+            "inference_seconds": inference_seconds,
+            "prefix_cache": self._prefix_cache_metadata(prepared),
+            "checkpoint_sha256": self.weights.checkpoint_sha256,
+            "base_revision": self.weights.revision,
+            "max_length": self.max_length,
+            "backbone_parameter_dtypes": self.parameter_dtypes,
+            "code_commit": self.code_commit,
+            "backend": self.backbone.name,
+            "synthetic_weights": bool(self.weights.synthetic),
+            **self._graph_metadata(prepared),
+        }
+        if shared is not None:
+            metadata["batch"] = dict(shared)
+        return {
+            "answers": result,
+            "model": self.weights.model_id,
+            "usage": {"input_tokens": plan.input_tokens, "output_tokens": 0},
+            "metadata": metadata,
+        }
+
     def _prefix_cache_metadata(self, prepared: Any) -> dict:
         source = getattr(self.backbone, "prefix_cache_metadata", None)
         if source is None:
             return dict(INDEPENDENT_CANDIDATES)
         return dict(source(prepared) if callable(source) else source)
-
-    def decide(self, request_obj: Any) -> dict[str, Any]:
-        """The Open-Jev response object for a parsed request."""
-        request, records = self._compile(request_obj)
-        start = time.perf_counter()
-        plan = self._tokenize(request, records)
-        with torch.no_grad():  # not inference_mode: its tensors could not be updated in place outside it later
-            prepared = self.backbone.prepare(plan.candidates, plan.groups)
-            hidden = self.backbone.forward(prepared)  # [C, hidden] bf16
-            if tuple(hidden.shape) != (len(plan.candidates), self.head_weight.shape[0]):
-                raise RuntimeError(
-                    f"backbone {self.backbone.name} returned hidden states of shape {tuple(hidden.shape)} for "
-                    f"{len(plan.candidates)} candidates of width {self.head_weight.shape[0]}"
-                )
-            scores = head_scores(hidden, self.head_weight, self.head_bias).cpu().tolist()  # C fp32 values
-        result = answers(records, scores, self.weights.temperature)
-        inference_seconds = time.perf_counter() - start
-        return {
-            "answers": result,
-            "model": self.weights.model_id,
-            "usage": {"input_tokens": plan.input_tokens, "output_tokens": 0},
-            "metadata": {
-                "method": self.weights.method,
-                "temperature": self.weights.temperature,
-                "candidate_sequences": len(plan.candidates),
-                "inference_seconds": inference_seconds,
-                "prefix_cache": self._prefix_cache_metadata(prepared),
-                "checkpoint_sha256": self.weights.checkpoint_sha256,
-                "base_revision": self.weights.revision,
-                "max_length": self.max_length,
-                "backbone_parameter_dtypes": self.parameter_dtypes,
-                "code_commit": self.code_commit,
-                "backend": self.backbone.name,
-                "synthetic_weights": bool(self.weights.synthetic),
-                **self._graph_metadata(prepared),
-            },
-        }
 
     def _graph_metadata(self, prepared: Any) -> dict:
         """`{"graph": {bucket, hit, eager_reasons}}` for a `graphs` backbone (engine/graphs.py), else nothing."""
@@ -231,12 +401,19 @@ class DecisionModel:
         graph = source(prepared) if source is not None else None
         return {} if graph is None else {"graph": graph}
 
+    def decide(self, request_obj: Any) -> dict[str, Any]:
+        """The Open-Jev response object for a parsed request: `compile`, then `answer_many` of it alone (raises what
+        answering it raised)."""
+        result = self.answer_many([self.compile(request_obj)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def decide_json(self, body: bytes | str) -> dict[str, Any]:
         """Strict-parse a request body, then `decide`."""
         return self.decide(parse_json_strict(body))
 
 
-@cache
 @cache
 def default_model() -> DecisionModel:
     """The tiny twin with seeded synthetic weights on the HF torch path, on the CPU (built on first use).
