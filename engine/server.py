@@ -47,19 +47,32 @@ connection after reading and dropping what the client still sends (at most 8 MiB
 instead of a connection reset. The server keeps serving after every one of these.
 
 Concurrency: the HTTP side is one event loop (no thread per connection: idle connections cost a socket each). It frames
-the body and parses the JSON; all model work (validation, prompts, tokens, forward, readout) runs on one
-`DecisionWorker` thread fed by a bounded FIFO, which the handler awaits without blocking the loop. Each request carries
-its own future, so an answer can only go back to the request it came from; a full queue answers 503 at once instead of
-growing. A request whose deadline passes is answered 504; if it was still queued it is dropped from the queue, if the
-worker had started it the worker finishes it and its answer is discarded.
+the body, parses the JSON and compiles the request (`DecisionModel.compile`: validation, admission budgets, prompts,
+tokens and the length check): on the loop itself for bodies up to 64 KiB (every JevBench and Open-Jev request; well
+under a millisecond, and a hop to a thread costs about 0.1 ms of the 2 ms overhead budget), on the loop's thread pool
+above that, so that a large request does not hold up other connections. The forwards run on one `DecisionWorker`
+thread fed by a bounded FIFO of compiled requests, which the handler awaits without blocking the loop: the GPU thread
+does nothing but plan, run and read out forwards, back to back.
 
-The worker survives any failure of one request: whatever `decide` raises, a `BaseException` that is not an `Exception`
-included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next request is
-answered as usual. KeyboardInterrupt and SystemExit are no exception to this, on purpose: Python delivers signals to
-the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM stops it gracefully), so in the worker they
-can only come from model code, and a `sys.exit()` there would end just that thread, the silent death this rule
-prevents. Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one line
-naming the error (to the access log, or stderr when that is off), answers every queued and later request 503, and
+Batching: each forward takes the oldest queued request and, of those queued behind it (at most 16 in all), as many as
+`DecisionModel.batch_requests` admits (in queue order, within the backbone's row budget: the grid's largest bucket on
+`graphs`; only on a batch-invariant backbone). A lone request never waits for company: there is no gathering window;
+requests queue while a forward runs, and the next forward takes them together. Every answer is bit-identical to the
+same request answered alone (`reference.service`, "Batching"; tests/test_batching.py, and tests/test_server.py through
+the server). Should the batched forward fail, each request is answered alone, so only a bad request gets its 500.
+
+Each request carries its own future, so an answer can only go back to the request it came from; a full queue answers
+503 at once instead of growing. A request whose deadline passes (queue wait and forward; compiling comes before it) is
+answered 504; if it was still queued it is dropped from the queue, if its forward had started it finishes and the
+answer is discarded.
+
+The worker survives any failure of one request: whatever answering it raises, a `BaseException` that is not an
+`Exception` included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next
+request is answered as usual. KeyboardInterrupt and SystemExit are no exception to this, on purpose: Python delivers
+signals to the main thread only (where Ctrl-C still ends `serve_forever` and SIGTERM stops it gracefully), so in the
+worker they can only come from model code, and a `sys.exit()` there would end just that thread, the silent death this
+rule prevents. Should the worker's own loop ever fail, outside any request, the worker stops for good: it writes one
+line naming the error (to the access log, or stderr when that is off), answers every queued and later request 503, and
 `/health` answers 503 with `status` "stopped" instead of "ready", so a supervisor's health check sees the truth.
 
 Deviation from the original server, on purpose: it maps any ValueError/KeyError/TypeError/UnicodeError to 422 by class.
@@ -68,14 +81,10 @@ messages for every fault of the body (not UTF-8, not strict JSON, schema, model,
 the model is a 500, so a bug in a forward cannot pass for a client error.
 
 `/metrics` (a registry per app, `prometheus_client`): `jev_queue_depth`, `jev_requests_total` by `status`,
-`jev_request_seconds` (request to answer), per forward `jev_batch_requests` (one today: every forward answers one
-request), `jev_batch_candidates` and `jev_batch_rows` (candidate sequences and input tokens, as `usage` counts them; a
+`jev_request_seconds` (request to answer), per forward `jev_batch_requests` (requests it answered),
+`jev_batch_candidates` and `jev_batch_input_tokens` (candidate sequences and input tokens, as `usage` counts them; a
 prefix tree packs fewer rows), and with a graph cache `jev_graphs_captured`, `jev_graph_hits_total` and
 `jev_graph_misses_total` by `reason`.
-
-Request bodies are never logged. The access log (one line per request: client, request line, status, bytes, ms;
-uvicorn's own access log is off) is buffered: written every 64 lines, at the first line 1 s or more after the last
-write, and on shutdown.
 """
 
 from __future__ import annotations
@@ -95,7 +104,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -146,6 +155,11 @@ LINGER_S = 2.0
 DECIMAL = re.compile(r"[0-9]{1,19}")  # a Content-Length value (no sign, no spaces, no other digits)
 
 INFERENCE_FAILED = "model inference failed"
+# A forward takes at most this many queued requests: deciding how many costs the worker thread a layout per prefix of
+# the queue (`DecisionModel.batch_requests`; CPU, tiny twin, JevBench requests: 2-7 ms at 16 queued on `tree`, 3-5 ms
+# on `graphs`, 61 ms at 64 on `tree`).
+MAX_BATCH_REQUESTS = 16
+INLINE_COMPILE_BYTES = 64 * 1024  # bodies up to this size are compiled on the event loop (module docstring)
 WORKER_STOPPED = "the model worker stopped; see /health"
 
 
@@ -172,18 +186,50 @@ class HTTPError(Exception):
 
 @dataclass
 class _Job:
-    request: Any  # the parsed request object
+    request: Any  # what `compile` made of the parsed request (a `reference.service.CompiledRequest`)
     future: Future
 
 
-class DecisionWorker:
-    """The one thread that runs model work, in arrival order, one request per forward.
+def _answer_each(decide: Callable[[Any], dict], requests: Sequence[Any]) -> list[Any]:
+    """`decide` per request, each request's exception (any BaseException) in its own slot."""
+    results: list[Any] = []
+    for request in requests:
+        try:
+            results.append(decide(request))
+        except BaseException as error:  # noqa: BLE001 - one request's failure is its own (module docstring)
+            results.append(error)
+    return results
 
-    `submit` puts a request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`. The
-    thread calls `decide(request)` for each job and completes that job's future with the answer or the exception, any
-    `BaseException` included, and goes on; a job whose future was cancelled while queued is skipped. `on_batch(answers)`
-    is told the answers of each forward that succeeded (the metrics). Batching several queued requests into one forward
-    belongs in `_run`: take what is queued, answer it in one call, complete each future with its own part.
+
+class ModelCalls:
+    """What the server calls on its model. A `reference.service.DecisionModel`: `compile(obj)` (validation, prompts,
+    tokens: CPU only, on the app's thread pool), `batch_requests(queued)` (how many queued requests one forward takes)
+    and `answer_many(compiled)` (one forward for them, on the worker thread). Any other model needs only
+    `decide(obj) -> dict`: it is then called once per request, on the worker thread, with the parsed request."""
+
+    def __init__(self, model: Any):
+        if hasattr(model, "answer_many"):
+            self.compile: Callable[[Any], Any] | None = model.compile
+            self.batch_size: Callable[[Sequence[Any]], int] = model.batch_requests
+            self.answer_many: Callable[[Sequence[Any]], list[Any]] = model.answer_many
+        else:
+            self.compile = None
+            self.batch_size = lambda queued: 1
+            self.answer_many = functools.partial(_answer_each, model.decide)
+
+
+class DecisionWorker:
+    """The one thread that runs forwards, back to back, each over as many queued requests as the model takes.
+
+    `submit` puts a compiled request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`.
+    The thread takes the oldest request, and with it every request queued meanwhile (no waiting for company: a lone
+    request goes at once; under load, requests queue while a forward runs and the next forward takes them together),
+    asks `calls.batch_size` how many of them, from the front, one forward takes, and answers those with
+    `calls.answer_many`; the rest stay first in line for the next forward. Each job's future gets its own answer or
+    exception, any `BaseException` included; should `answer_many` itself raise (a `DecisionModel` raises
+    KeyboardInterrupt and SystemExit instead of keeping them in a slot), every request of that forward is answered
+    alone, so only the one that raises gets the exception. A job whose future was cancelled while queued (its deadline
+    passed) is skipped. `on_batch(answers)` is told the answers of each forward (the metrics).
 
     If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
     job gets `WorkerStopped`.
@@ -191,7 +237,7 @@ class DecisionWorker:
 
     def __init__(
         self,
-        decide: Callable[[Any], dict],
+        calls: ModelCalls,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         *,
         on_failure: Callable[[BaseException], None],
@@ -199,7 +245,8 @@ class DecisionWorker:
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-        self._decide = decide
+        self._calls = calls
+        self._next: list[_Job] = []  # taken from the queue, not yet answered (only the worker thread touches it)
         self._on_failure = on_failure
         self._on_batch = on_batch
         self.failure: BaseException | None = None
@@ -212,8 +259,8 @@ class DecisionWorker:
         self._thread.start()
 
     def depth(self) -> int:
-        """Jobs waiting (not counting the one running)."""
-        return self._queue.qsize()
+        """Jobs waiting (not counting those of the forward running)."""
+        return self._queue.qsize() + len(self._next)
 
     def submit(self, request: Any) -> Future:
         job = _Job(request, Future())
@@ -238,6 +285,10 @@ class DecisionWorker:
 
     def _drain(self, error: type[Exception]) -> None:
         """Answer every queued job with `error`."""
+        jobs, self._next = self._next, []
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error())
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -246,22 +297,51 @@ class DecisionWorker:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error())
 
+    def _take(self) -> list[_Job]:
+        """The jobs of the next forward: the oldest job and those queued behind it, as many as `batch_size` takes."""
+        if not self._next:
+            try:
+                self._next.append(self._queue.get(timeout=0.1))
+            except queue.Empty:
+                return []
+        while True:
+            try:
+                self._next.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        self._next = [job for job in self._next if not job.future.cancelled()]  # deadlines passed while queued
+        if not self._next:
+            return []
+        front = self._next[:MAX_BATCH_REQUESTS]
+        count = self._calls.batch_size([job.request for job in front]) if len(front) > 1 else 1
+        taken, self._next = self._next[:count], self._next[count:]
+        return [job for job in taken if job.future.set_running_or_notify_cancel()]
+
+    def _answer(self, jobs: list[_Job]) -> list[Any]:
+        try:
+            results = self._calls.answer_many([job.request for job in jobs])
+        except BaseException as error:  # noqa: BLE001 - one of them raised: each alone, so only that one fails
+            if len(jobs) == 1:
+                return [error]
+            return [result for job in jobs for result in self._answer([job])]
+        if len(results) != len(jobs):  # a model bug: every request of the forward is a 500
+            error = RuntimeError(f"answer_many returned {len(results)} results for {len(jobs)} requests")
+            return [error] * len(jobs)
+        return results
+
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                try:
-                    job = self._queue.get(timeout=0.1)
-                except queue.Empty:
+                jobs = self._take()
+                if not jobs:
                     continue
-                if not job.future.set_running_or_notify_cancel():
-                    continue  # its deadline passed while it was queued
-                try:
-                    answer = self._decide(job.request)
-                except BaseException as error:  # noqa: BLE001 - any failure of one request is that request's own
-                    job.future.set_exception(error)
-                    continue
-                job.future.set_result(answer)
-                self._on_batch([answer])
+                results = self._answer(jobs)
+                for job, result in zip(jobs, results):
+                    if isinstance(result, BaseException):
+                        job.future.set_exception(result)
+                    else:
+                        job.future.set_result(result)
+                self._on_batch([result for result in results if not isinstance(result, BaseException)])
         except BaseException as error:  # noqa: BLE001 - the loop itself failed: stop for good, and say so
             with self._lock:
                 self.failure = error
@@ -338,8 +418,8 @@ class ServerMetrics:
         self.batch_candidates = Histogram(
             "jev_batch_candidates", "candidate sequences of one forward", buckets=ROW_BUCKETS, registry=self.registry
         )
-        self.batch_rows = Histogram(
-            "jev_batch_rows", "input tokens of one forward (usage)", buckets=ROW_BUCKETS, registry=self.registry
+        self.batch_input_tokens = Histogram(
+            "jev_batch_input_tokens", "input tokens of one forward (usage)", buckets=ROW_BUCKETS, registry=self.registry
         )
         if graphs is not None:
             self.registry.register(_GraphCollector(graphs))
@@ -359,7 +439,7 @@ class ServerMetrics:
         if candidates:
             self.batch_candidates.observe(sum(candidates))
         if tokens:
-            self.batch_rows.observe(sum(tokens))
+            self.batch_input_tokens.observe(sum(tokens))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -501,8 +581,9 @@ class DecisionApp:
         self.access_log = AccessLog(access_log)
         self.graphs = getattr(getattr(model, "backbone", None), "graphs", None)
         self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
+        self.calls = ModelCalls(model)
         self.worker = DecisionWorker(
-            model.decide, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch
+            self.calls, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch
         )
 
     def check_host(self, values: list[str]) -> tuple[int, str] | None:
@@ -564,8 +645,17 @@ class DecisionApp:
         """The decision endpoint behind the HTTP framing: body bytes -> (status, response JSON bytes)."""
         try:
             request = parse_json_strict(body)
+            if self.calls.compile is not None and len(body) <= INLINE_COMPILE_BYTES:
+                request = self.calls.compile(request)
+            elif self.calls.compile is not None:  # a large request: on the thread pool, so the loop keeps serving
+                request = await asyncio.to_thread(self.calls.compile, request)
         except RequestError as error:
             return _error(error.status, error.message)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - a bug in compiling is a 500, never a fallback answer
+            self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
+            return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
         try:
             future = self.worker.submit(request)
         except ServerBusy:
@@ -586,6 +676,8 @@ class DecisionApp:
             return _error(503, "server is shutting down")
         except WorkerStopped:
             return _error(503, WORKER_STOPPED)
+        except asyncio.CancelledError:
+            raise
         except BaseException as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
             self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
             return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)

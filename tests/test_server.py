@@ -40,6 +40,7 @@ from engine.server import (
     DecisionApp,
     DecisionServer,
     DecisionWorker,
+    ModelCalls,
     WorkerStopped,
     build_app,
     build_decision_model,
@@ -510,7 +511,8 @@ def test_a_worker_whose_loop_fails_says_so_and_answers_503():
     with status "stopped", and one line names the error."""
     proceed = threading.Event()
     failures: list[BaseException] = []
-    worker = DecisionWorker(lambda request: {"echo": request}, on_failure=failures.append)
+    echo = types.SimpleNamespace(decide=lambda request: {"echo": request})
+    worker = DecisionWorker(ModelCalls(echo), on_failure=failures.append)
     break_queue_once(worker, proceed)
     worker.start()
     queued = worker.submit({"n": 1})
@@ -827,7 +829,7 @@ def test_metrics(tiny_model):
     assert metric(text, "jev_queue_depth") == 0
     assert metric(text, "jev_batch_requests_count") == 1 and metric(text, "jev_batch_requests_sum") == 1
     assert metric(text, "jev_batch_candidates_sum") == answer["metadata"]["candidate_sequences"]
-    assert metric(text, "jev_batch_rows_sum") == answer["usage"]["input_tokens"]
+    assert metric(text, "jev_batch_input_tokens_sum") == answer["usage"]["input_tokens"]
     assert "jev_graph" not in text  # no graph cache behind this backbone (on the CPU `graphs` has none either)
 
 
@@ -996,14 +998,17 @@ def test_soak_8_clients_50_requests_each_identical_to_alone(server):
 
 def test_overhead_without_forward_stays_within_two_bare_exchanges():
     """The wall-clock 2 ms target moves with the machine (ablations/overhead.py); its ratio to a bare loopback
-    exchange of the same bytes, timed interleaved in the same process, does not."""
+    exchange of the same bytes, timed interleaved in the same process, does not. The ratio of one measurement still
+    swings with the machine's moment (1.6-1.9 in twelve of them on the ASGI stack), so the median of five decides."""
     bodies = [request_body(task, "open-jev") for task in jevbench_tasks()[::5]]
-    result = measure_overhead(bodies, shapes=QWEN38_27B, rounds=3)
-    assert result["requests"] == len(bodies) and result["http"]["n"] == result["floor"]["n"] == 3 * len(bodies)
-    assert 0 < result["decide"]["p50_ms"] < result["http"]["p50_ms"]
-    assert 0 < result["floor"]["p50_ms"] < result["http"]["p50_ms"]
-    assert result["ratio_to_floor"] <= MAX_RATIO_TO_FLOOR, (result["http"], result["floor"])
-    assert result["meets_target"] == (result["http"]["p50_ms"] <= TARGET_P50_MS)
+    results = [measure_overhead(bodies, shapes=QWEN38_27B, rounds=3) for _ in range(5)]
+    for result in results:
+        assert result["requests"] == len(bodies) and result["http"]["n"] == result["floor"]["n"] == 3 * len(bodies)
+        assert 0 < result["decide"]["p50_ms"] < result["http"]["p50_ms"]
+        assert 0 < result["floor"]["p50_ms"] < result["http"]["p50_ms"]
+        assert result["meets_target"] == (result["http"]["p50_ms"] <= TARGET_P50_MS)
+    ratios = sorted(result["ratio_to_floor"] for result in results)
+    assert ratios[2] <= MAX_RATIO_TO_FLOOR, ratios
 
 
 @pytest.mark.slow
