@@ -95,14 +95,14 @@ class GemmKernel:
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """The kernel chosen for one shape at one row bucket, with what the tuner measured."""
+    """The kernel chosen for one shape at one row bucket, with what the tuner measured (row invariance is required,
+    so it is no field)."""
 
     rows: int
     kernel: GemmKernel
     time_us: float
     floor_us: float
     bitwise_f_linear: bool
-    row_invariant: bool
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,6 @@ def _choice(data: Any, where: str) -> GemmChoice:
         time_us=time_us,
         floor_us=floor_us,
         bitwise_f_linear=_bool(data["bitwise_f_linear"], f"{where}.bitwise_f_linear"),
-        row_invariant=True,
     )
 
 
