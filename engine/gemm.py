@@ -17,6 +17,10 @@ the server and the GPU tests' conftest call it), and `check_process` (called by 
 loudly when a config's GEMM choice does not match the process. On the CPU there is no cuBLAS; both choices are
 `F.linear` on torch's CPU kernels, which are row-count invariant (tests/test_engine_tree.py).
 
+Tuned GEMMs (issue 14) will pick a kernel per shape and row bucket from a tuning table; `engine/gemm_table.py` holds its
+schema and loader, `kernels.residual_rmsnorm_splitk` the split-K reduction. The tuner, the table and a `gemm` stage
+that reads it come with a GPU session; no choice here reads a table yet.
+
 Weights are `engine.weights.Weight` (data, format, optional scale): only `bf16` exists today; formats with a scale
 (FP8, split-K layouts) add a branch here and nothing to the layer types.
 """

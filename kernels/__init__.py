@@ -3,6 +3,8 @@
 
 * `norms.residual_rmsnorm`, `norms.rmsnorm_1p`: residual add + `Qwen3_5RMSNorm`. The residual is bitwise; the normed
   output bitwise except the fp32 sum-of-squares order (at most one bf16 ulp, rare).
+* `norms.residual_rmsnorm_splitk`: the same with the delta summed from split-K fp32 partials [S, R, H] in split
+  order and rounded to bf16 (issue 14). Delta and residual bitwise; normed as `residual_rmsnorm`.
 * `norms.gated_rmsnorm`: `Qwen3_5RMSNormGated` (HF torch path). Bitwise except the sum-of-squares order.
 * `activations.silu_mul`: `F.silu(gate) * up` on the merged gate|up output. Bitwise.
 * `activations.attention_gate`: `attn * torch.sigmoid(gate)`. Bitwise.
@@ -22,7 +24,7 @@ CPU: the kernels run in the Triton interpreter when TRITON_INTERPRET=1 is set be
 from kernels.activations import attention_gate, silu_mul
 from kernels.attn_prep import attention_gate_view, attn_prep
 from kernels.gdn_prep import gdn_prep
-from kernels.norms import gated_rmsnorm, residual_rmsnorm, rmsnorm_1p
+from kernels.norms import gated_rmsnorm, residual_rmsnorm, residual_rmsnorm_splitk, rmsnorm_1p
 
 __all__ = [
     "attention_gate",
@@ -31,6 +33,7 @@ __all__ = [
     "gated_rmsnorm",
     "gdn_prep",
     "residual_rmsnorm",
+    "residual_rmsnorm_splitk",
     "rmsnorm_1p",
     "silu_mul",
 ]

@@ -40,6 +40,7 @@ SM90 = 90
 CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300, sm_103, is the design target)
 META = torch.device("meta")
 SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
+SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
@@ -112,6 +113,15 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
         ("silu_mul", lambda: kernels.silu_mul(_meta(rows, 2 * s.intermediate_size))),
         ("residual_rmsnorm", lambda: kernels.residual_rmsnorm(hidden, hidden, weight, eps)),
         ("rmsnorm_1p", lambda: kernels.rmsnorm_1p(hidden, weight, eps)),
+        *(
+            (
+                f"residual_rmsnorm_splitk S={splits}",
+                lambda splits=splits: kernels.residual_rmsnorm_splitk(
+                    hidden, _meta(splits, rows, s.hidden_size, dtype=torch.float32), weight, eps
+                ),
+            )
+            for splits in SPLITS
+        ),
         ("gated_rmsnorm fp32 w", lambda: kernels.gated_rmsnorm(o, z, _meta(dv, dtype=torch.float32), eps)),
         ("gated_rmsnorm bf16 w", lambda: kernels.gated_rmsnorm(o, z, _meta(dv), eps)),
         ("gated_rmsnorm o_rows", lambda: kernels.gated_rmsnorm(o, z, _meta(dv), eps, o_rows=o_rows)),

@@ -6,6 +6,10 @@ Kernels (one launch each):
   sublayer boundary (`reference.ops.residual_rmsnorm`; `delta=None` is the first layer's input norm):
     h = bf16↓( residual_f + delta_f )                                             (bf16 add)
     y = bf16↓( (h_f · rsqrt(mean(h_f²) + eps)) · (1 + w_f) )                      (Qwen3_5RMSNorm, one rounding)
+* `residual_rmsnorm_splitk(residual, partials, weight, eps)` is `residual_rmsnorm` fed by a split-K GEMM's S fp32
+  partials [S, R, H] instead of its bf16 output (`reference.ops.residual_rmsnorm_splitk`):
+    delta = bf16↓( ((p_0 + p_1) + p_2) + ... + p_{S-1} )                          (fp32 adds in split order)
+    then h and y as above. The order depends on S alone, never on R (no tree shaped by the row count).
 * `gated_rmsnorm(o, z, weight, eps)` replaces `Qwen3_5RMSNormGated(o, z)` (HF torch path, per value head of V dims,
   `reference.ops.gated_rmsnorm`), reading z straight out of the merged GDN projection:
     n = bf16↓( o_f · rsqrt(mean(o_f²) + eps) )                                    round 1
@@ -37,8 +41,8 @@ asserted failed on those 2 ulps. Expected exactness (`ablations.bit_identity`, a
 CPU and tests/test_gpu_kernels.py on the H200): the normed output differs in at most 1e-4 of the elements, by one ulp
 at most; the gated norm's y differs in at most 1e-4 of the elements, and each differing element must equal the
 reference's own t / y chain on n moved by one ulp (the flip model, `bit_identity.gated_rmsnorm_flips`), however many
-ulps of y that is; the residual output h is always bitwise. The flip model has not yet been run on the GPU (it will
-be in the next GPU session); the CPU interpreter tests exercise it.
+ulps of y that is; the residual output h is always bitwise (residual_rmsnorm_splitk's delta and h too). The flip
+model has not yet been run on the GPU (it will be in the next GPU session); the CPU interpreter tests exercise it.
 
 Batch invariance: tile shapes come from the widths only (`numerics.tile_elements`), never from the row count, so
 a row's bits do not depend on the other rows of a call (tested); the prefix tree relies on that.
@@ -48,10 +52,14 @@ Version history:
   gated_rmsnorm flattens (row, value head) pairs so that one program covers many heads. On the H200, 971 rows of
   5120: 18.8 us (51% of the copy rate); 8 or 4 warps instead of 16 take 17.5-17.7 us but change 2e-6 of the normed
   bits (another reduction tree), 2-4 rows per program 17.9-19.5 us: not taken (attempt `fused-kernel-tile-retune`).
-* v2 (this file): gated_rmsnorm takes an optional row index into o (`o_rows`), so the prefix tree's packed rows read
+* v2: gated_rmsnorm takes an optional row index into o (`o_rows`), so the prefix tree's packed rows read
   their representative path's GDN output directly instead of after an index_select (one launch and one copy less
   per GDN layer). Bitwise against the gathered call under the interpreter (tests/test_kernels.py) and on the H200
   (tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b, results/gpu/*-067e41b-row-indexed.log).
+* v3 (this file): residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta): the partials
+  are summed in registers before the add, so split-K needs no reduction pass and no bf16 delta in memory (issue 14).
+  Bitwise under the interpreter against the reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4);
+  compiled for sm_90/100/103 with no fma (kernels/compile_check.py); not yet run or timed on a GPU.
 * v0 sized BLOCK_R from the row count as well; replaced before it was measured, because a different tile shape can
   change Triton's per-row reduction tree and so make a row's bits depend on its batch.
 """
@@ -103,19 +111,21 @@ def inverse_count(n: int) -> float:
 @triton.jit
 def _residual_rmsnorm_kernel(
     residual_ptr,  # [R, H] bf16, row stride residual_sr
-    delta_ptr,  # [R, H] bf16, row stride delta_sr (unused without HAS_DELTA)
+    delta_ptr,  # [R, H] bf16 (SPLITS 0) or [SPLITS, R, H] fp32 partials; row stride delta_sr (unused without HAS_DELTA)
     weight_ptr,  # [H] bf16 or fp32 (offset from 1)
     new_residual_ptr,  # [R, H] bf16 contiguous (unused without HAS_DELTA)
     normed_ptr,  # [R, H] bf16 contiguous
     rows,
     residual_sr,
     delta_sr,
+    delta_ss,  # split stride of the partials (unused unless SPLITS >= 1)
     eps,
     inv_n,
     HIDDEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    SPLITS: tl.constexpr,  # 0: delta is bf16; S >= 1: delta is the sum of S fp32 split-K partials
     TORCH_CPU: tl.constexpr,
 ):
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
@@ -124,7 +134,15 @@ def _residual_rmsnorm_kernel(
     mask = (row < rows)[:, None] & col_ok[None, :]
     h = to_f32(tl.load(residual_ptr + row[:, None] * residual_sr + col[None, :], mask=mask, other=0.0))
     if HAS_DELTA:
-        delta = to_f32(tl.load(delta_ptr + row[:, None] * delta_sr + col[None, :], mask=mask, other=0.0))
+        delta_row_ptr = delta_ptr + row[:, None] * delta_sr + col[None, :]
+        if SPLITS == 0:
+            delta = to_f32(tl.load(delta_row_ptr, mask=mask, other=0.0))
+        else:
+            total = tl.load(delta_row_ptr, mask=mask, other=0.0)  # p_0
+            for _ in tl.static_range(1, SPLITS):  # + p_1 + ... + p_{S-1}: fp32, in split order
+                delta_row_ptr += delta_ss
+                total += tl.load(delta_row_ptr, mask=mask, other=0.0)
+            delta = round_to_bf16(total)  # the GEMM's output: bf16↓
         h = round_to_bf16(h + delta)  # residual + delta: bf16↓
         tl.store(new_residual_ptr + row[:, None] * HIDDEN + col[None, :], to_bf16(h), mask=mask)
     scale = 1.0 + to_f32(tl.load(weight_ptr + col, mask=col_ok, other=0.0))  # 1 + w_f
@@ -150,24 +168,72 @@ def residual_rmsnorm(
     program reads its rows completely before writing them). Exactness: new_residual bitwise; normed bitwise except
     the fp32 sum-of-squares order (module docstring), against `reference.ops.residual_rmsnorm`.
     """
+    name = "residual_rmsnorm"
+    rows, hidden = _check_residual_and_weight(name, residual, weight)
+    if delta is not None:
+        check_tensor(f"{name}: delta", delta, dtype=torch.bfloat16, shape=(rows, hidden), device=residual.device)
+    elif out_residual is not None:
+        raise ValueError(f"{name}: out_residual given but delta is None (the residual does not change)")
+    return _launch_residual_rmsnorm(name, residual, delta, 0, weight, eps, out_residual, out_normed)
+
+
+def residual_rmsnorm_splitk(
+    residual: torch.Tensor,
+    partials: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out_residual: torch.Tensor | None = None,
+    out_normed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual_rmsnorm` whose delta is a split-K GEMM's reduction: returns (new_residual, normed), [R, H] bf16.
+
+    partials [S, R, H] fp32 (S >= 1; any split and row strides, unit column stride): the GEMM's partial sums over S
+    slices of K. delta = bf16↓(p_0 + p_1 + ... + p_{S-1}), summed in fp32 in split order, then what
+    `residual_rmsnorm` does with that delta, in the same launch. residual, weight, out_residual (may be `residual`),
+    out_normed as in `residual_rmsnorm`. Exactness against `reference.ops.residual_rmsnorm_splitk`: delta and
+    new_residual bitwise; normed bitwise except the fp32 sum-of-squares order, and bitwise against
+    `residual_rmsnorm(residual, reference.ops.splitk_delta(partials), ...)` (the same kernel after the delta).
+    """
+    name = "residual_rmsnorm_splitk"
+    rows, hidden = _check_residual_and_weight(name, residual, weight)
+    if partials.ndim != 3 or partials.shape[0] < 1:
+        raise ValueError(f"{name}: partials must be [S, R, H] with S >= 1, got {tuple(partials.shape)}")
+    check_tensor(f"{name}: partials", partials, dtype=torch.float32, shape=(None, rows, hidden), device=residual.device)
+    splits = partials.shape[0]
+    return _launch_residual_rmsnorm(name, residual, partials, splits, weight, eps, out_residual, out_normed)
+
+
+def _check_residual_and_weight(name: str, residual: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(R, H) of residual [R, H] bf16, after checking it and weight [H] bf16 or fp32 on its device."""
     if residual.ndim != 2:
-        raise ValueError(f"residual_rmsnorm: residual must be [R, H], got {tuple(residual.shape)}")
+        raise ValueError(f"{name}: residual must be [R, H], got {tuple(residual.shape)}")
     rows, hidden = residual.shape
     device = residual.device
-    check_tensor("residual_rmsnorm: residual", residual, dtype=torch.bfloat16, shape=(rows, hidden), device=device)
-    check_tensor(
-        "residual_rmsnorm: weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(hidden,), device=device
-    )
-    if delta is not None:
-        check_tensor("residual_rmsnorm: delta", delta, dtype=torch.bfloat16, shape=(rows, hidden), device=device)
-        new_residual = output_tensor(
-            "residual_rmsnorm: out_residual", out_residual, (rows, hidden), torch.bfloat16, device
-        )
-    elif out_residual is not None:
-        raise ValueError("residual_rmsnorm: out_residual given but delta is None (the residual does not change)")
-    else:
+    check_tensor(f"{name}: residual", residual, dtype=torch.bfloat16, shape=(rows, hidden), device=device)
+    check_tensor(f"{name}: weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(hidden,), device=device)
+    return rows, hidden
+
+
+def _launch_residual_rmsnorm(
+    name: str,
+    residual: torch.Tensor,
+    delta: torch.Tensor | None,
+    splits: int,
+    weight: torch.Tensor,
+    eps: float,
+    out_residual: torch.Tensor | None,
+    out_normed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one launch of both wrappers, on checked inputs: delta None, bf16 [R, H] (splits 0) or the fp32 partials
+    [splits, R, H]."""
+    rows, hidden = residual.shape
+    device = residual.device
+    if delta is None:
         new_residual = residual
-    normed = output_tensor("residual_rmsnorm: out_normed", out_normed, (rows, hidden), torch.bfloat16, device)
+    else:
+        new_residual = output_tensor(f"{name}: out_residual", out_residual, (rows, hidden), torch.bfloat16, device)
+    normed = output_tensor(f"{name}: out_normed", out_normed, (rows, hidden), torch.bfloat16, device)
     if rows == 0:
         return new_residual, normed
     torch_cpu = kernel_mode(_residual_rmsnorm_kernel, device)
@@ -182,13 +248,15 @@ def residual_rmsnorm(
             normed,
             rows,
             residual.stride(0),
-            residual.stride(0) if delta is None else delta.stride(0),
+            residual.stride(0) if delta is None else delta.stride(-2),
+            delta.stride(0) if splits else 0,
             eps,
             inverse_count(hidden),
             HIDDEN=hidden,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             HAS_DELTA=delta is not None,
+            SPLITS=splits,
             TORCH_CPU=torch_cpu,
             num_warps=max(4, min(16, block_h // 512)),
             **LAUNCH_OPTIONS,

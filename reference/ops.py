@@ -72,6 +72,27 @@ def residual_rmsnorm(
     return new_residual, rmsnorm_1p(new_residual, weight, eps)
 
 
+def splitk_delta(partials: torch.Tensor) -> torch.Tensor:
+    """The split-K GEMM's reduction: delta = bf16↓( p_0 + p_1 + ... + p_{S-1} ) of partials [S, T, hidden] fp32.
+
+    Not an HF op: a GEMM split over S slices of K returns S fp32 partial sums, and this is how they are reduced, in
+    fp32, strictly in split order (each + one IEEE fp32 add, never a tree), then rounded once. Returns [T, hidden] bf16.
+    """
+    if partials.ndim != 3 or partials.dtype != torch.float32 or partials.shape[0] < 1:
+        raise ValueError(f"splitk_delta: partials must be [S >= 1, T, hidden] fp32, got {tuple(partials.shape)}")
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + partial
+    return total.to(torch.bfloat16)
+
+
+def residual_rmsnorm_splitk(
+    residual: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual_rmsnorm` whose delta is the split-K reduction `splitk_delta(partials)`: (new_residual, normed)."""
+    return residual_rmsnorm(residual, splitk_delta(partials), weight, eps)
+
+
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm (`Qwen3_5RMSNormGated`, HF torch path), per value head of V dims.
 

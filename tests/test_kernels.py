@@ -103,10 +103,11 @@ def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
 @pytest.mark.parametrize("capability", compile_check.CAPABILITIES)
 def test_kernels_compile_for(capability: int) -> None:
     """`python -m kernels.compile_check --capability N`: every kernel, as the wrappers launch it at the 27B shapes
-    (gdn_prep at every binary-search depth, with and without a row index), compiles for sm_N with the installed Triton,
-    aligned and unaligned (the interpreter never runs Triton's compiler passes, kernels/compile_check.py): sm_90 (H200),
-    sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas cannot target one. A subprocess, because this process
-    defined the kernels under TRITON_INTERPRET=1. About 110 s per target on the 2-core CI machine."""
+    (gdn_prep at every binary-search depth, with and without a row index; residual_rmsnorm_splitk at S = 1-4),
+    compiles for sm_N with the installed Triton, aligned and unaligned (the interpreter never runs Triton's compiler
+    passes, kernels/compile_check.py): sm_90 (H200), sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas
+    cannot target one. A subprocess, because this process defined the kernels under TRITON_INTERPRET=1. About 125 s
+    per target on the 2-core CI machine."""
     import subprocess
     import sys
 
@@ -125,7 +126,7 @@ def test_kernels_compile_for(capability: int) -> None:
     )
     print(done.stdout)
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines and lines[-1] == "62 compiled, 0 failed", done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0 and lines and lines[-1] == "70 compiled, 0 failed", done.stdout + done.stderr[-3000:]
     names = {line.split()[-3] for line in lines if line.endswith(" ok")}
     assert names == {f"_{k}_kernel" for k in ("silu_mul", "residual_rmsnorm", "gated_rmsnorm", "attn_prep",
                                               "attention_gate", "gdn_prep")}  # fmt: skip
@@ -175,6 +176,65 @@ def test_norm_variants_tiny() -> None:
     check_rows([table[0], table[2], table[3]])
 
 
+def _splitk_inputs(splits: int, rows: int, hidden: int, layout: str, seed: int):
+    """Fresh random residual [R, H] bf16, partials [S, R, H] fp32 in `layout` ("contiguous", "padded": row stride
+    H + 9, "row_major": split stride H, row stride S·H, as a [R, S, H] buffer gives) and a weight [H] fp32. The
+    partials' scales differ by powers of two per split, so the fp32 sum rounds at every add."""
+    generator = torch.Generator().manual_seed(seed)
+    residual = torch.randn(rows, hidden, generator=generator).bfloat16()
+    scales = torch.tensor([1.0, 64.0, 1 / 32, 8.0])[:splits].view(splits, 1, 1)
+    if layout == "padded":
+        partials = torch.randn(splits, rows, hidden + 9, generator=generator)[..., :hidden]
+    elif layout == "row_major":
+        partials = torch.randn(rows, splits, hidden, generator=generator).transpose(0, 1)
+    else:
+        partials = torch.randn(splits, rows, hidden, generator=generator)
+    partials.mul_(scales)
+    return residual, partials, torch.randn(hidden, generator=generator) / 8
+
+
+@pytest.mark.parametrize("splits", (1, 2, 3, 4))
+@pytest.mark.parametrize(
+    ("rows", "hidden", "layout"),
+    [(1, TINY.hidden_size, "contiguous"), (65, 200, "padded"), (7, QWEN38_27B.hidden_size, "row_major")],
+)
+def test_residual_rmsnorm_splitk(splits: int, rows: int, hidden: int, layout: str) -> None:
+    """The split-K partials reduced in the residual norm, outputs NaN-poisoned: new_residual bitwise against
+    `ops.residual_rmsnorm_splitk`; the delta bitwise against `ops.splitk_delta` (seen as new_residual of a -0.0
+    residual: x + (-0) = x for every x); normed bitwise against `kernels.residual_rmsnorm` on the reference delta
+    and within the sum-of-squares bound of the reference."""
+    residual, partials, weight = _splitk_inputs(splits, rows, hidden, layout, seed=100 * splits + rows)
+    eps = TINY.rms_norm_eps
+    nan = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
+    new_residual, normed = kernels.residual_rmsnorm_splitk(
+        residual, partials, weight, eps, out_residual=nan.clone(), out_normed=nan.clone()
+    )
+    want_residual, want_normed = ops.residual_rmsnorm_splitk(residual, partials, weight, eps)
+    assert torch.equal(new_residual.view(torch.int16), want_residual.view(torch.int16))
+    same_kernel = kernels.residual_rmsnorm(residual, ops.splitk_delta(partials), weight, eps)
+    assert torch.equal(normed.view(torch.int16), same_kernel[1].view(torch.int16))
+    table = [compare("residual_rmsnorm", "normed", normed, want_normed)]
+    _report(f"residual_rmsnorm_splitk S={splits}, {rows} x {hidden} {layout}", table)
+    check_rows(table)
+
+    minus_zero = torch.full_like(residual, -0.0)
+    delta, _ = kernels.residual_rmsnorm_splitk(minus_zero, partials, weight, eps, out_residual=nan.clone())
+    assert torch.equal(delta.view(torch.int16), ops.splitk_delta(partials).view(torch.int16))
+
+
+def test_residual_rmsnorm_splitk_sums_in_split_order() -> None:
+    """p_0 = x, p_1 = -x, p_2 = y with |x| >> |y|: in split order the sum is exactly y; any other order loses y's low
+    bits. The kernel's delta is y (as a -0.0 residual shows it), so it adds in split order; in place over residual."""
+    generator = torch.Generator().manual_seed(7)
+    x, y = torch.randn(9, 96, generator=generator) * 2**20, torch.randn(9, 96, generator=generator)
+    partials = torch.stack([x, -x, y])
+    assert not torch.equal(((y + -x) + x).bfloat16(), y.bfloat16())  # the other order differs
+    residual = torch.full((9, 96), -0.0, dtype=torch.bfloat16)
+    new_residual, _ = kernels.residual_rmsnorm_splitk(residual, partials, torch.zeros(96), 1e-6, out_residual=residual)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual.view(torch.int16), y.bfloat16().view(torch.int16))
+
+
 def test_attn_prep_head_major_layout_tiny() -> None:
     """layout="htd" writes the same values as "thd", transposed to [H, T, D] for SDPA."""
     act = random_activations(TINY, [63], "cpu", seed=4)
@@ -193,6 +253,10 @@ def test_batch_invariance_tiny() -> None:
     eps = TINY.rms_norm_eps
     full = kernels.residual_rmsnorm(act["residual"], act["delta"], act["norm_weight"], eps)[1]
     part = kernels.residual_rmsnorm(act["residual"][:7], act["delta"][:7], act["norm_weight"], eps)[1]
+    assert torch.equal(part, full[:7])
+    partials = torch.randn(3, 65, TINY.hidden_size, generator=torch.Generator().manual_seed(6))
+    full = kernels.residual_rmsnorm_splitk(act["residual"], partials, act["norm_weight"], eps)[1]
+    part = kernels.residual_rmsnorm_splitk(act["residual"][:7], partials[:, :7], act["norm_weight"], eps)[1]
     assert torch.equal(part, full[:7])
     args = (act["q_norm_weight"], act["k_norm_weight"])
     dims = {"num_heads": TINY.num_attention_heads, "num_kv_heads": TINY.num_key_value_heads, "head_dim": TINY.head_dim}
@@ -289,6 +353,46 @@ def _tiny_attn_prep(*, rotary_dim: int = 16, **options):
                 torch.randn(2, 8).bfloat16(), None, torch.zeros(8), 1e-6, out_residual=torch.empty(2, 8)
             ),
             "delta is None",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.randn(2, 2, 8).bfloat16(), torch.zeros(8), 1e-6
+            ),
+            "partials: dtype torch.bfloat16",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.randn(2, 8), torch.zeros(8), 1e-6
+            ),
+            r"partials must be \[S, R, H\] with S >= 1, got \(2, 8\)",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.empty(0, 2, 8), torch.zeros(8), 1e-6
+            ),
+            r"S >= 1, got \(0, 2, 8\)",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.randn(3, 2, 9), torch.zeros(8), 1e-6
+            ),
+            r"partials: shape \(3, 2, 9\), expected \[\*, 2, 8\]",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.randn(3, 8, 2).transpose(1, 2), torch.zeros(8), 1e-6
+            ),
+            "partials: last dim must have stride 1",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(torch.randn(2, 8), torch.randn(3, 2, 8), torch.zeros(8), 1e-6),
+            "residual_rmsnorm_splitk: residual: dtype torch.float32",
+        ),
+        (
+            lambda: kernels.residual_rmsnorm_splitk(
+                torch.randn(2, 8).bfloat16(), torch.randn(3, 2, 8), torch.zeros(8), 1e-6, out_normed=torch.empty(2, 8)
+            ),
+            "out_normed: dtype torch.float32",
         ),
         (
             lambda: kernels.gated_rmsnorm(
