@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 import engine.server
+from ablations.amplification import amplification_body, many_candidates_body
 from ablations.jevbench import request_body
 from ablations.overhead import MAX_RATIO_TO_FLOOR, TARGET_P50_MS, measure_overhead
 from engine.server import (
@@ -51,7 +52,6 @@ from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict
 from reference.service import DecisionModel, default_model
 from reference.shapes import QWEN38_27B
-from tests.cases import amplification_body, many_candidates_body
 
 TIMEOUT_S = 60.0
 INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
