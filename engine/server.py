@@ -44,15 +44,17 @@ uvicorn answers the parser's refusals with uvicorn's plain-text 400). A request 
 is read as chunked and answered on a closed connection (RFC 9112 §6.3). A connection idle for 30 s (before its first
 request or between requests) is closed. An answer given before the body was read (403, 415, 413, 408 ...) closes the
 connection after reading and dropping what the client still sends (at most 8 MiB, 2 s), so the client reads the answer
-instead of a connection reset. The server keeps serving after every one of these.
+instead of a connection reset. Pipelined requests before a refused one are answered first, in order, then the refusal
+(reading stops meanwhile). The server keeps serving after every one of these.
 
 Concurrency: the HTTP side is one event loop (no thread per connection: idle connections cost a socket each). It frames
-the body, parses the JSON and compiles the request (`DecisionModel.compile`: validation, admission budgets, prompts,
-tokens and the length check): on the loop itself for bodies up to 64 KiB (every JevBench and Open-Jev request; well
-under a millisecond, and a hop to a thread costs about 0.1 ms of the 2 ms overhead budget), on the loop's thread pool
-above that, so that a large request does not hold up other connections. The forwards run on one `DecisionWorker`
-thread fed by a bounded FIFO of compiled requests, which the handler awaits without blocking the loop: the GPU thread
-does nothing but plan, run and read out forwards, back to back.
+the body, then parses the JSON and compiles the request (`DecisionModel.compile`: validation, admission budgets,
+prompts, tokens and the length check): on the loop itself for bodies up to 64 KiB (every JevBench and Open-Jev request;
+well under a millisecond, and a hop to a thread costs about 0.1 ms of the 2 ms overhead budget), both on the loop's
+thread pool above that, so that a large request does not hold up other connections (parsing a 970 KB body alone takes
+40 ms). The forwards run on one `DecisionWorker` thread fed by a bounded FIFO of compiled requests, which the handler
+awaits without blocking the loop: the GPU thread does nothing but plan, run and read out forwards, back to back. (Off
+the loop is not off the GIL: while a large request compiles, the worker's forwards share the interpreter with it.)
 
 Batching: each forward takes the oldest queued request and, of those queued behind it (at most 16 in all), as many as
 `DecisionModel.batch_requests` admits (in queue order, within the backbone's row budget: the grid's largest bucket on
@@ -641,14 +643,18 @@ class DecisionApp:
             valid.append(f"{self.examples_dir.name}/{path.relative_to(self.examples_dir).as_posix()}")
         return valid
 
+    def _parse_and_compile(self, body: bytes) -> Any:
+        """Strict JSON, then `compile` when the model has one (RequestError for a fault of the body)."""
+        request = parse_json_strict(body)
+        return request if self.calls.compile is None else self.calls.compile(request)
+
     async def answer(self, body: bytes) -> tuple[int, bytes]:
         """The decision endpoint behind the HTTP framing: body bytes -> (status, response JSON bytes)."""
         try:
-            request = parse_json_strict(body)
-            if self.calls.compile is not None and len(body) <= INLINE_COMPILE_BYTES:
-                request = self.calls.compile(request)
-            elif self.calls.compile is not None:  # a large request: on the thread pool, so the loop keeps serving
-                request = await asyncio.to_thread(self.calls.compile, request)
+            if len(body) <= INLINE_COMPILE_BYTES:
+                request = self._parse_and_compile(body)
+            else:  # a large request: parsed and compiled on the thread pool, so the loop keeps serving
+                request = await asyncio.to_thread(self._parse_and_compile, body)
         except RequestError as error:
             return _error(error.status, error.message)
         except asyncio.CancelledError:
@@ -818,6 +824,7 @@ def build_app(model: Any, **options: Any) -> Starlette:
         exception_handlers={404: _not_found, 405: _not_found},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # `/v1/systemone/` is an unknown path (404), not a 307 without a body
     app.state.decisions = decisions
     return app
 
@@ -846,6 +853,8 @@ class DecisionProtocol(HttpToolsProtocol):
         self._head_parsed = 0  # bytes of the target and fields the parser has read
         self._head_fields = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._running: Any = None  # the request cycle whose app runs (or ran last); pipelined ones wait behind it
+        self._refusal: tuple[int, str, bool] | None = None  # a refusal waiting for the answers before it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -853,9 +862,15 @@ class DecisionProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True  # uvicorn marks only the latest cycle; the running one must not write either
+            running.message_event.set()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # the connection closes after the answers before the refused request
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -910,24 +925,59 @@ class DecisionProtocol(HttpToolsProtocol):
             self._refuse(408, f"the request head was not complete within {HEAD_TIMEOUT_S:g} s")
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer a request the parser refused, unless its answer has begun, and close the connection."""
+        """Answer a request the parser refused, unless its answer has begun, and close the connection. Pipelined
+        requests before it are answered first, in order (reading stops meanwhile): the refusal is the answer to the
+        request it refuses, never to an earlier one."""
         self._in_head = False
         self._stop_head_timer()
+        if self._refusal is not None:  # already refused: waiting for the earlier answers
+            return
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None
-        if cycle is not None:
+        if cycle is not None and not cycle.more_body:
+            cycle = None  # that request is complete: the refused one is the next, whose head did not parse
+        queued = [entry for entry in self.pipeline if entry[0] is cycle]
+        for entry in queued:  # the refused request was waiting behind others: it never runs
+            self.pipeline.remove(entry)
+        if cycle is not None and not queued:
             cycle.disconnected = True  # the app, if it runs, reads a disconnect and its answer goes nowhere
             cycle.message_event.set()
-        if not self.transport.is_closing() and (cycle is None or not cycle.response_started):
+        logged = cycle is None or bool(queued)  # else the app, reading the disconnect, logs and counts the request
+        running = self._running is not None and not self._running.response_complete and self._running is not cycle
+        if self.pipeline or running:
+            self._refusal = (status, message, logged)
+            self.flow.pause_reading()
+            return
+        self._send_refusal(status, message, logged, started=cycle is not None and cycle.response_started)
+
+    def _send_refusal(self, status: int, message: str, logged: bool, *, started: bool = False) -> None:
+        if not self.transport.is_closing() and not started:
             payload = _json_bytes({"error": message})
             head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
             head += [name + b": " + value for name, value in self.server_state.default_headers]
             head += [b"content-type: application/json", b"content-length: %d" % len(payload)]
             head += [name + b": " + value for name, value in ANSWER_HEADERS] + [b"connection: close"]
             self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
-            if cycle is None:  # else the app, reading the disconnect, logs and counts the request
+            if logged:
                 line = _request_line(self.scope) if self.scope and "path" in self.scope else "-"
                 self.decisions.answered(self.client[0] if self.client else "-", line, status, len(payload), None)
         self.transport.close()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        """As uvicorn's, but with a refusal waiting: start the next earlier request, or after the last one answer the
+        refusal, and read nothing more."""
+        if self._refusal is None:
+            return super().on_response_complete()
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        if self.pipeline:
+            self._start_asgi_task(*self.pipeline.pop())
+        else:
+            self._send_refusal(*self._refusal)
 
 
 def _framing_refusal(error: httptools.HttpParserError) -> tuple[int, str]:

@@ -281,19 +281,3 @@ def bit_identity_result(**changes) -> dict:
               "note": "CPU: interpreter", "error": None, "seconds": 1.0, "rows": rows}  # fmt: skip
     result.update(changes)
     return result
-
-
-def amplification_body() -> bytes:
-    """About 157 KB asking 16 choice questions of 255 options about one 102 KB state: 4,080 candidates that would
-    repeat the state in every prompt (about 417 MB of prompt text)."""
-    state = "The order arrived late and the customer asked for a refund. " * 1700
-    options = {f"o{index}": "ok" for index in range(255)}
-    question = {"type": "choice", "instructions": "Which?", "criteria": options}
-    return json.dumps({"state": state, "questions": {f"q{index}": question for index in range(16)}}).encode()
-
-
-def many_candidates_body() -> bytes:
-    """About 970 KB asking 257 choice questions of 255 options: 65,535 candidates, inside the contract's 65,536."""
-    options = {f"o{index}": "abc" for index in range(255)}
-    question = {"type": "choice", "instructions": "Which?", "criteria": options}
-    return json.dumps({"state": "s", "questions": {f"q{index}": question for index in range(257)}}).encode()

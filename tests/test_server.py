@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 import engine.server
+from ablations.amplification import amplification_body, many_candidates_body
+from ablations.fuzz_server import parse_answers
 from ablations.jevbench import request_body
 from ablations.overhead import MAX_RATIO_TO_FLOOR, TARGET_P50_MS, measure_overhead
 from engine.server import (
@@ -51,7 +53,6 @@ from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict
 from reference.service import DecisionModel, default_model
 from reference.shapes import QWEN38_27B
-from tests.cases import amplification_body, many_candidates_body
 
 TIMEOUT_S = 60.0
 INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
@@ -705,6 +706,40 @@ def test_fuzz_findings_get_the_contract_answers(server):
         501,
         {"error": "unsupported method"},
     )
+
+
+def pipelined_statuses(server, raw: bytes, heads: list[bool] | None = None) -> list[int]:
+    """Send pipelined requests in one write, read until the server closes: the statuses of its answers, in order."""
+    answers, partial = parse_answers(raw_exchange(server, raw), heads or [], True)
+    assert not partial
+    return [answer.status for answer in answers]
+
+
+def test_pipelined_requests_before_a_refused_one_are_answered_first(server):
+    """ablations.fuzz_server's finding: a request the parser refuses (an unknown method, a bad chunk, an oversize
+    head) behind pipelined ones used to be answered at once, in place of the earlier requests' answers, which were
+    dropped: a client read `501` as the answer to its `GET /health`. Now the earlier ones are answered in order, then
+    the refusal, then the connection closes."""
+    health = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    body = json.dumps(short_request(3)).encode()
+    decide = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    decide += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    assert pipelined_statuses(server, health + b"BREW /health HTTP/1.1\r\nHost: localhost\r\n\r\n") == [200, 501]
+    assert pipelined_statuses(server, health + decide + health + b"GARBAGE\r\n\r\n") == [200, 200, 200, 501]
+    big = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n"
+    assert pipelined_statuses(server, decide + big) == [200, 431]
+    head = b"HEAD /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    bad_chunk = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    bad_chunk += b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    assert pipelined_statuses(server, head + health + bad_chunk, [True]) == [200, 200, 400]
+    assert call(server, "GET", "/health")[0] == 200
+
+
+def test_a_trailing_slash_is_an_unknown_path(server):
+    """ablations.fuzz_server's finding: Starlette redirected `/v1/systemone/` with a 307 without a body (a JSON
+    answer is promised); every unknown path is a 404."""
+    assert post(server, short_request(4), path="/v1/systemone/")[::2] == (404, {"error": "not found"})
+    assert call(server, "GET", "/health/")[::2] == (404, {"error": "not found"})
 
 
 def test_examples_json_lists_the_files_that_validate(tmp_path, tiny_model, drone):

@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ablations.amplification import amplification_body, many_candidates_body
 from ablations.jevbench import request_body
 from reference import service
 from reference.data import jevbench_tasks, open_jev_workloads
@@ -28,7 +29,6 @@ from reference.request import MODEL_NOT_LOADED, RequestError, validate_request
 from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
 from reference.shapes import TINY
 from reference.tokenizer import default_prompt_tokenizer
-from tests.cases import amplification_body, many_candidates_body
 
 MODEL_ID = "Qwen/Qwen3.8-27B"
 REVISION = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
