@@ -71,7 +71,7 @@ def targets_text(summary: dict) -> str:
 def serving_figure(summary: dict, path: Path) -> None:
     rows = sorted(summary["per_clients"].items(), key=lambda item: int(item[0]))
     clients = [int(count) for count, _ in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
     left.plot(clients, [row["requests_per_s"] for _, row in rows], marker="o")
     left.set(xlabel="concurrent clients", ylabel="requests / s", xticks=clients)
     left.set_ylim(bottom=0)
