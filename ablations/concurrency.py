@@ -4,14 +4,14 @@
                                     [--clients 1,4,8,16] [--tasks easy,original] [--limit N] [--out results/serving]
                                     [--label NAME]
 
-First the alone pass: every task once, one request at a time; it warms the server (the issue's "second pass" is
-every pass after it) and gives each task's answer alone, the reference of every later answer. Then, per client count
-k, k client threads each send every task once, client i starting at task i*n/k and wrapping around (so that at any
-moment the clients ask for different tasks), each request on a new connection as JevBench connects, the next one as
-soon as the last answered. Per k: requests/s over the wall clock from the first request sent to the last answer read,
-the client latency of every request (mean/P50/P95/max), the statuses, and how many answers are bit-identical to the
-same task's answer alone (every probability the same float). The server's own view, where it says (metadata.batch),
-is averaged: requests per forward.
+First the alone pass: every task once, one request at a time; it warms the server (the issue's "second pass" is every
+pass after it) and gives each task's answer alone, the reference of every later answer. Then, per client count k, k
+client threads each send every task once, client i starting at task i*n/k and wrapping around (so that at any moment the
+clients ask for different tasks), each request on a new connection as JevBench connects, the next one as soon as the
+last answered (`ablations.jevbench.run_task`: built, sent, read and mapped as JevBench does). Per k: requests/s over the
+wall clock from the first request sent to the last answer read, the client latency of every request (mean/P50/P95/max),
+the statuses, and how many answers are bit-identical to the same task's answer alone (every probability the same float).
+The server's own view, where it says (metadata.batch), is averaged: requests per forward.
 
 Written under `--out/<utc>-<gpu or cpu>-<sha7>-<label>/`: `records.jsonl` (one row per request: clients, client,
 task, status, latency, identical) and `summary.json` (per k, the targets of issue 15 evaluated at 8 clients against
@@ -30,16 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ablations import envinfo
-from ablations.jevbench import (
-    QUESTION_ID,
-    environment,
-    load_tasks,
-    post_json,
-    probabilities_from_answer,
-    request_body,
-    server_identity,
-    write_run,
-)
+from ablations.jevbench import environment, load_tasks, run_task, server_identity, write_run
 from ablations.overhead import latency_stats
 from engine.server import DecisionServer, add_model_arguments, model_from_arguments
 from reference.data import REPO
@@ -52,33 +43,13 @@ TARGET_THROUGHPUT_RATIO = 3.0
 TARGET_P50_RATIO = 2.0
 
 
-def ask(endpoint: str, task: dict) -> dict:
-    """One request for `task`: status, client latency in ms, the mapped distribution (or None), the server's
-    batch metadata when it reports one."""
-    start = time.perf_counter()
-    try:
-        status, response = post_json(endpoint, request_body(task, "open-jev"))
-    except OSError as error:
-        return {"status": None, "latency_ms": 1e3 * (time.perf_counter() - start), "error": repr(error)}
-    latency_ms = 1e3 * (time.perf_counter() - start)
-    if status != 200:
-        error = response.get("error") if isinstance(response, dict) else str(response)[:200]
-        return {"status": status, "latency_ms": latency_ms, "error": error}
-    return {
-        "status": status,
-        "latency_ms": latency_ms,
-        "probabilities": probabilities_from_answer(task, response["answers"][QUESTION_ID]),
-        "batch": response["metadata"].get("batch"),
-    }
-
-
 def alone_pass(endpoint: str, tasks: list[dict]) -> dict[str, dict[str, float]]:
     """Every task once, one at a time: the answers alone (a task the server refuses has none)."""
     alone = {}
     for task in tasks:
-        result = ask(endpoint, task)
-        if result["status"] == 200:
-            alone[task["id"]] = result["probabilities"]
+        record = run_task(endpoint, task, model="open-jev")
+        if record["probabilities"] is not None:
+            alone[task["id"]] = record["probabilities"]
     return alone
 
 
@@ -92,11 +63,18 @@ def concurrent_pass(endpoint: str, tasks: list[dict], clients: int, alone: dict)
         barrier.wait()
         for number in range(len(tasks)):
             task = tasks[(offset + number) % len(tasks)]
-            result = ask(endpoint, task)
-            reference = alone.get(task["id"])
-            identical = result.get("probabilities") is not None and result["probabilities"] == reference
-            records[index].append({"clients": clients, "client": index, "id": task["id"], "identical": identical})
-            records[index][-1].update({k: v for k, v in result.items() if k != "probabilities"})
+            record = run_task(endpoint, task, model="open-jev")
+            probabilities = record["probabilities"]
+            records[index].append({
+                "clients": clients,
+                "client": index,
+                "id": task["id"],
+                "status": record["status"],
+                "latency_ms": record["latency_ms"],
+                "error": record["error"],
+                "batch": record["server"]["batch"] if record["server"] else None,
+                "identical": probabilities is not None and probabilities == alone.get(task["id"]),
+            })  # fmt: skip
 
     threads = [threading.Thread(target=client, args=(index,), daemon=True) for index in range(clients)]
     for thread in threads:

@@ -231,6 +231,7 @@ def server_fields(response: dict) -> dict:
         "synthetic_weights": metadata.get("synthetic_weights", metadata["method"] == "synthetic_weights"),
         "backend": metadata.get("backend"),
         "graph": metadata.get("graph"),  # a `graphs` server: the bucket and whether a graph served the request
+        "batch": metadata.get("batch"),  # answered by a forward shared with other requests: how many
         "model": response["model"],
         "method": metadata["method"],
     }
