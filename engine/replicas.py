@@ -53,23 +53,20 @@ def _ray_serve() -> Any:
 
 def replica_deployment(serve: Any) -> Any:
     """The `DecisionReplica` deployment class (built on demand so that importing this module needs no Ray)."""
-    from engine.server import LOOPBACK_HOSTS, build_app, model_from_arguments, parse_arguments
+    from engine.server import answered_hosts, app_options, build_app, model_from_arguments, parse_arguments
 
     @serve.deployment(name="DecisionReplica", health_check_period_s=5, health_check_timeout_s=30)
     @serve.ingress()
     class DecisionReplica:
         """One model and its decision app; `server_argv` are `engine.server` flags (the port flags are ignored: the
-        proxy owns the port), `loopback` whether the proxy listens on a loopback address."""
+        proxy owns the port), `proxy_host` the address the proxy listens on (it decides the Host check)."""
 
-        def __init__(self, server_argv: list[str], loopback: bool):
+        def __init__(self, server_argv: list[str], proxy_host: str):
             args = parse_arguments(server_argv)
             self.decision_app = build_app(
                 model_from_arguments(args),  # weights, kernels and (graphs) the whole grid, before Ray calls it ready
-                queue_size=args.queue_size,
-                allow_cross_origin=args.allow_cross_origin,
-                answered_hosts=(*LOOPBACK_HOSTS, *args.allow_host) if loopback else None,
-                access_log=sys.stderr if args.access_log == "stderr" else None,
-                deadline_s=args.deadline,
+                answered_hosts=answered_hosts(proxy_host, args.allow_host),
+                **app_options(args),
             )
 
         def __serve_build_asgi_app__(self) -> Any:
@@ -95,6 +92,7 @@ def start(
     """Start Ray (in this process), the proxy and `replicas` replicas; return the proxy's URL once all are ready."""
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    ipaddress.ip_address(proxy_host)  # an IP address (ValueError otherwise): the replicas' Host check depends on it
     if gpus_per_replica > 0 and torch.cuda.device_count() < replicas * gpus_per_replica:
         raise ValueError(
             f"{replicas} replicas x {gpus_per_replica} GPUs need {replicas * gpus_per_replica} GPUs; "
@@ -105,11 +103,10 @@ def start(
     serve = _ray_serve()
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": proxy_host, "port": proxy_port})
-    loopback = ipaddress.ip_address(proxy_host).is_loopback
     deployment = replica_deployment(serve).options(
         num_replicas=replicas, ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1}
     )
-    serve.run(deployment.bind(server_argv, loopback), name=APP_NAME, route_prefix="/")
+    serve.run(deployment.bind(server_argv, proxy_host), name=APP_NAME, route_prefix="/")
     return f"http://{proxy_host}:{proxy_port}"
 
 

@@ -288,14 +288,12 @@ class DecisionWorker:
     def _drain(self, error: type[Exception]) -> None:
         """Answer every queued job with `error`."""
         jobs, self._next = self._next, []
-        for job in jobs:
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(error())
         while True:
             try:
-                job = self._queue.get_nowait()
+                jobs.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error())
 
@@ -315,7 +313,7 @@ class DecisionWorker:
         if not self._next:
             return []
         front = self._next[:MAX_BATCH_REQUESTS]
-        count = self._calls.batch_size([job.request for job in front]) if len(front) > 1 else 1
+        count = self._calls.batch_size([job.request for job in front])
         taken, self._next = self._next[:count], self._next[count:]
         return [job for job in taken if job.future.set_running_or_notify_cancel()]
 
@@ -1023,12 +1021,11 @@ class DecisionServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
-        loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
         self.app = build_app(
             model,
             queue_size=queue_size,
             allow_cross_origin=allow_cross_origin,
-            answered_hosts=(*LOOPBACK_HOSTS, *allowed_hosts) if loopback else None,
+            answered_hosts=answered_hosts(self.server_address[0], allowed_hosts),
             access_log=access_log,
             deadline_s=deadline_s,
             body_timeout_s=body_timeout_s,
@@ -1218,6 +1215,23 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def answered_hosts(bind_address: str, allowed: Iterable[str]) -> tuple[str, ...] | None:
+    """The `Host` names a server listening on `bind_address` (an IP address) answers: on a loopback address the
+    loopback names and `allowed`, on any other every name (None)."""
+    return (*LOOPBACK_HOSTS, *allowed) if ipaddress.ip_address(bind_address).is_loopback else None
+
+
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The app's options from the command line (`parse_arguments`), as `DecisionServer` and `build_app` take them;
+    the server here and each replica (engine/replicas.py) alike."""
+    return {
+        "queue_size": args.queue_size,
+        "allow_cross_origin": args.allow_cross_origin,
+        "access_log": sys.stderr if args.access_log == "stderr" else None,
+        "deadline_s": args.deadline,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     try:
@@ -1225,16 +1239,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:  # a stage this machine cannot run, bad flags: say why, no traceback
         print(f"engine.server: cannot serve --backend {args.backend or default_backend()}: {error}", file=sys.stderr)
         return 2
-    server = DecisionServer(
-        model,
-        host=args.host,
-        port=args.port,
-        queue_size=args.queue_size,
-        allow_cross_origin=args.allow_cross_origin,
-        allowed_hosts=args.allow_host,
-        access_log=sys.stderr if args.access_log == "stderr" else None,
-        deadline_s=args.deadline,
-    )
+    server = DecisionServer(model, host=args.host, port=args.port, allowed_hosts=args.allow_host, **app_options(args))
     ready = {"url": server.url, "model": server.decisions.model_id, "method": server.decisions.method}
     print(json.dumps(ready), flush=True)
     # SIGTERM before uvicorn takes the signals, or raised again after it gave them back: stop (again), exit 0.
