@@ -1091,6 +1091,24 @@ def small_client(send: Callable[[], tuple[int, float]], stop: threading.Event, w
             during.append(ms)
 
 
+@contextlib.contextmanager
+def small_clients(senders: dict[str, Callable[[], tuple[int, float]]], window: dict, times: dict[str, list[float]]):
+    """Each of `senders` as a `small_client` thread while the block runs (its times in `times[name]`)."""
+    stop = threading.Event()
+    clients = [
+        threading.Thread(target=small_client, args=(send, stop, window, times[name]), daemon=True)
+        for name, send in senders.items()
+    ]
+    for client in clients:
+        client.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+
+
 def run_amplification(*, model: Any, repeats: int = 3) -> dict[str, Any]:
     """Each body `repeats` times (the first in a process that never saw it): time to the 422, peak RSS growth, and
     two other clients' requests during it (a short decision request, `GET /health`, 5 ms apart) against the same
@@ -1104,41 +1122,23 @@ def run_amplification(*, model: Any, repeats: int = 3) -> dict[str, Any]:
         senders = {"decide": lambda: post_once(address, short), "health": lambda: get_once(address)}
         timed_requests(address, 10)  # warm-up
         before: dict[str, list[float]] = {other: [] for other in senders}
-        stop = threading.Event()
         window = {"start": time.perf_counter(), "end": time.perf_counter() + 1.5}  # both clients, no big request
-        clients = [
-            threading.Thread(target=small_client, args=(send, stop, window, before[other]), daemon=True)
-            for other, send in senders.items()
-        ]
-        for client in clients:
-            client.start()
-        time.sleep(1.5)
-        stop.set()
-        for client in clients:
-            client.join()
+        with small_clients(senders, window, before):
+            time.sleep(1.5)
         results = {}
         for name, body in bodies.items():
             runs = []
             during: dict[str, list[float]] = {other: [] for other in senders}
             for _ in range(repeats):
-                stop = threading.Event()
-                window: dict[str, float] = {}
-                clients = [
-                    threading.Thread(target=small_client, args=(send, stop, window, during[other]), daemon=True)
-                    for other, send in senders.items()
-                ]
-                for client in clients:
-                    client.start()
-                time.sleep(0.05)
-                base = sampler.mark()
-                window["start"] = time.perf_counter()
-                status, ms = post_once(address, body)
-                window["end"] = time.perf_counter()
-                time.sleep(0.005)  # a sample after the answer
-                runs.append({"status": status, "ms": ms, "peak_rss_growth_mb": (sampler.peak - base) / 1024})
-                stop.set()
-                for client in clients:
-                    client.join()
+                window = {}
+                with small_clients(senders, window, during):
+                    time.sleep(0.05)
+                    base = sampler.mark()
+                    window["start"] = time.perf_counter()
+                    status, ms = post_once(address, body)
+                    window["end"] = time.perf_counter()
+                    time.sleep(0.005)  # a sample after the answer
+                    runs.append({"status": status, "ms": ms, "peak_rss_growth_mb": (sampler.peak - base) / 1024})
             tracemalloc.start()
             tracemalloc.reset_peak()
             traced_base = tracemalloc.get_traced_memory()[0]
