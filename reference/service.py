@@ -341,14 +341,17 @@ class DecisionModel:
                 return [error]
             return [result for one in batch for result in self._answer_batch([one])]
         forward_seconds = time.perf_counter() - start
-        shared = {"requests": len(batch), "candidate_sequences": len(candidates)} if len(batch) > 1 else None
+        # What describes the forward, the same for every request of the batch: computed once.
+        forward = {"prefix_cache": self._prefix_cache_metadata(prepared), **self._graph_metadata(prepared)}
+        if len(batch) > 1:
+            forward["batch"] = {"requests": len(batch), "candidate_sequences": len(candidates)}
         results: list[dict[str, Any] | BaseException] = []
         first = 0
         for one in batch:
             rows = slice(first, first + len(one.candidates))
             first = rows.stop
             try:
-                results.append(self._respond(one, hidden[rows], prepared, forward_seconds, shared))
+                results.append(self._respond(one, hidden[rows], forward_seconds, forward))
             except PROCESS_EXITS:
                 raise
             except BaseException as error:  # noqa: BLE001 - this request's own readout failed (e.g. non-finite)
@@ -356,9 +359,10 @@ class DecisionModel:
         return results
 
     def _respond(
-        self, one: CompiledRequest, hidden: torch.Tensor, prepared: Any, forward_seconds: float, shared: dict | None
+        self, one: CompiledRequest, hidden: torch.Tensor, forward_seconds: float, forward: dict[str, dict]
     ) -> dict[str, Any]:
-        """A request's response from its own hidden rows [C_i, H] of the (possibly shared) forward."""
+        """A request's response from its own hidden rows [C_i, H] of the (possibly shared) forward; `forward`: the
+        forward's `prefix_cache`, and its `graph` and `batch` where it has them (each response gets its own copy)."""
         start = time.perf_counter()
         plan = one.plan
         with torch.no_grad():
@@ -370,7 +374,7 @@ class DecisionModel:
             "temperature": self.weights.temperature,
             "candidate_sequences": len(plan.candidates),
             "inference_seconds": inference_seconds,
-            "prefix_cache": self._prefix_cache_metadata(prepared),
+            "prefix_cache": dict(forward["prefix_cache"]),
             "checkpoint_sha256": self.weights.checkpoint_sha256,
             "base_revision": self.weights.revision,
             "max_length": self.max_length,
@@ -378,10 +382,8 @@ class DecisionModel:
             "code_commit": self.code_commit,
             "backend": self.backbone.name,
             "synthetic_weights": bool(self.weights.synthetic),
-            **self._graph_metadata(prepared),
+            **{key: dict(forward[key]) for key in ("graph", "batch") if key in forward},
         }
-        if shared is not None:
-            metadata["batch"] = dict(shared)
         return {
             "answers": result,
             "model": self.weights.model_id,
