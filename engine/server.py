@@ -205,9 +205,10 @@ def _answer_each(decide: Callable[[Any], dict], requests: Sequence[Any]) -> list
 
 class ModelCalls:
     """What the server calls on its model. A `reference.service.DecisionModel`: `compile(obj)` (validation, prompts,
-    tokens: CPU only, on the app's thread pool), `batch_requests(queued)` (how many queued requests one forward takes)
-    and `answer_many(compiled)` (one forward for them, on the worker thread). Any other model needs only
-    `decide(obj) -> dict`: it is then called once per request, on the worker thread, with the parsed request."""
+    tokens: CPU only, off the worker thread: see the module docstring), `batch_requests(queued)` (how many queued
+    requests one forward takes) and `answer_many(compiled)` (one forward for them, on the worker thread). Any other
+    model needs only `decide(obj) -> dict`: it is then called once per request, on the worker thread, with the
+    parsed request."""
 
     def __init__(self, model: Any):
         if hasattr(model, "answer_many"):
