@@ -300,6 +300,16 @@ def newest_per_plan(runs_dir: Path) -> dict[str, tuple[Path, dict]]:
     return {r["plan"]["name"]: (path, r) for path, r in newest_records(runs_dir) if r["complete"]}
 
 
+def notebook_record(runs_dir: Path, plan: str) -> dict:
+    """The record a notebook reads: the newest complete whole-ladder record of `plan`, else the newest complete one of
+    any plan (a checkout with CPU records only). Raises SystemExit with the folder when there is none."""
+    newest = newest_per_plan(runs_dir)
+    chosen = [newest[plan][1]] if plan in newest else [record for _, record in newest.values()]
+    if not chosen:
+        raise SystemExit(f"no complete run record under {runs_dir}")
+    return max(chosen, key=lambda r: r["env"]["utc"])
+
+
 # ---------------------------------------------------------------------------------------------- reading a record
 STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "error",
                "pending": "not reached (run stopped)"}  # fmt: skip

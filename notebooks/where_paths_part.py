@@ -42,13 +42,9 @@ if REPO is None:
 RESULTS = Path(os.environ.get("JEVLAB_RESULTS", REPO / "results"))
 PLAN = os.environ.get("JEVLAB_PLAN", "gpu-27b")
 sys.path.insert(0, str(REPO))
-from ablations.records import newest_per_plan  # noqa: E402  (the figures' choice of records)
+from ablations.records import notebook_record  # noqa: E402  (the figures' choice of records)
 
-newest = newest_per_plan(RESULTS / "runs")  # complete records of whole ladders (headline and every stage)
-chosen = [newest[PLAN][1]] if PLAN in newest else [record for _, record in newest.values()]
-if not chosen:
-    raise SystemExit(f"no complete run record under {RESULTS / 'runs'}")
-record = max(chosen, key=lambda r: r["env"]["utc"])
+record = notebook_record(RESULTS / "runs", PLAN)  # the newest complete record of a whole ladder (headline, every stage)
 machine = record["env"]["gpu"] or record["env"]["cpu"]
 print(
     f"record: plan {record['plan']['name']} on {machine}, {record['env']['utc']}, commit {record['env']['git_commit']}"

@@ -100,6 +100,10 @@ def test_newest_complete_record_per_plan(tmp_path):
         records.write_record(record, runs / name)
     newest = records.newest_per_plan(runs)
     assert {plan: path.name for plan, (path, _) in newest.items()} == {"cpu-tiny": "b.json", "other": "d.json"}
+    assert records.notebook_record(runs, "other")["env"]["utc"] == "2026-11-30T09:00:00Z"
+    assert records.notebook_record(runs, "gpu-27b")["env"]["utc"] == "2026-11-30T11:00:00Z"  # no such plan: newest
+    with pytest.raises(SystemExit, match="no complete run record"):
+        records.notebook_record(tmp_path / "empty", "cpu-tiny")
 
 
 def test_attempts_record_validates(tmp_path):
