@@ -288,6 +288,10 @@ class DecisionModel:
         so a request with several questions over one context would repeat that context in each question node instead of
         packing it once. A backbone without `batch_rows` is costed at the candidates' tokens (the flat layout's rows, an
         upper bound on any tree's).
+
+        Cost: one `batch_rows` per prefix of the queue (the rule reads each prefix's rows, which the backbone computes
+        from the whole prefix), so quadratic in the queue; nearly all of it is inside `batch_rows` (ablations/
+        batch_packing.py, `timing` in results/batching/batch-packing.json).
         """
         if not queue:
             raise ValueError("no queued requests")
