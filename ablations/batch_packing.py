@@ -8,7 +8,11 @@ alone), then the queue is drained front first, `batch_requests` deciding each fo
 (`batch_max_rows`: the config's 8,192 rows on `tree`, the largest bucket's 1,280 on `graphs`). Per stage and queue:
 forwards, requests per forward (median, max), and the rows those forwards compute (`batch_rows`: packed tree rows;
 bucket rows on `graphs`, a tree's own rows where it runs eagerly) against the rows of every request alone. Prints the
-table and writes it as JSON with the environment (`ablations.envinfo`). CPU only, about 20 s.
+table and writes it as JSON with the environment (`ablations.envinfo`).
+
+Timing (`timing` in the JSON): the host time of one `batch_requests` call at 1, 4, 8 and 16 queued JevBench requests
+(windows of consecutive public tasks, each window timed `--repeats` times; median and max over all calls), and the
+part of it spent inside the backbone's `batch_rows` (the layout of each prefix of the queue). CPU only, about 30 s.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,6 +63,49 @@ def pack(model: DecisionModel, bodies: Sequence[dict]) -> dict:
     }
 
 
+QUEUE_DEPTHS = (1, 4, 8, 16)
+
+
+def time_batch_requests(model: DecisionModel, bodies: Sequence[dict], depth: int, repeats: int) -> dict:
+    """Host time of `batch_requests` over windows of `depth` consecutive compiled requests, and of the backbone's
+    `batch_rows` inside it."""
+    queue = [model.compile(body) for body in bodies]
+    if len(queue) < depth:
+        raise ValueError(f"{len(queue)} requests cannot fill a queue of {depth}")
+    backbone = model.backbone
+    inside: list[float] = []
+
+    def timed_rows(candidates, groups):
+        start = time.perf_counter()
+        try:
+            return measured(candidates, groups)
+        finally:
+            inside.append(time.perf_counter() - start)
+
+    measured = backbone.batch_rows
+    backbone.batch_rows = timed_rows
+    calls, rows_share, taken = [], [], []
+    try:
+        for first in range(0, len(queue) - depth + 1, depth):
+            window = queue[first : first + depth]
+            for _ in range(repeats):
+                inside.clear()
+                start = time.perf_counter()
+                taken.append(model.batch_requests(window))
+                calls.append(time.perf_counter() - start)
+                rows_share.append(sum(inside))
+    finally:
+        del backbone.batch_rows  # the instance attribute shadowed the method
+    return {
+        "queued": depth,
+        "calls": len(calls),
+        "median_ms": statistics.median(calls) * 1e3,
+        "max_ms": max(calls) * 1e3,
+        "batch_rows_median_ms": statistics.median(rows_share) * 1e3,
+        "admitted_median": statistics.median(taken),
+    }
+
+
 def tiny_models() -> dict[str, DecisionModel]:
     from engine.stages import build_engine
     from engine.weights import MergedWeights
@@ -72,12 +120,17 @@ def tiny_models() -> dict[str, DecisionModel]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per queue window")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     queues = {name: [w.request for w in resolve([name])] for name in ("jevbench-all", "open-jev")}
-    table = []
+    table, timing = [], []
     for stage, model in tiny_models().items():
         for name, bodies in queues.items():
             table.append({"stage": stage, "queue": name, **pack(model, bodies)})
+        for depth in QUEUE_DEPTHS:
+            timing.append({"stage": stage, **time_batch_requests(model, queues["jevbench-all"], depth, args.repeats)})
     print(f"{'stage':<7} {'queue':<13} {'requests':>8} {'forwards':>8} {'per forward':>11} {'rows batched/alone':>19}")
     for row in table:
         per = f"{row['requests_per_forward_median']:g}/{row['requests_per_forward_max']}"
@@ -85,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['stage']:<7} {row['queue']:<13} {row['requests']:>8} {row['forwards']:>8} {per:>11} "
             f"{row['rows_batched']:>9}/{row['rows_alone']:<9}"
         )
+    print(f"\n{'stage':<7} {'queued':>6} {'batch_requests ms (median/max)':>31} {'in batch_rows ms':>17}")
+    for row in timing:
+        print(
+            f"{row['stage']:<7} {row['queued']:>6} {row['median_ms']:>20.2f}/{row['max_ms']:<10.2f} "
+            f"{row['batch_rows_median_ms']:>17.2f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": envinfo.collect("cpu"), "table": table}, indent=1) + "\n")
+    record = {"env": envinfo.collect("cpu"), "table": table, "timing": timing}
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"written: {args.out}")
     return 0
 

@@ -30,8 +30,9 @@ method). Then a POST is checked in the contract's order, and the first failing c
 origin on the same host and port is another origin, and so is one that does not parse) -> 415 media type not
 `application/json` -> 413 body empty or over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys,
 NaN/Infinity) or a schema violation, an unknown model, a request over the candidate or the token budget
-(`--candidate-budget`, `--token-budget`: checked from the validated request before any prompt is built, see
-`reference.service`), an over-length candidate -> 503 the model queue is full (with `Retry-After: 1`) -> 504 the
+(`--candidate-budget`, `--token-budget`: candidates counted from the question definitions before any is validated,
+tokens bounded from the validated request before any prompt is built, see `reference.service`), an over-length
+candidate -> 503 the model queue is full (with `Retry-After: 1`) -> 504 the
 request's deadline passed (`--deadline`, default 60 s from the hand-off to the model worker: queue wait and inference)
 -> 500 inference failed (`error_type` names the exception class; never a fallback answer).
 
@@ -51,10 +52,12 @@ Concurrency: the HTTP side is one event loop (no thread per connection: idle con
 the body, then parses the JSON and compiles the request (`DecisionModel.compile`: validation, admission budgets,
 prompts, tokens and the length check): on the loop itself for bodies up to 64 KiB (every JevBench and Open-Jev request;
 well under a millisecond, and a hop to a thread costs about 0.1 ms of the 2 ms overhead budget), both on the loop's
-thread pool above that, so that a large request does not hold up other connections (parsing a 970 KB body alone takes
-40 ms). The forwards run on one `DecisionWorker` thread fed by a bounded FIFO of compiled requests, which the handler
-awaits without blocking the loop: the GPU thread does nothing but plan, run and read out forwards, back to back. (Off
-the loop is not off the GIL: while a large request compiles, the worker's forwards share the interpreter with it.)
+thread pool above that, so that a large request does not hold up other connections (parsing a 970 KB body alone
+takes 15-30 ms on a loaded CPU core; refusing its 65,535 candidates then takes 0.1 ms, as they are counted before any
+question is validated). The forwards run on one `DecisionWorker` thread fed by a bounded FIFO of compiled requests,
+which the handler awaits without blocking the loop: the GPU thread does nothing but plan, run and read out forwards,
+back to back. (Off the loop is not off the GIL: while a large request parses and compiles, the worker's forwards and
+the loop share the interpreter with it; results/server/fuzz.json, "amplification", has what that costs the clients.)
 
 Batching: each forward takes the oldest queued request and, of those queued behind it (at most 16 in all), as many as
 `DecisionModel.batch_requests` admits (in queue order, within the backbone's row budget: the grid's largest bucket on
@@ -158,8 +161,8 @@ DECIMAL = re.compile(r"[0-9]{1,19}")  # a Content-Length value (no sign, no spac
 
 INFERENCE_FAILED = "model inference failed"
 # A forward takes at most this many queued requests: deciding how many costs the worker thread a layout per prefix of
-# the queue (`DecisionModel.batch_requests`; CPU, tiny twin, JevBench requests: 2-7 ms at 16 queued on `tree`, 3-5 ms
-# on `graphs`, 61 ms at 64 on `tree`).
+# the queue (`DecisionModel.batch_requests`, quadratic in the queue; its time at 1, 4, 8 and 16 queued JevBench
+# requests: `timing` in results/batching/batch-packing.json, from ablations/batch_packing.py).
 MAX_BATCH_REQUESTS = 16
 INLINE_COMPILE_BYTES = 64 * 1024  # bodies up to this size are compiled on the event loop (module docstring)
 WORKER_STOPPED = "the model worker stopped; see /health"

@@ -6,7 +6,9 @@
     -> answers
 
 Admission: a request is refused before any prompt text exists when it has more candidate sequences than the candidate
-budget (`candidate_budget`, default 4,096: the contract's question limit, against its 65,536-candidate limit) or more
+budget (`candidate_budget`, default 4,096: the contract's question limit, against its 65,536-candidate limit; counted
+from the question definitions as sent, before any of them is validated: `reference.request`, "Counts before
+contents") or more
 input tokens than the token budget (`token_budget`, default 1,048,576, 16 candidates of 16,384 tokens at 4 bytes per
 token). The tokens are not counted but bounded from above: the NFC UTF-8 bytes of every candidate prompt, summed from
 the records' texts (`reference.prompts.prompt_bytes`), plus the chat template's ids per candidate
@@ -220,16 +222,19 @@ class DecisionModel:
         tensors = weights.backbone.values() if weights.backbone else backbone_tensors(backbone)
         self.parameter_dtypes = sorted({str(tensor.dtype) for tensor in tensors})
 
-    def _compile(self, request_obj: Any) -> tuple[Request, list[Record]]:
-        """Validate, admit against the budgets and compile records (linear in the body: no prompt is built)."""
-        request = validate_request(request_obj, model_id=self.weights.model_id)
-        candidates = request.candidate_count
+    def _admit_candidates(self, candidates: int) -> None:
+        """The candidate budget, checked by `validate_request` from the declared count, before the questions."""
         if candidates > self.candidate_budget:
             raise RequestError(
                 422,
                 f"too many candidate sequences for the candidate budget: {candidates} "
                 f"(the budget is {self.candidate_budget} per request)",
             )
+
+    def _compile(self, request_obj: Any) -> tuple[Request, list[Record]]:
+        """Validate, admit against the budgets and compile records (linear in the body: no prompt is built)."""
+        request = validate_request(request_obj, model_id=self.weights.model_id, admit=self._admit_candidates)
+        candidates = request.candidate_count
         records = compile_records(request)
         tokens = self.tokenizer.token_bound(prompt_bytes(records), candidates)
         if tokens > self.token_budget:
@@ -283,6 +288,10 @@ class DecisionModel:
         so a request with several questions over one context would repeat that context in each question node instead of
         packing it once. A backbone without `batch_rows` is costed at the candidates' tokens (the flat layout's rows, an
         upper bound on any tree's).
+
+        Cost: one `batch_rows` per prefix of the queue (the rule reads each prefix's rows, which the backbone computes
+        from the whole prefix), so quadratic in the queue; nearly all of it is inside `batch_rows` (ablations/
+        batch_packing.py, `timing` in results/batching/batch-packing.json).
         """
         if not queue:
             raise ValueError("no queued requests")

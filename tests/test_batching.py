@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 from typing import Any
 
 import pytest
@@ -359,3 +360,21 @@ def test_batch_packing_tool_drains_a_queue(tiny):
         packed = pack(engine_model(tiny, stage), bodies)
         assert packed["requests"] == 6 and 2 <= packed["forwards"] < 6
         assert packed["rows_batched"] <= packed["rows_alone"]
+
+
+def test_batch_packing_timing_counts_the_layouts_and_restores_the_backbone(tiny):
+    """`ablations.batch_packing.time_batch_requests`: the admitted count is the rule's own, the time inside
+    `batch_rows` is part of the call's, and the backbone's `batch_rows` is its class's method again afterwards."""
+    from ablations.batch_packing import time_batch_requests
+
+    rng = random.Random(13)
+    bodies = [request_body(rng, 3 + 2 * i, 1) for i in range(9)]
+    model = engine_model(tiny, "tree")
+    timed = time_batch_requests(model, bodies, 4, repeats=2)
+    assert timed["queued"] == 4 and timed["calls"] == 4  # two windows of four, twice each
+    admitted = [model.batch_requests([model.compile(body) for body in bodies[first : first + 4]]) for first in (0, 4)]
+    assert timed["admitted_median"] == statistics.median(admitted * 2)
+    assert 0 < timed["batch_rows_median_ms"] <= timed["max_ms"]
+    assert "batch_rows" not in vars(model.backbone)
+    with pytest.raises(ValueError, match="cannot fill a queue of 16"):
+        time_batch_requests(model, bodies, 16, repeats=1)
