@@ -42,6 +42,7 @@ number: the process's reserved CUDA memory, not the pool's alone).
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter, OrderedDict
@@ -54,17 +55,36 @@ import torch
 from engine.plan import Bucket, PlanShape, TreeLayout, TreePlan, bucket_padding, plan_tree
 
 ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1152, 1280)
-SLOT_FACTORS = (1, 2, 3, 5)
 DEFAULT_MAX_GRAPHS = 512
 
 
 def candidate_capacity(rows: int) -> int:
+    """The most candidates a bucket of `rows` rows holds (its largest candidate class)."""
     return 8 if rows <= 256 else 16 if rows <= 512 else 32
 
 
-def grid_bucket(rows: int, slot_factor: float, chunk_size: int = 64) -> Bucket:
-    """The bucket of the default grid at `rows` rows and `slot_factor` x rows path slots (module docstring)."""
-    candidates = candidate_capacity(rows)
+def candidate_classes(rows: int) -> tuple[int, ...]:
+    """The candidate capacities of the buckets of `rows` rows (module docstring, "The grid")."""
+    if rows <= 256:
+        return (1, 2, 4, 6, 8)
+    if rows <= 512:
+        return (1, 2, 4, 8, 16)
+    return (1, 2, 8, 32)
+
+
+def slot_factors(candidates: int) -> tuple[int, ...]:
+    """The path-slot capacities, in multiples of the rows, of the buckets of `candidates` candidates: a request's
+    slots / rows lies in [1, candidates] (each candidate's path holds at most every row once)."""
+    return {1: (1,), 2: (2,), 4: (2, 3), 6: (2,)}.get(candidates, (2, 3, 5))
+
+
+def grid_bucket(rows: int, slot_factor: int, candidates: int | None = None, chunk_size: int = 64) -> Bucket:
+    """The bucket of `rows` rows, `slot_factor` x rows path slots and `candidates` candidates (default: the rows'
+    largest class); the other capacities follow from these three (module docstring)."""
+    candidates = candidate_capacity(rows) if candidates is None else candidates
+    if candidates < 1 or slot_factor < 1 or rows < 2:
+        raise ValueError(f"a bucket needs rows >= 2, slot_factor >= 1 and candidates >= 1: {rows}, {slot_factor}, "
+                         f"{candidates}")  # fmt: skip
     base = int(slot_factor * rows)
     slots = base + 2 * candidates + 2
     return Bucket(
@@ -81,16 +101,43 @@ def grid_bucket(rows: int, slot_factor: float, chunk_size: int = 64) -> Bucket:
 
 
 def default_grid() -> tuple[Bucket, ...]:
-    return tuple(grid_bucket(rows, factor) for rows in ROWS_GRID for factor in SLOT_FACTORS)
+    """Every (rows, candidate class, slot factor) of the module docstring's grid, rows ascending."""
+    return tuple(
+        grid_bucket(rows, factor, candidates)
+        for rows in ROWS_GRID
+        for candidates in candidate_classes(rows)
+        for factor in slot_factors(candidates)
+    )
+
+
+class GridIndex:
+    """A grid sorted for `smallest_bucket`: buckets by rows, then (slots, sequences) within one rows size; a search
+    skips every rows size below the request's rows + 1 (a bisection) and scans the rest in order."""
+
+    def __init__(self, grid: Iterable[Bucket]):
+        self.buckets = tuple(sorted(grid, key=attrgetter("rows", "slots", "sequences")))
+        self._rows = [bucket.rows for bucket in self.buckets]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def smallest(self, layout: TreeLayout) -> Bucket | None:
+        """The first bucket in (rows, slots, sequences) order that `layout` fits, or None."""
+        for i in range(bisect.bisect_right(self._rows, layout.rows), len(self.buckets)):
+            bucket = self.buckets[i]
+            if bucket.candidates >= len(layout.candidate_lens) and bucket_padding(layout, bucket) is not None:
+                return bucket
+        return None
 
 
 def smallest_bucket(layout: TreeLayout, grid: Iterable[Bucket]) -> Bucket | None:
     """The bucket with the fewest rows (then slots, then sequences) that `layout` fits, or None: the first fit in
-    that order (the grid's first in a tie)."""
-    for bucket in sorted(grid, key=attrgetter("rows", "slots", "sequences")):
-        if bucket_padding(layout, bucket) is not None:
-            return bucket
-    return None
+    that order (the grid's first in a tie). `grid` may be a `GridIndex` (built once: what the backbone holds)."""
+    index = grid if isinstance(grid, GridIndex) else GridIndex(grid)
+    return index.smallest(layout)
 
 
 def placeholder_request() -> tuple[list[list[int]], list[int]]:
