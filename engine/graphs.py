@@ -170,9 +170,45 @@ def capture_forward(
     return graph, output
 
 
+class PinnedStaging:
+    """The host side of a replay's arena refill: one pinned int64 buffer (grown to the largest captured arena) and
+    one CUDA event. `copy(dst, src)` waits for the event (the previous non-blocking copy out of the buffer must have
+    finished before the buffer is overwritten), copies `src` (a host plan's arena buffer) into the pinned buffer,
+    enqueues one non-blocking host-to-device copy into `dst` on the current stream (so it runs after every replay
+    enqueued before it and before the next one) and records the event."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.event = torch.cuda.Event()
+        self._pending = False
+
+    def reserve(self, numel: int) -> None:
+        if numel > self.buffer.numel():
+            self._wait()
+            self.buffer = torch.empty(numel, dtype=torch.int64, pin_memory=True)
+
+    def _wait(self) -> None:
+        if self._pending:
+            self.event.synchronize()
+            self._pending = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type != "cpu" or src.dtype != torch.int64 or src.shape != dst.shape:
+            raise ValueError("staging copies an int64 host buffer into a device buffer of its size")
+        self.reserve(src.numel())
+        self._wait()
+        staged = self.buffer[: src.numel()]
+        staged.copy_(src)
+        dst.copy_(staged, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(self.device))
+        self._pending = True
+
+
 @dataclass
 class CapturedGraph:
-    """One captured forward: its bucket, the arena it reads, the static output [bucket.candidates, hidden]."""
+    """One captured forward: its bucket, the plan whose arena it reads (on the device), the static output
+    [bucket.candidates, hidden]."""
 
     bucket: Bucket
     plan: TreePlan
@@ -180,11 +216,13 @@ class CapturedGraph:
     output: torch.Tensor
     replays: int = 0
 
-    def run(self, plan: TreePlan) -> torch.Tensor:
-        """Replay over `plan` (same shape): copy its index arrays in, replay, return its candidates' rows (a copy)."""
+    def run(self, plan: TreePlan, staging: PinnedStaging) -> torch.Tensor:
+        """Replay over `plan` (same shape; its arena on the host, as the `graphs` stage builds it on CUDA): its index
+        arrays go into the captured arena through `staging`, the graph replays (its first kernels recompute the int32
+        copies), and its candidates' rows are returned (a copy: the next replay overwrites the output)."""
         if plan.shape != self.plan.shape:
             raise ValueError("the plan's shape is not this graph's")
-        self.plan.arena.buffer.copy_(plan.arena.buffer)
+        staging.copy(self.plan.arena.buffer, plan.arena.buffer)
         self.graph.replay()
         self.replays += 1
         return self.output[: plan.num_candidates].clone()
@@ -227,6 +265,8 @@ class GraphCache:
         self._forward = forward_batch
         self.device = torch.device(device)
         self.grid = tuple(default_grid() if grid is None else grid)
+        self.index = GridIndex(self.grid)
+        self.staging = PinnedStaging(self.device)
         self.max_graphs = max_graphs
         self.capture_on_miss = capture_on_miss
         self.warmup_runs = warmup_runs
@@ -238,7 +278,7 @@ class GraphCache:
         return len(self.graphs)
 
     def bucket_for(self, layout: TreeLayout) -> Bucket | None:
-        return smallest_bucket(layout, self.grid)
+        return self.index.smallest(layout)
 
     def lookup(self, plan: TreePlan) -> CapturedGraph | None:
         """The graph of a plan's shape (a hit), capturing it first when `capture_on_miss`; None (a miss) otherwise."""
@@ -269,6 +309,7 @@ class GraphCache:
             lambda: self._forward(plan), plan.arena, self.device, pool=self._pool, warmup_runs=self.warmup_runs
         )
         entry = CapturedGraph(bucket=bucket, plan=plan, graph=graph, output=output)
+        self.staging.reserve(plan.arena.buffer.numel())
         self.graphs[plan.shape] = entry
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
