@@ -2,27 +2,46 @@
 
 A forward over a bucketed plan (`engine.plan.plan_tree(..., bucket=...)`) launches the same kernels with the same
 grids for every request of its bucket: everything a launch reads from the host comes from the plan's shape. So the
-forward is captured once per bucket and replayed: the request's index arrays are copied into the captured arena
-(one device-to-device copy of the plan's buffer; the int32 copies are the graph's first kernels), the graph replays,
-and the real candidates' rows are copied out of the static output (the next replay overwrites it).
+forward is captured once per bucket and replayed. A bucketed plan is built on the host only (its arena is its host
+buffer: no device allocation or copy in `prepare`); a replay copies that buffer into the captured arena through one
+pinned staging buffer and one non-blocking host-to-device copy in stream order (`PinnedStaging`: it waits for the
+previous copy out of the buffer before overwriting it), the int32 copies are the graph's first kernels, the graph
+replays, and the real candidates' rows are copied out of the static output (the next replay overwrites it). Where no
+graph serves a bucketed plan it runs eagerly after `TreePlan.to(device)`.
 
-The grid (`default_grid`). Rows: every 16 from 64 to 256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280
-(31 sizes; the step grows with the size as in vLLM's and SGLang's capture sizes, since a GEMM's cost is flat in the
-rows below the H200's ridge, about 178 rows, and linear above it). Path slots: 1, 2, 3 or 5 times the rows (JevBench's
-one-candidate questions have as many slots as rows; multi-option questions 1.6-2.1x; the Open-Jev requests up to
-3.7x). Per rows size the other capacities follow: candidates 8 up to 256 rows, 16 up to 512, 32 above; sequences
-2 x candidates + 2 (the dummy paths absorb each real candidate's partial last chunk one chunk at a time); attention
-nodes 2 x candidates + 2; keys 2 x slots + rows; GDN chunks ceil(slots / 64) + candidates + 1; `max_q` = `max_k` =
-rows. 124 buckets. Chosen on the request shapes of the public JevBench tiers (120 tasks), the six Open-Jev
-requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of 0-16k
-tokens, 145 plans); `python -m ablations.grid_coverage` recomputes the table (results/graphs/grid-coverage.json):
+The grid (`default_grid`): rows x candidate class x slot factor, 264 buckets. Rows (`ROWS_GRID`): every 16 from 64 to
+256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280 (31 sizes; the step grows with the size as in vLLM's and
+SGLang's capture sizes, since a GEMM's cost is flat in the rows below the H200's ridge, about 178 rows, and linear
+above it). Candidate classes per rows size (`candidate_classes`): 1, 2, 4, 6, 8 up to 256 rows; 1, 2, 4, 8, 16 up to
+512; 1, 2, 8, 32 above (the largest class, `candidate_capacity`, is the previous grid's only one, so the grid holds
+every request it held). Slot factors per class (`slot_factors`; a request's slots / rows lies in [1, candidates]):
+1 for one candidate, 2 for two, 2 and 3 for four, 2 for six, 2, 3 and 5 from eight. Per bucket, with C candidates
+and S = factor x rows: slots S + 2C + 2, sequences and attention nodes 2C + 2 (the dummy paths absorb each real
+candidate's partial last chunk one chunk at a time), GDN chunks ceil(S / 64) + C + 1 (the bound of a request's
+chunks given its slots and candidates), keys 2 x slots + rows, `max_q` = `max_k` = rows.
 
-| set | plans | replicated by the cost rule | held by the grid | rows padded / real | slots padded / real |
-|---|---|---|---|---|---|
-| JevBench public | 120 | 120 | 120 | 1.060 | 1.205 |
-| Open-Jev | 6 | 5 | 5 | 1.082 | 1.265 |
-| synthetic | 2 | 0 | 0 | - | - |
-| generated | 145 | 19 | 17 (the two left out have 5-6k rows) | 1.041 | 1.201 |
+How it was chosen. The previous grid (one class per rows size, 8 / 16 / 32 candidates, slot factors 1, 2, 3, 5: 124
+buckets) sized every capacity but rows from 8-32 candidates, and the H200 measured 1.3-6.3 ms per forward from those
+capacities (engine/stages/graphs.md, "Where the padding cost comes from"); JevBench requests have 1, 4, 5 or 6
+candidates. The classes and factors were picked on the request shapes of the public JevBench tiers (120 tasks), the
+six Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over
+states of 0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per
+capture plus about 25 s of eager warm-up allows about 280 graphs; 264 take about 66-87 s of capture. `python -m
+ablations.grid_coverage` recomputes the padding of every capacity for both grids (results/graphs/grid-coverage.json;
+padded / real, new grid, previous in brackets):
+
+| set | plans | held | rows | slots | sequences | chunks | nodes | keys | reads |
+|---|---|---|---|---|---|---|---|---|---|
+| JevBench | 120 | 120 | 1.060 | 1.175 (1.205) | 2.75 (4.97) | 1.51 (2.13) | 2.16 (3.89) | 2.44 (2.49) | 1.10 (2.21) |
+| Open-Jev | 6 | 5 | 1.082 | 1.247 (1.265) | 2.44 (8.07) | 1.37 (1.89) | 1.54 (5.07) | 1.61 (1.63) | 1.04 (3.85) |
+| generated | 145 | 17 | 1.041 | 1.193 (1.201) | 2.88 (3.91) | 1.67 (1.90) | 2.48 (3.37) | 2.40 (2.41) | 1.35 (1.87) |
+
+(synthetic: 2 plans, both hand-off; the two generated plans left out have 5-6k rows.)
+Memory: the pool is shared and sized by the largest graph, which is the same
+bucket in both grids; what grows with the bucket count is per-graph: the arena (int64 index arrays, well under 1 MiB
+each), the static output and the FLA solve buffers each arena keeps (slots x 48 value heads x 64 bf16 at 27B: 1.94 GiB
+over the grid against 0.91 GiB for the previous one, computed by the coverage tool), so about 1 GiB more than the
+run that peaked at 50.2 GiB; the peak must be measured again (target <= 56 GiB).
 
 The `handoff` mode (long shared contexts with several candidates: a host loop over calls and a state bank) and plans
 outside the grid run eagerly and are counted as misses, by reason; they are the long plans, whose GPU time dwarfs

@@ -28,10 +28,14 @@ their history rows) and the node-wise varlen attention layout (`NodeAttention`).
 Shape and buffers. A plan is split in two: `PlanShape`, hashable and host-only, holds every size and flag a launch
 reads from the host (the length of every index array, the GDN calls' flags and contiguous ranges, the attention's
 `max_q` / `max_k`), so two plans of equal shape launch the same kernels with the same grids (the CUDA-graph key of the
-`graphs` stage); `PlanArena` holds one device buffer per shape with a named view per index array (plus the int32 copies
-some kernels take and the FLA solve workspace), refilled in place by one host-to-device copy (`plan_tree(...,
-arena=...)`). What else a plan carries is request data on the host (candidate and node lengths, sequence bounds for the
-CPU cores, the conv windows); no CUDA launch reads it.
+`graphs` stage); `PlanArena` holds one buffer per shape with a named view per index array (plus the int32 copies
+some kernels take and the FLA solve workspace), refilled in place by one copy (`plan_tree(..., arena=...)`). A new
+plan on the CPU gets an arena over its host buffer itself (no copy); a plan on CUDA gets a device arena and one
+host-to-device copy. The `graphs` stage builds its bucketed plans on the CPU on every device (host-only: the captured
+graph's arena is filled from them at replay, `engine.graphs.CapturedGraph.run`) and moves one to the device
+(`TreePlan.to`: every array identical, one copy) only where it runs eagerly. What else a plan carries is request
+data on the host (candidate and node lengths, sequence bounds for the CPU cores, the conv windows); no CUDA launch
+reads it.
 
 Padding. `pad_lens` appends detached dummy sequences after the real leaves: each is one node of its own (no parent,
 positions from 0, token id `PAD_TOKEN_ID`), a path of its own for the GDN core, a sequence of its own for the conv and
