@@ -1,12 +1,16 @@
-"""Where the padding cost of the `graphs` stage comes from (H200, about 2 minutes):
+"""Where the padding cost of the `graphs` stage comes from (H200, about 3 minutes):
 
     python3 -m ablations.graph_padding          # JSON to $OUT/padding-cost.json (or the current folder)
 
 One process, 27B synthetic weights (seed 0). Per workload, the request's own unpadded plan captured as one graph
-(`exact_ms`), then the request laid out at four buckets, each captured on the request's own padded plan and replayed
-(median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket), `grid_but_actual_max_qk`
-(the same with the attention maxima of the request), `grid_rows_minimal_rest` (the grid's rows, every other
-capacity just what the request and one dummy node need) and `one_dummy_row_minimal_rest` (one dummy row). Each
+(`exact_ms`), then the request laid out at five buckets, each captured on the request's own padded plan and replayed
+(median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket, with its candidate classes),
+`previous_grid` (the bucket of the grid it replaced, `ablations.grid_coverage.previous_grid`: the one the first
+records measured), `grid_but_actual_max_qk` (the grid's bucket with the attention maxima of the request),
+`grid_rows_minimal_rest` (the grid's rows, every other capacity just what the request and one dummy node need) and
+`one_dummy_row_minimal_rest` (one dummy row); then `served`: `engine.forward` of the prepared request through the
+graph cache (the host plan copied into the captured arena through the pinned staging buffer, the replay, the output
+copied out). Each
 replay's output is compared bit for bit with the exact-plan graph's. The JSON holds the environment (commit, GPU,
 versions, time: `ablations.envinfo`) beside the workloads.
 """
@@ -20,6 +24,7 @@ from functools import partial
 import torch
 
 from ablations import envinfo
+from ablations.grid_coverage import previous_grid
 from ablations.probes import cuda_time_ms
 from ablations.workloads import get_workload
 from engine.graphs import capture_forward, default_grid, smallest_bucket
@@ -53,22 +58,32 @@ def minimal(lay, rows):
     )
 
 
-WORKLOADS = ("drone", "jevbench/easy-fact-00", "context-512-choice-2", "jevbench/original-intent-01-0")
+WORKLOADS = (
+    "drone",
+    "jevbench/easy-fact-00",
+    "context-512-choice-2",
+    "jevbench/original-intent-01-0",
+    "jevbench/easy-extraction-00",
+)
 
 
 def main() -> int:
     prepare_process(["graphs"], "cuda")
     merged = MergedWeights.from_decision_weights(synthetic_weights(S, seed=0, device="cuda"))
     engine = build_engine(merged, "graphs")
+    engine.graphs.capture_on_miss = True  # `served`: only the buckets these workloads need are captured
     results = []
     for wid in WORKLOADS:
         cands, groups = request_candidates(get_workload(wid).request)
         lay = tree_layout(cands, groups)
         grid = smallest_bucket(lay, default_grid())
+        previous = smallest_bucket(lay, previous_grid())
         exact = engine.exact_graph(cands, groups)
         row = {"id": wid, "rows": lay.rows, "grid_bucket": grid.name, "exact_ms": timed(exact)}
+        row["previous_grid_bucket"] = previous.name
         variants = {
             "grid": grid,
+            "previous_grid": previous,
             "grid_but_actual_max_qk": dataclasses.replace(
                 grid, max_q=max(lay.max_q, grid.rows - lay.rows), max_k=max(lay.max_k, grid.rows - lay.rows)
             ),
@@ -90,6 +105,10 @@ def main() -> int:
 
             same = torch.equal(run(), exact()[: len(cands)])
             row[name] = {"bucket": bucket.__dict__, "ms": timed(run), "bitwise_vs_exact": same}
+        prepared = engine.prepare(cands, groups)  # the served path: host plan, staging copy, the cache's graph
+        served = partial(engine.forward, prepared)
+        row["served"] = {"ms": timed(served), "bitwise_vs_exact": torch.equal(served(), exact()[: len(cands)])}
+        row["served"]["graph_hit"] = bool(prepared.batches[0].graph_hit)
         results.append(row)
         print(
             json.dumps(

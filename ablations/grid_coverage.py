@@ -6,9 +6,14 @@ Workload sets: the public JevBench tiers (every task), the six Open-Jev requests
 60 generated requests (seeded: 1-16 questions of 2-64 options over states of 0-16k tokens). Each request is
 tokenized as the server does (`reference.service.request_candidates`) and split into batches as the `tree` stage
 splits it (`engine.plan.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and
-a replicated batch is held when some bucket fits it. Per set: plans, replicated plans, plans in the grid, and rows
-and path slots padded / real over the plans held. Prints the table and writes it as JSON with the environment
-(commit, versions, time: `ablations.envinfo`). CPU only, about 30 s.
+a replicated batch is held when some bucket fits it. Per set and grid: plans, replicated plans, plans in the grid,
+and padded / real of every capacity over the plans held (rows, path slots, sequences, GDN chunks, attention nodes
+and keys, read rows: sum of the buckets' over sum of the requests'). Two grids: `default_grid()` and the grid it
+replaced (`previous_grid`: one candidate capacity per rows size, 8 / 16 / 32, and slot factors 1, 2, 3, 5; 124
+buckets), so the record holds both. Per grid also its bucket count and the FLA solve buffers its arenas keep at the
+27B shapes (slots x linear value heads x 64 bf16 per bucket: the one per-bucket buffer that grows with the slots,
+computed from the shapes, not measured). Prints the table and writes it as JSON with the environment (commit,
+versions, time: `ablations.envinfo`). CPU only, about 30 s.
 """
 
 from __future__ import annotations
@@ -22,14 +27,40 @@ from pathlib import Path
 from ablations import envinfo
 from ablations.workloads import _count_state_tokens, resolve, synthetic_state
 from engine.config import EngineConfig
-from engine.graphs import default_grid, smallest_bucket
-from engine.plan import Bucket, TreeLayout, split_questions, tree_layout
+from engine.graphs import ROWS_GRID, GridIndex, candidate_capacity, default_grid, grid_bucket
+from engine.plan import CHUNK_SIZE, Bucket, TreeLayout, split_questions, tree_layout
 from engine.tree import GDN_CALL_COST_CHUNKS, cheaper_gdn_mode
 from reference.service import request_candidates
+from reference.shapes import QWEN38_27B
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "results" / "graphs" / "grid-coverage.json"
 GENERATED = 60
+CAPACITIES = ("rows", "slots", "sequences", "chunks", "nodes", "keys", "candidates")
+
+
+def previous_grid() -> tuple[Bucket, ...]:
+    """The grid `default_grid()` replaced: at every rows size the largest candidate class only, slot factors 1, 2, 3
+    and 5 (124 buckets; the H200 runs of the stage's first records used it)."""
+    return tuple(grid_bucket(rows, factor) for rows in ROWS_GRID for factor in (1, 2, 3, 5))
+
+
+def real_sizes(layout: TreeLayout) -> dict[str, int]:
+    """A request's own size of every bucket capacity (its sequences are its candidates' paths)."""
+    return {
+        "rows": layout.rows,
+        "slots": layout.slots,
+        "sequences": len(layout.candidate_lens),
+        "chunks": layout.chunks,
+        "nodes": layout.nodes,
+        "keys": layout.keys,
+        "candidates": len(layout.candidate_lens),
+    }
+
+
+def solve_buffer_bytes(grid: Sequence[Bucket]) -> int:
+    """Bytes of the FLA solve buffers of every bucket's arena at the 27B shapes: [slots, value heads, 64] bf16."""
+    return sum(b.slots * QWEN38_27B.linear_num_value_heads * CHUNK_SIZE * 2 for b in grid)
 
 
 def generated_requests(count: int = GENERATED, seed: int = 0) -> list[dict]:
@@ -59,12 +90,13 @@ def layouts(request: dict) -> list:
 
 
 def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucket], call_cost_chunks: float) -> list:
-    """Per workload group: plans, replicated plans, plans in the grid, rows and slots padded / real."""
+    """Per workload group: plans, replicated plans, plans in the grid, padded / real of every capacity."""
+    index = GridIndex(grid)
     groups: dict[str, list] = {}
     for group, layout in plans:
         entry = None
         if cheaper_gdn_mode(layout.gdn_mode_costs(call_cost_chunks)) == "replicated":
-            entry = (layout, smallest_bucket(layout, grid))
+            entry = (layout, index.smallest(layout))
         groups.setdefault(group, []).append(entry)
     rows = []
     for group, items in groups.items():
@@ -76,8 +108,12 @@ def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucke
                 "plans": len(items),
                 "replicated": len(replicated),
                 "in_grid": len(held),
-                "rows_padded_per_real": sum(b.rows for _, b in held) / max(1, sum(lay.rows for lay, _ in held)),
-                "slots_padded_per_real": sum(b.slots for _, b in held) / max(1, sum(lay.slots for lay, _ in held)),
+                "padded_per_real": {
+                    name: sum(getattr(b, name) for _, b in held) / sum(real_sizes(lay)[name] for lay, _ in held)
+                    if held
+                    else None
+                    for name in CAPACITIES
+                },
             }
         )
     return rows
@@ -93,16 +129,26 @@ def main(argv: list[str] | None = None) -> int:
             plans += [(group, layout) for layout in layouts(workload.request)]
     for request in generated_requests():
         plans += [("generated", layout) for layout in layouts(request)]
-    grid = default_grid()
-    table = coverage_table(plans, grid, GDN_CALL_COST_CHUNKS)
-    print(f"{'set':<10} {'plans':>6} {'replicated':>10} {'in grid':>8} {'rows x':>7} {'slots x':>7}")
-    for row in table:
-        print(
-            f"{row['group']:<10} {row['plans']:>6} {row['replicated']:>10} {row['in_grid']:>8} "
-            f"{row['rows_padded_per_real']:>7.3f} {row['slots_padded_per_real']:>7.3f}"
-        )
+    grids = {"default": default_grid(), "previous": previous_grid()}
+    record = {"env": envinfo.collect("cpu"), "grids": {}}
+    header = " ".join(f"{name[:6]:>6}" for name in CAPACITIES)
+    for grid_name, grid in grids.items():
+        table = coverage_table(plans, grid, GDN_CALL_COST_CHUNKS)
+        largest = max(grid, key=lambda b: b.rows)
+        print(f"grid {grid_name}: {len(grid)} buckets, largest {largest.rows} rows, solve buffers at 27B "
+              f"{solve_buffer_bytes(grid) / 2**30:.2f} GiB; padded / real per capacity")  # fmt: skip
+        print(f"{'set':<10} {'plans':>6} {'replic':>6} {'held':>5} {header}")
+        for row in table:
+            ratios = " ".join("     -" if v is None else f"{v:>6.3f}" for v in row["padded_per_real"].values())
+            print(f"{row['group']:<10} {row['plans']:>6} {row['replicated']:>6} {row['in_grid']:>5} {ratios}")
+        record["grids"][grid_name] = {
+            "buckets": len(grid),
+            "largest_rows": largest.rows,
+            "largest_candidates": max(candidate_capacity(b.rows) for b in grid),
+            "solve_buffer_bytes_27b": solve_buffer_bytes(grid),
+            "sets": table,
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"env": envinfo.collect("cpu"), "buckets": len(grid), "sets": table}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"written: {args.out}")
     return 0

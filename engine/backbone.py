@@ -95,6 +95,7 @@ nothing else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -107,7 +108,7 @@ from torch import Tensor
 import kernels
 from engine import gemm
 from engine.config import EngineConfig
-from engine.graphs import GraphCache, capture_forward, default_grid, smallest_bucket
+from engine.graphs import GraphCache, GridIndex, capture_forward, default_grid
 from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions, tree_layout
 from engine.tree import (
     GDN_CALL_COST_CHUNKS,
@@ -150,7 +151,8 @@ def _name_of(config: EngineConfig, device: torch.device) -> str:
 
 @dataclass
 class RowBatch:
-    """One batch: its row plan and what the forward reads besides it, all on the device (host fields marked)."""
+    """One batch: its row plan and what the forward reads besides it, all on the device (host fields marked; a
+    `graphs` batch laid out at a bucket keeps its plan on the host: `EngineBackbone._bucketed_batch`)."""
 
     plan: TreePlan
     candidates: tuple[int, ...]  # host: the request index of each of the plan's candidates
@@ -408,7 +410,7 @@ class EngineBackbone:
         self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`; the grid pads batches on any device
         self.grid = ()
         if config.graphs:
-            self.grid = default_grid()
+            self.grid = GridIndex(default_grid())
             if self.device.type == "cuda":
                 self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
         # Batching of requests (reference.service.DecisionModel.answer_many): a row's bits must not depend on the rows
@@ -452,15 +454,17 @@ class EngineBackbone:
 
     def _bucketed_batch(self, candidates: list, groups: list, index: Sequence[int]) -> RowBatch:
         """`graphs`: the batch laid out at its bucket (replicated GDN mode) when the cost rule picks `replicated` and
-        the grid holds it; otherwise the plain tree plan, run eagerly, with the reason."""
+        the grid holds it; otherwise the plain tree plan, run eagerly, with the reason. A bucketed plan is built on the
+        host (its arena is its host buffer, no device copy): a replay copies it into the captured arena
+        (`engine.graphs.CapturedGraph.run`), and `_run_batch` moves it to the device only where it runs eagerly."""
         layout = tree_layout(candidates, groups)
         mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
-        bucket = smallest_bucket(layout, self.grid) if mode == "replicated" else None
+        bucket = self.grid.smallest(layout) if mode == "replicated" else None
         if bucket is None:
             plan = plan_tree(candidates, groups, device=self.device, layout=layout)
             reason = "handoff" if mode == "handoff" else "outside grid"
             return RowBatch(plan, tuple(index), mode, None, eager_reason=reason)
-        plan = plan_tree(candidates, groups, device=self.device, bucket=bucket, layout=layout)
+        plan = plan_tree(candidates, groups, device="cpu", bucket=bucket, layout=layout)
         return RowBatch(plan, tuple(index), "replicated", None)
 
     def _forward_plan(self, plan: TreePlan) -> Tensor:
@@ -468,7 +472,8 @@ class EngineBackbone:
         return self._forward_batch(RowBatch(plan, tuple(range(plan.num_candidates)), "replicated", None), None)
 
     def _run_batch(self, batch: RowBatch) -> Tensor:
-        """One batch's [C_batch, hidden]: replayed from its bucket's graph where one is captured, else eager."""
+        """One batch's [C_batch, hidden]: replayed from its bucket's graph where one is captured, else eager (a
+        bucketed plan, built on the host, moved to the device first: `TreePlan.to`)."""
         if self.graphs is not None:
             entry = None
             if batch.eager_reason is not None:
@@ -477,7 +482,9 @@ class EngineBackbone:
                 entry = self.graphs.lookup(batch.plan)
             batch.graph_hit = entry is not None
             if entry is not None:
-                return entry.run(batch.plan)
+                return entry.run(batch.plan, self.graphs.staging)
+        if batch.plan.device != self.device:
+            batch = dataclasses.replace(batch, plan=batch.plan.to(self.device))
         return self._forward_batch(batch, None)[: batch.plan.num_candidates]
 
     def warm_up(self, progress=None) -> dict:
@@ -564,7 +571,7 @@ class EngineBackbone:
         if not self.config.graphs:
             return layout.rows
         mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
-        bucket = smallest_bucket(layout, self.grid) if mode == "replicated" else None
+        bucket = self.grid.smallest(layout) if mode == "replicated" else None
         return None if bucket is None else bucket.rows
 
     def prefix_cache_metadata(self, prepared: EngineRows) -> dict:

@@ -2,27 +2,46 @@
 
 A forward over a bucketed plan (`engine.plan.plan_tree(..., bucket=...)`) launches the same kernels with the same
 grids for every request of its bucket: everything a launch reads from the host comes from the plan's shape. So the
-forward is captured once per bucket and replayed: the request's index arrays are copied into the captured arena
-(one device-to-device copy of the plan's buffer; the int32 copies are the graph's first kernels), the graph replays,
-and the real candidates' rows are copied out of the static output (the next replay overwrites it).
+forward is captured once per bucket and replayed. A bucketed plan is built on the host only (its arena is its host
+buffer: no device allocation or copy in `prepare`); a replay copies that buffer into the captured arena through one
+pinned staging buffer and one non-blocking host-to-device copy in stream order (`PinnedStaging`: it waits for the
+previous copy out of the buffer before overwriting it), the int32 copies are the graph's first kernels, the graph
+replays, and the real candidates' rows are copied out of the static output (the next replay overwrites it). Where no
+graph serves a bucketed plan it runs eagerly after `TreePlan.to(device)`.
 
-The grid (`default_grid`). Rows: every 16 from 64 to 256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280
-(31 sizes; the step grows with the size as in vLLM's and SGLang's capture sizes, since a GEMM's cost is flat in the
-rows below the H200's ridge, about 178 rows, and linear above it). Path slots: 1, 2, 3 or 5 times the rows (JevBench's
-one-candidate questions have as many slots as rows; multi-option questions 1.6-2.1x; the Open-Jev requests up to
-3.7x). Per rows size the other capacities follow: candidates 8 up to 256 rows, 16 up to 512, 32 above; sequences
-2 x candidates + 2 (the dummy paths absorb each real candidate's partial last chunk one chunk at a time); attention
-nodes 2 x candidates + 2; keys 2 x slots + rows; GDN chunks ceil(slots / 64) + candidates + 1; `max_q` = `max_k` =
-rows. 124 buckets. Chosen on the request shapes of the public JevBench tiers (120 tasks), the six Open-Jev
-requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of 0-16k
-tokens, 145 plans); `python -m ablations.grid_coverage` recomputes the table (results/graphs/grid-coverage.json):
+The grid (`default_grid`): rows x candidate class x slot factor, 264 buckets. Rows (`ROWS_GRID`): every 16 from 64 to
+256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280 (31 sizes; the step grows with the size as in vLLM's and
+SGLang's capture sizes, since a GEMM's cost is flat in the rows below the H200's ridge, about 178 rows, and linear
+above it). Candidate classes per rows size (`candidate_classes`): 1, 2, 4, 6, 8 up to 256 rows; 1, 2, 4, 8, 16 up to
+512; 1, 2, 8, 32 above (the largest class, `candidate_capacity`, is the previous grid's only one, so the grid holds
+every request it held). Slot factors per class (`slot_factors`; a request's slots / rows lies in [1, candidates]):
+1 for one candidate, 2 for two, 2 and 3 for four, 2 for six, 2, 3 and 5 from eight. Per bucket, with C candidates
+and S = factor x rows: slots S + 2C + 2, sequences and attention nodes 2C + 2 (the dummy paths absorb each real
+candidate's partial last chunk one chunk at a time), GDN chunks ceil(S / 64) + C + 1 (the bound of a request's
+chunks given its slots and candidates), keys 2 x slots + rows, `max_q` = `max_k` = rows.
 
-| set | plans | replicated by the cost rule | held by the grid | rows padded / real | slots padded / real |
-|---|---|---|---|---|---|
-| JevBench public | 120 | 120 | 120 | 1.060 | 1.205 |
-| Open-Jev | 6 | 5 | 5 | 1.082 | 1.265 |
-| synthetic | 2 | 0 | 0 | - | - |
-| generated | 145 | 19 | 17 (the two left out have 5-6k rows) | 1.041 | 1.201 |
+How it was chosen. The previous grid (one class per rows size, 8 / 16 / 32 candidates, slot factors 1, 2, 3, 5: 124
+buckets) sized every capacity but rows from 8-32 candidates, and the H200 measured 1.3-6.3 ms per forward from those
+capacities (engine/stages/graphs.md, "Where the padding cost comes from"); JevBench requests have 1, 4, 5 or 6
+candidates. The classes and factors were picked on the request shapes of the public JevBench tiers (120 tasks), the
+six Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over
+states of 0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per
+capture plus about 25 s of eager warm-up allows about 280 graphs; 264 take about 66-87 s of capture. `python -m
+ablations.grid_coverage` recomputes the padding of every capacity for both grids (results/graphs/grid-coverage.json;
+padded / real, new grid, previous in brackets):
+
+| set | plans | held | rows | slots | sequences | chunks | nodes | keys | reads |
+|---|---|---|---|---|---|---|---|---|---|
+| JevBench | 120 | 120 | 1.060 | 1.175 (1.205) | 2.75 (4.97) | 1.51 (2.13) | 2.16 (3.89) | 2.44 (2.49) | 1.10 (2.21) |
+| Open-Jev | 6 | 5 | 1.082 | 1.247 (1.265) | 2.44 (8.07) | 1.37 (1.89) | 1.54 (5.07) | 1.61 (1.63) | 1.04 (3.85) |
+| generated | 145 | 17 | 1.041 | 1.193 (1.201) | 2.88 (3.91) | 1.67 (1.90) | 2.48 (3.37) | 2.40 (2.41) | 1.35 (1.87) |
+
+(synthetic: 2 plans, both hand-off; the two generated plans left out have 5-6k rows.)
+Memory: the pool is shared and sized by the largest graph, which is the same
+bucket in both grids; what grows with the bucket count is per-graph: the arena (int64 index arrays, well under 1 MiB
+each), the static output and the FLA solve buffers each arena keeps (slots x 48 value heads x 64 bf16 at 27B: 1.94 GiB
+over the grid against 0.91 GiB for the previous one, computed by the coverage tool), so about 1 GiB more than the
+run that peaked at 50.2 GiB; the peak must be measured again (target <= 56 GiB).
 
 The `handoff` mode (long shared contexts with several candidates: a host loop over calls and a state bank) and plans
 outside the grid run eagerly and are counted as misses, by reason; they are the long plans, whose GPU time dwarfs
@@ -42,6 +61,7 @@ number: the process's reserved CUDA memory, not the pool's alone).
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter, OrderedDict
@@ -54,17 +74,36 @@ import torch
 from engine.plan import Bucket, PlanShape, TreeLayout, TreePlan, bucket_padding, plan_tree
 
 ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1152, 1280)
-SLOT_FACTORS = (1, 2, 3, 5)
 DEFAULT_MAX_GRAPHS = 512
 
 
 def candidate_capacity(rows: int) -> int:
+    """The most candidates a bucket of `rows` rows holds (its largest candidate class)."""
     return 8 if rows <= 256 else 16 if rows <= 512 else 32
 
 
-def grid_bucket(rows: int, slot_factor: float, chunk_size: int = 64) -> Bucket:
-    """The bucket of the default grid at `rows` rows and `slot_factor` x rows path slots (module docstring)."""
-    candidates = candidate_capacity(rows)
+def candidate_classes(rows: int) -> tuple[int, ...]:
+    """The candidate capacities of the buckets of `rows` rows (module docstring, "The grid")."""
+    if rows <= 256:
+        return (1, 2, 4, 6, 8)
+    if rows <= 512:
+        return (1, 2, 4, 8, 16)
+    return (1, 2, 8, 32)
+
+
+def slot_factors(candidates: int) -> tuple[int, ...]:
+    """The path-slot capacities, in multiples of the rows, of the buckets of `candidates` candidates: a request's
+    slots / rows lies in [1, candidates] (each candidate's path holds at most every row once)."""
+    return {1: (1,), 2: (2,), 4: (2, 3), 6: (2,)}.get(candidates, (2, 3, 5))
+
+
+def grid_bucket(rows: int, slot_factor: int, candidates: int | None = None, chunk_size: int = 64) -> Bucket:
+    """The bucket of `rows` rows, `slot_factor` x rows path slots and `candidates` candidates (default: the rows'
+    largest class); the other capacities follow from these three (module docstring)."""
+    candidates = candidate_capacity(rows) if candidates is None else candidates
+    if candidates < 1 or slot_factor < 1 or rows < 2:
+        raise ValueError(f"a bucket needs rows >= 2, slot_factor >= 1 and candidates >= 1: {rows}, {slot_factor}, "
+                         f"{candidates}")  # fmt: skip
     base = int(slot_factor * rows)
     slots = base + 2 * candidates + 2
     return Bucket(
@@ -81,16 +120,43 @@ def grid_bucket(rows: int, slot_factor: float, chunk_size: int = 64) -> Bucket:
 
 
 def default_grid() -> tuple[Bucket, ...]:
-    return tuple(grid_bucket(rows, factor) for rows in ROWS_GRID for factor in SLOT_FACTORS)
+    """Every (rows, candidate class, slot factor) of the module docstring's grid, rows ascending."""
+    return tuple(
+        grid_bucket(rows, factor, candidates)
+        for rows in ROWS_GRID
+        for candidates in candidate_classes(rows)
+        for factor in slot_factors(candidates)
+    )
+
+
+class GridIndex:
+    """A grid sorted for `smallest_bucket`: buckets by rows, then (slots, sequences) within one rows size; a search
+    skips every rows size below the request's rows + 1 (a bisection) and scans the rest in order."""
+
+    def __init__(self, grid: Iterable[Bucket]):
+        self.buckets = tuple(sorted(grid, key=attrgetter("rows", "slots", "sequences")))
+        self._rows = [bucket.rows for bucket in self.buckets]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def smallest(self, layout: TreeLayout) -> Bucket | None:
+        """The first bucket in (rows, slots, sequences) order that `layout` fits, or None."""
+        for i in range(bisect.bisect_right(self._rows, layout.rows), len(self.buckets)):
+            bucket = self.buckets[i]
+            if bucket.candidates >= len(layout.candidate_lens) and bucket_padding(layout, bucket) is not None:
+                return bucket
+        return None
 
 
 def smallest_bucket(layout: TreeLayout, grid: Iterable[Bucket]) -> Bucket | None:
     """The bucket with the fewest rows (then slots, then sequences) that `layout` fits, or None: the first fit in
-    that order (the grid's first in a tie)."""
-    for bucket in sorted(grid, key=attrgetter("rows", "slots", "sequences")):
-        if bucket_padding(layout, bucket) is not None:
-            return bucket
-    return None
+    that order (the grid's first in a tie). `grid` may be a `GridIndex` (built once: what the backbone holds)."""
+    index = grid if isinstance(grid, GridIndex) else GridIndex(grid)
+    return index.smallest(layout)
 
 
 def placeholder_request() -> tuple[list[list[int]], list[int]]:
@@ -123,9 +189,45 @@ def capture_forward(
     return graph, output
 
 
+class PinnedStaging:
+    """The host side of a replay's arena refill: one pinned int64 buffer (grown to the largest captured arena) and
+    one CUDA event. `copy(dst, src)` waits for the event (the previous non-blocking copy out of the buffer must have
+    finished before the buffer is overwritten), copies `src` (a host plan's arena buffer) into the pinned buffer,
+    enqueues one non-blocking host-to-device copy into `dst` on the current stream (so it runs after every replay
+    enqueued before it and before the next one) and records the event."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.event = torch.cuda.Event()
+        self._pending = False
+
+    def reserve(self, numel: int) -> None:
+        if numel > self.buffer.numel():
+            self._wait()
+            self.buffer = torch.empty(numel, dtype=torch.int64, pin_memory=True)
+
+    def _wait(self) -> None:
+        if self._pending:
+            self.event.synchronize()
+            self._pending = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type != "cpu" or src.dtype != torch.int64 or src.shape != dst.shape:
+            raise ValueError("staging copies an int64 host buffer into a device buffer of its size")
+        self.reserve(src.numel())
+        self._wait()
+        staged = self.buffer[: src.numel()]
+        staged.copy_(src)
+        dst.copy_(staged, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(self.device))
+        self._pending = True
+
+
 @dataclass
 class CapturedGraph:
-    """One captured forward: its bucket, the arena it reads, the static output [bucket.candidates, hidden]."""
+    """One captured forward: its bucket, the plan whose arena it reads (on the device), the static output
+    [bucket.candidates, hidden]."""
 
     bucket: Bucket
     plan: TreePlan
@@ -133,11 +235,13 @@ class CapturedGraph:
     output: torch.Tensor
     replays: int = 0
 
-    def run(self, plan: TreePlan) -> torch.Tensor:
-        """Replay over `plan` (same shape): copy its index arrays in, replay, return its candidates' rows (a copy)."""
+    def run(self, plan: TreePlan, staging: PinnedStaging) -> torch.Tensor:
+        """Replay over `plan` (same shape; its arena on the host, as the `graphs` stage builds it on CUDA): its index
+        arrays go into the captured arena through `staging`, the graph replays (its first kernels recompute the int32
+        copies), and its candidates' rows are returned (a copy: the next replay overwrites the output)."""
         if plan.shape != self.plan.shape:
             raise ValueError("the plan's shape is not this graph's")
-        self.plan.arena.buffer.copy_(plan.arena.buffer)
+        staging.copy(self.plan.arena.buffer, plan.arena.buffer)
         self.graph.replay()
         self.replays += 1
         return self.output[: plan.num_candidates].clone()
@@ -180,6 +284,8 @@ class GraphCache:
         self._forward = forward_batch
         self.device = torch.device(device)
         self.grid = tuple(default_grid() if grid is None else grid)
+        self.index = GridIndex(self.grid)
+        self.staging = PinnedStaging(self.device)
         self.max_graphs = max_graphs
         self.capture_on_miss = capture_on_miss
         self.warmup_runs = warmup_runs
@@ -191,7 +297,7 @@ class GraphCache:
         return len(self.graphs)
 
     def bucket_for(self, layout: TreeLayout) -> Bucket | None:
-        return smallest_bucket(layout, self.grid)
+        return self.index.smallest(layout)
 
     def lookup(self, plan: TreePlan) -> CapturedGraph | None:
         """The graph of a plan's shape (a hit), capturing it first when `capture_on_miss`; None (a miss) otherwise."""
@@ -222,6 +328,7 @@ class GraphCache:
             lambda: self._forward(plan), plan.arena, self.device, pool=self._pool, warmup_runs=self.warmup_runs
         )
         entry = CapturedGraph(bucket=bucket, plan=plan, graph=graph, output=output)
+        self.staging.reserve(plan.arena.buffer.numel())
         self.graphs[plan.shape] = entry
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

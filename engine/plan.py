@@ -28,10 +28,14 @@ their history rows) and the node-wise varlen attention layout (`NodeAttention`).
 Shape and buffers. A plan is split in two: `PlanShape`, hashable and host-only, holds every size and flag a launch
 reads from the host (the length of every index array, the GDN calls' flags and contiguous ranges, the attention's
 `max_q` / `max_k`), so two plans of equal shape launch the same kernels with the same grids (the CUDA-graph key of the
-`graphs` stage); `PlanArena` holds one device buffer per shape with a named view per index array (plus the int32 copies
-some kernels take and the FLA solve workspace), refilled in place by one host-to-device copy (`plan_tree(...,
-arena=...)`). What else a plan carries is request data on the host (candidate and node lengths, sequence bounds for the
-CPU cores, the conv windows); no CUDA launch reads it.
+`graphs` stage); `PlanArena` holds one buffer per shape with a named view per index array (plus the int32 copies
+some kernels take and the FLA solve workspace), refilled in place by one copy (`plan_tree(..., arena=...)`). A new
+plan on the CPU gets an arena over its host buffer itself (no copy); a plan on CUDA gets a device arena and one
+host-to-device copy. The `graphs` stage builds its bucketed plans on the CPU on every device (host-only: the captured
+graph's arena is filled from them at replay, `engine.graphs.CapturedGraph.run`) and moves one to the device
+(`TreePlan.to`: every array identical, one copy) only where it runs eagerly. What else a plan carries is request
+data on the host (candidate and node lengths, sequence bounds for the CPU cores, the conv windows); no CUDA launch
+reads it.
 
 Padding. `pad_lens` appends detached dummy sequences after the real leaves: each is one node of its own (no parent,
 positions from 0, token id `PAD_TOKEN_ID`), a path of its own for the GDN core, a sequence of its own for the conv and
@@ -58,6 +62,7 @@ capture placeholder).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -397,15 +402,22 @@ class SolveWorkspace:
 
 
 class PlanArena:
-    """One device buffer laid out by a `PlanShape`: a named int64 view per index array, an int32 copy of the arrays
-    kernels take as int32 (`INT32_ARRAYS`), and the FLA solve workspace. `fill` refills it in place: one host-to-device
-    copy of every array, then the int32 copies on the device; a plan of another shape is refused."""
+    """One buffer laid out by a `PlanShape`: a named int64 view per index array, an int32 copy of the arrays kernels
+    take as int32 (`INT32_ARRAYS`), and the FLA solve workspace. `fill` refills it in place (one copy of every array,
+    host to device on CUDA, then the int32 copies on the arena's device); a plan of another shape is refused. `host`:
+    a CPU arena over an int64 host buffer already laid out by the shape (`PlanShape.arrays` back to back), without a
+    copy (what a new CPU plan gets)."""
 
-    def __init__(self, shape: PlanShape, device: torch.device) -> None:
+    def __init__(self, shape: PlanShape, device: torch.device, host: np.ndarray | None = None) -> None:
         self.shape = shape
         self.device = torch.device(device)
         sizes = [math.prod(dims) for _, dims in shape.arrays]
-        self.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        if host is None:
+            self.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        elif self.device.type != "cpu" or host.dtype != np.int64 or host.shape != (sum(sizes),):
+            raise ValueError("a host buffer backs a CPU arena only, int64 and of the shape's size")
+        else:
+            self.buffer = torch.from_numpy(host)
         pieces = self.buffer.split_with_sizes(sizes)
         self.views = {
             name: piece if len(dims) == 1 else piece.view(dims) for (name, dims), piece in zip(shape.arrays, pieces)
@@ -413,6 +425,8 @@ class PlanArena:
         self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
                       for name in INT32_ARRAYS if name in self.views}  # fmt: skip
         self.workspace = SolveWorkspace()
+        if host is not None:
+            self.refresh_int32()
 
     def refresh_int32(self) -> None:
         """Recompute the int32 copies from the int64 views (on the device; a captured graph's first kernels)."""
@@ -420,12 +434,20 @@ class PlanArena:
             copy.copy_(self.views[name])
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
-        if got != self.shape.arrays:
-            raise ValueError("the plan's arrays do not match this arena's shape")
-        host = np.concatenate([a.ravel() for a in arrays.values()], dtype=np.int64)
-        self.buffer.copy_(torch.from_numpy(host))
+        self.load(torch.from_numpy(_host_buffer(self.shape, arrays)))
+
+    def load(self, host: torch.Tensor) -> None:
+        """Refill from `host` (int64, laid out by this arena's shape: another arena's `buffer` of the same shape)."""
+        self.buffer.copy_(host)
         self.refresh_int32()
+
+
+def _host_buffer(shape: PlanShape, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """The arrays back to back (int64), checked against the shape's names and dimensions."""
+    got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
+    if got != shape.arrays:
+        raise ValueError("the plan's arrays do not match this arena's shape")
+    return np.concatenate([a.ravel() for a in arrays.values()], dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -490,6 +512,30 @@ class TreePlan:
     @property
     def num_questions(self) -> int:
         return len(self.question_lens)
+
+    def to(self, device: torch.device | str) -> TreePlan:
+        """This plan with its index arrays on `device`: a new arena there, loaded by one copy of this plan's buffer
+        (every array identical; the host fields are shared). How a host-only bucketed plan (stage `graphs` on CUDA)
+        runs eagerly where no graph serves it."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        arena = PlanArena(self.shape, device)
+        arena.load(self.arena.buffer)
+        table = {id(view): arena.views[name] for name, view in self.arena.views.items()}
+        table |= {id(copy): arena.int32[name] for name, copy in self.arena.int32.items()}
+
+        def moved(obj):
+            """`obj` (a dataclass) with every field that is one of the old arena's tensors replaced by the new's."""
+            swap = {f.name: table[id(v)] for f in dataclasses.fields(obj) if id(v := getattr(obj, f.name)) in table}
+            return dataclasses.replace(obj, **swap)
+
+        gdn = {mode: GdnSchedule(mode, tuple(moved(call) for call in schedule.calls))
+               for mode, schedule in self.gdn.items()}  # fmt: skip
+        segments = None if self.conv_segments is None else moved(self.conv_segments)
+        plan = dataclasses.replace(self, device=device, arena=arena, gdn=gdn, conv_paths=moved(self.conv_paths),
+                                   conv_segments=segments, attention=moved(self.attention))  # fmt: skip
+        return moved(plan)
 
     def visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Whether row i attends to row j: j lies in an ancestor node of i's node, or in i's own node at or before i.
@@ -838,11 +884,15 @@ def _build(
     )
     if callable(arena):
         arena = arena(shape)
-    if arena is None:
+    if arena is None and device.type == "cpu":
+        arena = PlanArena(shape, device, host=_host_buffer(shape, arrays))  # no copy: the arena is the host buffer
+    elif arena is None:
         arena = PlanArena(shape, device)
+        arena.fill(arrays)
     elif arena.shape != shape:
         raise ValueError("the plan's shape differs from the arena's (another bucket: pad it, or use another arena)")
-    arena.fill(arrays)
+    else:
+        arena.fill(arrays)
     dev, i32 = arena.views, arena.int32
 
     gdn = {}

@@ -10,7 +10,10 @@ captured. Declared and checked, bit for bit:
 * the padded plan run eagerly against the replay (capture changes nothing) and against the unpadded plan;
 * two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
   leaks through the arena, the solve workspace or the shared pool);
-* five replays of one request: identical.
+* five replays of one request: identical;
+* the arena hand-off: a bucketed plan is host-only (its arena on the CPU), a replay fills the captured arena from it
+  through the pinned staging buffer; `TreePlan.to` gives the eager path the same arrays on the device; two
+  requests of one bucket prepared before either runs (the second's host arrays must not reach the first's replay).
 Every graph is captured on a placeholder request (one token, padded to the bucket), so every replay here serves a
 request other than the one captured, whose real shape is smaller than its bucket.
 Synthetic weights: the bits are what is compared; no probability here means anything for accuracy.
@@ -18,12 +21,16 @@ Synthetic weights: the bits are what is compared; no probability here means anyt
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
 import torch
 
 from ablations.workloads import get_workload, jevbench_panel
+from engine.backbone import EngineRows, RowBatch
+from engine.graphs import grid_bucket
+from engine.plan import plan_tree, tree_layout
 from engine.stages import build_engine
 from engine.weights import MergedWeights
 from reference.service import request_candidates
@@ -68,7 +75,9 @@ def test_replay_matches_eager_on_the_ladder_workloads(engines, workload):
     for batch in prepared.batches:
         if batch.eager_reason is None:
             assert batch.graph_hit, f"{workload}: bucket {batch.plan.bucket.name} was not served by a graph"
-            padded_eager = graphs._forward_batch(batch, None)[: batch.plan.num_candidates]
+            assert batch.plan.device.type == "cpu", "a bucketed plan is host-only on CUDA"
+            on_device = dataclasses.replace(batch, plan=batch.plan.to(DEVICE))
+            padded_eager = graphs._forward_batch(on_device, None)[: batch.plan.num_candidates]
             assert torch.equal(padded_eager, got[: batch.plan.num_candidates]), "replay departs from its eager run"
     if workload.startswith("jevbench/") or workload == "drone":
         assert meta["hit"], f"{workload} is within the grid and must be served by a graph: {meta}"
@@ -92,3 +101,38 @@ def test_five_replays_are_identical(engines):
     outs = [graphs.forward(prepared) for _ in range(5)]
     assert prepared.batches[0].graph_hit
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_a_host_plan_moved_to_the_device_keeps_every_array(engines):
+    _, graphs = engines
+    plan = graphs.prepare(*candidates_of("jevbench/easy-fact-00")).batches[0].plan
+    moved = plan.to(DEVICE)
+    assert moved.arena.buffer.device.type == "cuda" and torch.equal(moved.arena.buffer.cpu(), plan.arena.buffer)
+    assert all(torch.equal(moved.arena.int32[n].cpu(), t) for n, t in plan.arena.int32.items())
+    assert torch.equal(moved.token_ids.cpu(), plan.token_ids) and moved.token_ids.data_ptr() != 0
+    call, host_call = moved.gdn["replicated"].calls[0], plan.gdn["replicated"].calls[0]
+    assert call.chunk_indices.is_cuda and torch.equal(call.chunk_indices.cpu(), host_call.chunk_indices)
+    assert moved.attention.cu_seqlens_q.is_cuda and moved.conv_paths.spaced.is_cuda
+
+
+def test_a_smaller_request_in_a_larger_bucket_gives_its_unpadded_bits(engines):
+    """A bucket chosen larger than the request needs (the largest candidate class of its rows size): the replay gives
+    the request's unpadded eager bits."""
+    tree, graphs = engines
+    candidates, groups = candidates_of("jevbench/easy-fact-00")
+    layout = tree_layout(candidates, groups)
+    large = grid_bucket(128, 5)  # 8 candidates, 5x slots: far more than one 90-row candidate needs
+    assert large in graphs.graphs.grid and graphs.grid.smallest(layout) != large
+    plan = plan_tree(candidates, groups, bucket=large, layout=layout)
+    batch = RowBatch(plan, tuple(range(len(candidates))), "replicated", None)
+    got = graphs.forward(EngineRows([batch], len(candidates), None))
+    assert batch.graph_hit
+    assert torch.equal(got, eager_tree(tree, candidates, groups))
+
+
+def test_requests_prepared_before_either_runs_keep_their_own_arrays(engines):
+    tree, graphs = engines
+    first, second = candidates_of("jevbench/easy-intent-00"), candidates_of("jevbench/easy-intent-01")
+    a, b = graphs.prepare(*first), graphs.prepare(*second)
+    got_b, got_a = graphs.forward(b).clone(), graphs.forward(a).clone()
+    assert torch.equal(got_a, eager_tree(tree, *first)) and torch.equal(got_b, eager_tree(tree, *second))

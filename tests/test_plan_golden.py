@@ -8,9 +8,11 @@ for the layout); these tests pin its output so that a faster or restructured pla
 * a bucketed plan written out by hand: the dummy node, the dummy paths, trailing slots and keys, rowless nodes;
 * the representative slot is the first occurrence of each row in the paths (what the replicated call produces from);
 * digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
-  default grid's smallest fitting bucket; the values at commit 2b0f72d, whose planner the vectorized one replaced);
+  bucket commit 2b0f72d's grid chose for each, pinned in `PINNED_BUCKETS`; the values at commit 2b0f72d, whose
+  planner the vectorized one replaced);
 * `plan_tree(..., layout=...)` gives the plan it builds itself and refuses another request's layout;
-  `smallest_bucket` is the minimum by (rows, slots, sequences) of the fitting buckets, whatever the grid's order.
+  `smallest_bucket` (and the backbone's `GridIndex`) is the minimum by (rows, slots, sequences) of the fitting
+  buckets, whatever the grid's order; one- and two-candidate requests take the buckets of their own candidate class.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graphs import default_grid, smallest_bucket
+from engine.graphs import GridIndex, default_grid, grid_bucket, smallest_bucket
 from engine.plan import Bucket, TreePlan, bucket_padding, plan_flat, plan_tree, tree_layout
 
 
@@ -152,6 +154,12 @@ def jevbench_like(seed: int, options: int, questions: int = 1) -> tuple[list[lis
 
 
 REQUESTS = {"one option": (1, 1, 1), "five options": (2, 5, 1), "six options": (3, 6, 1), "three questions": (4, 3, 3)}
+PINNED_BUCKETS = {  # (rows, slot factor, candidates) of the bucket each request was pinned at (the grid of 2b0f72d)
+    "one option": (96, 1, 8),
+    "five options": (112, 5, 8),
+    "six options": (128, 5, 8),
+    "three questions": (288, 5, 16),
+}
 DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed (at commit 2b0f72d's planner)
     "one option": ("cc7655aea0da3b17", "ea21104de18f2ab6", "12bf26501ad399e6", "1b9f8ef0a9db57fe"),
     "five options": ("30b888beb03a457b", "33ab18a2e95fdd4e", "221bdf9f39e06ba3", "f2957fa546a4306c"),
@@ -163,7 +171,7 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
 @pytest.mark.parametrize("name", REQUESTS)
 def test_plan_digests(name):
     candidates, groups = jevbench_like(*REQUESTS[name])
-    bucket = smallest_bucket(tree_layout(candidates, groups), default_grid())
+    bucket = grid_bucket(*PINNED_BUCKETS[name])
     plans = (
         plan_tree(candidates, groups),
         plan_flat(candidates, groups),
@@ -193,8 +201,14 @@ def test_plan_tree_takes_the_callers_layout():
 def test_smallest_bucket_is_the_minimum_in_any_grid_order():
     grid = list(default_grid())
     random.Random(0).shuffle(grid)
-    for seed, options, questions in [(5, 1, 1), (6, 6, 1), (7, 8, 2), (8, 40, 1)]:
+    index = GridIndex(grid)
+    for seed, options, questions in [(5, 1, 1), (9, 2, 1), (10, 4, 1), (6, 6, 1), (7, 8, 2), (11, 5, 3), (8, 40, 1)]:
         layout = tree_layout(*jevbench_like(seed, options, questions))
         fitting = [b for b in grid if bucket_padding(layout, b) is not None]
         want = min(fitting, key=lambda b: (b.rows, b.slots, b.sequences)) if fitting else None
-        assert smallest_bucket(layout, grid) == want == smallest_bucket(layout, default_grid())
+        assert (
+            smallest_bucket(layout, grid) == want == smallest_bucket(layout, default_grid()) == index.smallest(layout)
+        )
+        assert (want is None) == (options > 32), "only the 40-option request is outside the grid"
+        if options * questions <= 2:  # slots <= candidates x rows: the own candidate class holds them
+            assert want.candidates == options * questions

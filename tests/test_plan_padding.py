@@ -27,7 +27,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
 from engine.backbone import EngineRows, _row_batch  # noqa: E402
-from engine.graphs import default_grid, grid_bucket, placeholder_request, smallest_bucket  # noqa: E402
+from engine.graphs import (  # noqa: E402
+    ROWS_GRID,
+    candidate_classes,
+    default_grid,
+    grid_bucket,
+    placeholder_request,
+    slot_factors,
+    smallest_bucket,
+)
 from engine.plan import PAD_TOKEN_ID, Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.tree import GDN_CALL_COST_CHUNKS, gdn_mode_costs  # noqa: E402
@@ -169,7 +177,13 @@ def test_the_solve_workspace_is_keyed_by_arena_position_and_zeroed_per_forward()
 
 
 def small_grid() -> list[Bucket]:
-    return [grid_bucket(rows, factor) for rows in (64, 96, 160) for factor in (1, 2, 5)]
+    """Three rows sizes, every candidate class of the default grid's small rows, their slot factors."""
+    return [
+        grid_bucket(rows, factor, candidates)
+        for rows in (64, 96, 160)
+        for candidates in candidate_classes(rows)
+        for factor in slot_factors(candidates)
+    ]
 
 
 @settings(max_examples=25, deadline=None)
@@ -230,14 +244,19 @@ def test_equal_bucketed_shapes_launch_the_same_parameters():
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_tokens=requests())
 def test_padding_to_every_bucket_changes_no_bit(merged_weights, request_tokens):
-    """Every bucket of a small grid the request fits (reference-composition ops, replicated mode): the head's rows and
-    every residual state of every real candidate are those of the unpadded plan."""
+    """Buckets of a small grid the request fits, the smallest of each candidate class (reference-composition ops,
+    replicated mode): the head's rows and every residual state of every real candidate are those of the unpadded
+    plan."""
     candidates, groups = request_tokens
     engine = build_engine(merged_weights, MERGED_TREE, gdn_mode="replicated")
     want = outputs(engine, plan_tree(candidates, groups))
     layout = tree_layout(candidates, groups)
-    fitting = [b for b in small_grid() if bucket_padding(layout, b) is not None]
-    for bucket in fitting[:3]:
+    smallest_of_class = {}
+    for bucket in small_grid():
+        if bucket_padding(layout, bucket) is not None:
+            smallest_of_class.setdefault(bucket.candidates, bucket)
+    assert smallest_of_class, "every request of the strategy fits some bucket of the small grid"
+    for bucket in smallest_of_class.values():
         plan = plan_tree(candidates, groups, bucket=bucket)
         rows = rows_of(engine, plan)
         last = engine.forward(rows)[: len(candidates)]
@@ -281,7 +300,8 @@ def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):
 def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
     """Every bucket can be captured on the placeholder, and its shape is that of a real request in the bucket."""
     grid = default_grid()
-    assert len(grid) == len(set(grid)) == 124
+    assert len(grid) == len(set(grid)) == 264  # the start-time budget: engine/graphs.py, "The grid"
+    assert max(b.rows for b in grid) == ROWS_GRID[-1] and {b.rows for b in grid} == set(ROWS_GRID)
     placeholder = tree_layout(*placeholder_request())
     assert all(bucket_padding(placeholder, bucket) is not None for bucket in grid)
     rng = random.Random(2)
