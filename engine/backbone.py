@@ -483,9 +483,13 @@ class EngineBackbone:
             batch.graph_hit = entry is not None
             if entry is not None:
                 return entry.run(batch.plan, self.graphs.staging)
-        if batch.plan.device != self.device:
-            batch = dataclasses.replace(batch, plan=batch.plan.to(self.device))
-        return self._forward_batch(batch, None)[: batch.plan.num_candidates]
+        return self._forward_batch(self._on_device(batch), None)[: batch.plan.num_candidates]
+
+    def _on_device(self, batch: RowBatch) -> RowBatch:
+        """The batch with its plan on the backbone's device (a bucketed plan is built on the host: `TreePlan.to`)."""
+        if batch.plan.device == self.device:
+            return batch
+        return dataclasses.replace(batch, plan=batch.plan.to(self.device))
 
     def warm_up(self, progress=None) -> dict:
         """`graphs` on CUDA: compile the eager paths (`EAGER_WARM_REQUESTS`: hand-off with one and with several
@@ -546,6 +550,7 @@ class EngineBackbone:
         pieces: dict[int, list[Tensor]] = {}  # candidate -> its rows of every state
         for batch in prepared.batches:
             states: list[Tensor] = []
+            batch = self._on_device(batch)
             self._forward_batch(batch, states)
             plan = batch.plan
             bounds = plan.path_cu_seqlens_cpu.tolist()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -311,3 +312,34 @@ def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
         if bucket_padding(tree_layout(*request), bucket) is not None:
             real = plan_tree(*request, bucket=bucket)
             assert real.shape == plan_tree(*placeholder_request(), bucket=bucket).shape, bucket.name
+
+
+def _tensors(obj, path: str):
+    """Every tensor reachable from a plan's dataclass fields (lists, tuples and dicts followed), with its path."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), f"{path}.{f.name}")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _tensors(item, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from _tensors(item, f"{path}[{key!r}]")
+
+
+@settings(max_examples=15, deadline=None)
+@given(request_tokens=requests())
+def test_a_moved_plan_leaves_no_index_array_behind(request_tokens):
+    """`TreePlan.to` (how a host-built bucketed plan runs eagerly on CUDA) moves every tensor a kernel reads: on the
+    `meta` device, every tensor of the moved plan is there but the declared host fields (`conv_rows`, the `*_cpu`
+    copies the launches read on the host), and the host plan is left as it was."""
+    candidates, groups = request_tokens
+    layout = tree_layout(candidates, groups)
+    bucket = smallest_bucket(layout, default_grid())
+    plan = plan_tree(candidates, groups, bucket=bucket, layout=layout)
+    moved = plan.to("meta")
+    left = [p for p, t in _tensors(moved, "plan") if t.device.type != "meta"]
+    assert left and all(p.endswith(("_cpu", ".conv_rows")) for p in left), left
+    assert all(t.device.type == "cpu" for _, t in _tensors(plan, "plan"))
