@@ -70,6 +70,7 @@ from tqdm import tqdm
 from ablations import envinfo, probes, records, timing
 from ablations.plans import Plan, load_plan, plan_names
 from ablations.workloads import Workload, resolve
+from engine.fla_configs import pin_fla_configs
 from engine.stages import STAGE_LIST, BuildContext, Stage, build_backbone, get_stage, in_ladder_order, prepare_process
 from reference.readout import head_scores, record_probabilities
 
@@ -704,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = in_ladder_order(args.stages.split(",") if args.stages else plan.stages)
     # before anything imports a Triton kernel or runs a GEMM; the gates' pytest process inherits the environment
     prepare_process([s.name for s in stages if plan.device in s.devices], plan.device)
+    fla_pin = pin_fla_configs()  # before anything imports fla; the probes and the gates' pytest inherit the pin
     workloads = resolve(args.workloads.split(",") if args.workloads else plan.workloads)
     if args.list:
         print(f"plan {plan.name}: {plan.description}")
@@ -713,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  workload {workload.id:<34} {workload.description}")
         return 0
     run = Run(plan, stages, workloads, args)
+    run.record["fla_configs"] = fla_pin  # each graphs stage's warm-up adds its autotuned keys (graph_cache)
     if plan.device == "cuda" and not args.no_probes:  # before the stages, on an empty GPU; written with the record
         run.record["probes"] = probes.run_probes()
     path = run.run()

@@ -496,7 +496,10 @@ class EngineBackbone:
         questions, more candidates than any bucket holds, more rows than the largest bucket; each at two lengths of
         opposite 16-alignment, since Triton specializes integer arguments on it), then capture every bucket of the
         grid (a progress bar through `progress`, e.g. tqdm). Returns the cache's description (graphs, capture seconds,
-        pool bytes, `eager_warm_s`). Does nothing elsewhere."""
+        pool bytes, `eager_warm_s`) and `fla_configs`: whether FLA's configs were pinned (`engine.fla_configs`, set
+        before fla was imported) and how many of the FLA autotune keys the warm-up reached were not loaded from the
+        pinned files (`autotuned_keys`, listed in `autotuned`; 0 when the pinned set covers the start); also kept as
+        `self.fla_configs` for the server's `/health`. Does nothing elsewhere (returns {})."""
         if self.graphs is None:
             return {}
         start = time.perf_counter()
@@ -506,7 +509,10 @@ class EngineBackbone:
         eager_s = time.perf_counter() - start
         self.graphs.stats.misses.clear()  # the warm-up's eager batches are not requests
         self.graphs.capture_grid(progress)
-        return {**self.graphs.describe(), "eager_warm_s": round(eager_s, 3)}
+        from engine.fla_configs import autotune_report  # imports no fla of its own: it reports what was imported
+
+        self.fla_configs = autotune_report()
+        return {**self.graphs.describe(), "eager_warm_s": round(eager_s, 3), "fla_configs": self.fla_configs}
 
     def exact_graph(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> Callable[[], Tensor] | None:
         """The yardstick of the `graphs` targets: the request's own unpadded tree plan captured as one CUDA graph

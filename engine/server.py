@@ -131,6 +131,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tqdm import tqdm
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from engine.fla_configs import pin_fla_configs
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict, validate_request
 from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
@@ -584,6 +585,7 @@ class DecisionApp:
         self.examples_dir = examples_dir
         self.access_log = AccessLog(access_log)
         self.graphs = getattr(getattr(model, "backbone", None), "graphs", None)
+        self.fla_configs = getattr(getattr(model, "backbone", None), "fla_configs", None)  # set by its warm-up
         self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
         self.calls = ModelCalls(model)
         self.worker = DecisionWorker(
@@ -620,6 +622,8 @@ class DecisionApp:
         health = {"status": "ready", "model": self.model_id, "method": self.method}
         if self.graphs is not None:
             health["graphs"] = self.graphs.describe()
+        if self.fla_configs is not None:  # `graphs` on CUDA: the FLA config pin and the keys its warm-up autotuned
+            health["fla_configs"] = self.fla_configs
         return health
 
     def models(self) -> dict:
@@ -1238,6 +1242,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
+    pin_fla_configs()  # before the model's modules import fla (engine.fla_configs); a no-op without CUDA
     try:
         model = model_from_arguments(args)
     except (ValueError, RuntimeError) as error:  # a stage this machine cannot run, bad flags: say why, no traceback

@@ -13,9 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
+    from engine.fla_configs import pin_fla_configs
     from engine.stages import STAGE_LIST, prepare_process
 
     prepare_process([stage.name for stage in STAGE_LIST], "cuda")
+    pin_fla_configs()  # the committed FLA configs of this GPU, before any test module imports fla
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))
