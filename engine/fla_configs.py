@@ -12,8 +12,8 @@ first imported, so the pin must come before any import of fla (`reference.model`
   name sanitized as FLA sanitizes it (`FLA_GPU_NAME` wins, as in FLA). Without a pinned set it leaves autotuning on
   and logs that once. Without CUDA it does nothing (the CPU never runs FLA: the engine's configs use the torch GDN
   core there). Called after FLA's config cache was imported, it raises (the mode would be ignored), unless that
-  cache already runs with exactly the state the call would set. The runner (`ablations.run`), the
-  server (`engine.server` main) and the GPU tests (`tests/conftest.py`) call it with `PINNED_ROOT`.
+  cache already runs with exactly the state the call would set. The runner (`ablations.run`), the server's model
+  builder (`engine.server.build_decision_model`) and the GPU tests (`tests/conftest.py`) call it with `PINNED_ROOT`.
 * `dump_fla_configs(root)`: after a warm-up, every FLA autotuner with a non-empty tuning cache (found by walking the
   imported `fla` modules' attributes through `triton.heuristics` wrappers, not by kernel names) is written as
   `root/<GPU>/{kernel_name}.json` in FLA's format (`autotune_entries`: md5 of the serialized key -> `autotune_key`

@@ -1127,7 +1127,11 @@ def build_decision_model(
     when `checkpoint` and `base` are given, else seeded synthetic weights of `shapes_name` (true numerics path,
     meaningless probabilities). The process is prepared for the stage first (`engine.stages.prepare_process`: the
     Triton interpreter on the CPU, row-count-invariant cuBLAS on CUDA where the stage's GEMM choice needs it), and a
-    stage that cannot run on this device is refused with the reason before any weights are made."""
+    stage that cannot run on this device is refused with the reason before any weights are made. FLA's autotune
+    configs are pinned before anything imports fla (`engine.fla_configs.pin_fla_configs`: the committed set of this
+    GPU, a no-op without CUDA), so the server, the in-process JevBench and concurrency servers and the replicas pick
+    the same FLA kernels."""
+    pin_fla_configs()
     stage = get_stage(backend)
     if (checkpoint is None) != (base is None):
         raise ValueError("--checkpoint and --base go together (the package and the HF base model it adapts)")
@@ -1242,7 +1246,6 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
-    pin_fla_configs()  # before the model's modules import fla (engine.fla_configs); a no-op without CUDA
     try:
         model = model_from_arguments(args)
     except (ValueError, RuntimeError) as error:  # a stage this machine cannot run, bad flags: say why, no traceback
