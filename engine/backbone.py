@@ -83,8 +83,9 @@ Exactness.
   request alone, whatever root, question batches (`split_questions`), GDN mode or bucket the batch gets. Declared by
   `batch_invariant` (varlen attention, and on CUDA row-count-invariant GEMMs; not the masked SDPA, which tiles all N
   keys), measured bitwise on the CPU (tiny twin: `merged` with varlen attention in both layouts, `tree`, `graphs`;
-  tests/test_batching.py). `batch_rows` weighs a batch for `DecisionModel.batch_requests` (tree rows, or the
-  bucket's rows on `graphs`), `batch_max_rows` bounds it (the grid's largest bucket on `graphs`).
+  tests/test_batching.py). `batch_rows` weighs a batch (tree rows, or the bucket's rows on `graphs`), `queue_rows`
+  weighs every prefix of a queue in one pass for `DecisionModel.batch_requests`, `batch_max_rows` bounds a batch
+  (the grid's largest bucket on `graphs`).
 
 NVTX. With `nvtx_ranges=True`, each layer and each op family (`norm`, `in_proj`, `gdn_prep`, `gdn_core`,
 `gated_norm`, `out_proj`, `attn_prep`, `attention`, `attn_gate`, `mlp`, ...) is an NVTX range (the `nvtx` package if
@@ -98,7 +99,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,17 @@ import kernels
 from engine import gemm
 from engine.config import EngineConfig
 from engine.graphs import GraphCache, GridIndex, capture_forward, default_grid
-from engine.plan import ConvInput, TreePlan, plan_flat, plan_tree, split_questions, tree_layout
+from engine.plan import (
+    ConvInput,
+    JoinedLayout,
+    TreeLayout,
+    TreePlan,
+    plan_flat,
+    plan_tree,
+    prefix_summary,
+    split_questions,
+    tree_layout,
+)
 from engine.tree import (
     GDN_CALL_COST_CHUNKS,
     cheaper_gdn_mode,
@@ -578,7 +589,27 @@ class EngineBackbone:
         eagerly). What `DecisionModel.batch_requests` weighs a batch of requests by."""
         if not self.tree:
             return sum(len(ids) for ids in candidates)
-        layout = tree_layout(candidates, groups)
+        return self._layout_rows(tree_layout(candidates, groups))
+
+    def queue_rows(
+        self, requests: Iterable[tuple[Sequence[Sequence[int]], Sequence[int]]]
+    ) -> Iterator[tuple[int | None, int | None]]:
+        """For each (candidates, groups) of a queue, in order: its `batch_rows` alone, and the `batch_rows` of the
+        queue up to it answered as one batch (`reference.service.batch_inputs` order). Lazy and linear in the queue:
+        each request's tokens are read once (`engine.plan.prefix_summary`) and each prefix's layout is joined from the
+        summaries (`engine.plan.JoinedLayout`), where calling `batch_rows` per prefix reads every token of the
+        prefix again. Equal to those calls: tests/test_batching.py."""
+        joined, total = JoinedLayout(), 0
+        for candidates, groups in requests:
+            if not self.tree:
+                own = sum(len(ids) for ids in candidates)
+                total += own
+                yield own, total
+                continue
+            summary = prefix_summary(candidates, groups)
+            yield self._layout_rows(summary.layout()), self._layout_rows(joined.add(summary))
+
+    def _layout_rows(self, layout: TreeLayout) -> int | None:
         if not self.config.graphs:
             return layout.rows
         mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))

@@ -319,15 +319,67 @@ class TreeLayout:
 
 def tree_layout(candidates: Sequence[Sequence[int]], groups: Sequence[int], chunk_size: int = CHUNK_SIZE) -> TreeLayout:
     """The prefix tree's node sizes of a request (as `plan_tree` splits it), host-only."""
+    return prefix_summary(candidates, groups).layout(chunk_size)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixSummary:
+    """What the two-level tree's split needs of one request's tokens (`_tree_split`), read from them once.
+
+    With P(S) the common prefix length of a set of candidates: `common` = P(all), `shortest` the shortest candidate's
+    length, and per question (in order of first appearance) `question_ends[q]` = min(P(its candidates), its shortest
+    - 1). The request's root is min(common, shortest - 1) and question q's node holds question_ends[q] - root rows.
+    `JoinedLayout` joins such summaries into the layout of several requests answered as one batch."""
+
+    first: np.ndarray  # the first candidate's tokens
+    common: int
+    shortest: int
+    question_ends: tuple[int, ...]
+    candidate_lens: tuple[int, ...]
+    question_of: tuple[int, ...]  # question index (order of first appearance) of each candidate
+
+    def layout(self, chunk_size: int = CHUNK_SIZE) -> TreeLayout:
+        root = min(self.common, self.shortest - 1)
+        question_lens = tuple(end - root for end in self.question_ends)
+        return TreeLayout(self.candidate_lens, self.question_of, root, question_lens, chunk_size)
+
+
+def prefix_summary(candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> PrefixSummary:
+    """The request's `PrefixSummary` (inputs checked as `plan_tree` checks them)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    root_len, question_lens = _tree_split(seqs, question_of, num_questions)
-    return TreeLayout(
-        candidate_lens=tuple(len(q) for q in seqs),
-        question_of=tuple(question_of),
-        root_len=root_len,
-        question_lens=tuple(question_lens),
-        chunk_size=chunk_size,
-    )
+    return _summary(seqs, question_of, num_questions)
+
+
+class JoinedLayout:
+    """The layout of a queue of requests answered as one batch, grown one request at a time: after `add`ing the
+    summaries of requests 1..k, `add` returned `tree_layout` of their candidates back to back, request i's questions
+    numbered after request i-1's (as `reference.service.batch_inputs` joins them; equal: tests/test_batching.py).
+
+    Why no token is read again: the common prefix of a union is min(P(batch), LCP(batch's first candidate, the new
+    request's first), P(new request)) (every candidate of the new request agrees with its first on P(new request)
+    tokens), and a question's end depends on its own candidates only. So `add` costs one LCP over the new request's
+    first candidate and a layout of the candidates so far (integers), not a layout over every token of the batch."""
+
+    def __init__(self) -> None:
+        self._first: np.ndarray | None = None
+        self._common = self._shortest = 0
+        self._lens: list[int] = []
+        self._question_of: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, summary: PrefixSummary, chunk_size: int = CHUNK_SIZE) -> TreeLayout:
+        if self._first is None:
+            self._first, self._common, self._shortest = summary.first, summary.common, summary.shortest
+        else:
+            self._common = min(self._common, _common_prefix_len([self._first, summary.first]), summary.common)
+            self._shortest = min(self._shortest, summary.shortest)
+        self._question_of += [len(self._ends) + q for q in summary.question_of]
+        self._ends += summary.question_ends
+        self._lens += summary.candidate_lens
+        joined = PrefixSummary(
+            self._first, self._common, self._shortest, tuple(self._ends), tuple(self._lens), tuple(self._question_of)
+        )
+        return joined.layout(chunk_size)
 
 
 def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
@@ -645,13 +697,17 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
 
 def _tree_split(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> tuple[int, list[int]]:
     """Root length and question node lengths of the two-level tree (module docstring)."""
-    lens = [len(s) for s in seqs]
-    root_len = min(_common_prefix_len(seqs), min(lens) - 1)
+    layout = _summary(seqs, question_of, num_questions).layout()
+    return layout.root_len, list(layout.question_lens)
+
+
+def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> PrefixSummary:
     members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(seqs[c])
-    question_lens = [min(_common_prefix_len(m), min(len(q) for q in m) - 1) - root_len for m in members]
-    return root_len, question_lens
+    ends = tuple(min(_common_prefix_len(m), min(len(q) for q in m) - 1) for m in members)
+    lens = tuple(len(q) for q in seqs)
+    return PrefixSummary(seqs[0], _common_prefix_len(seqs), min(lens), ends, lens, tuple(question_of))
 
 
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:

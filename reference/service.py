@@ -70,6 +70,7 @@ How many requests go into one forward: `batch_requests(queue, max_rows)` (a lone
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import time
@@ -281,33 +282,32 @@ class DecisionModel:
         The front request always goes; the next ones join in queue order (the first that does not fit ends the batch: no
         request overtakes another) while (a) the backbone is batch-invariant, (b) the rows of the batch's forward,
         `backbone.batch_rows(candidates, groups)` (the engine: the packed rows of the prefix tree over the batch's
-        candidates; `graphs`: the rows of its bucket, None where the batch fits no bucket), stay within `max_rows`
+        candidates; `graphs`: the rows of its bucket, None where the batch fits no bucket; read for every prefix of
+        the queue at once through the backbone's `queue_rows`), stay within `max_rows`
         (default: the backbone's `batch_max_rows`, the largest bucket's rows on `graphs`; else `DEFAULT_BATCH_ROWS`),
         and (c) they are no more than the requests' rows when each is answered alone. (c) matters because the tree is
         two-level: requests in one batch share only their common prefix (the chat template's first tokens) as the root,
         so a request with several questions over one context would repeat that context in each question node instead of
-        packing it once. A backbone without `batch_rows` is costed at the candidates' tokens (the flat layout's rows, an
+        packing it once. A backbone without `queue_rows` is costed at the candidates' tokens (the flat layout's rows, an
         upper bound on any tree's).
 
-        Cost: one `batch_rows` per prefix of the queue (the rule reads each prefix's rows, which the backbone computes
-        from the whole prefix), so quadratic in the queue; nearly all of it is inside `batch_rows` (ablations/
-        batch_packing.py, `timing` in results/batching/batch-packing.json).
+        Cost: linear in the queue, and only as far as the batch reaches (`queue_rows` is lazy: each request's tokens
+        are read once, each prefix's layout joined from per-request summaries; ablations/batch_packing.py, `timing` in
+        results/batching/batch-packing.json).
         """
         if not queue:
             raise ValueError("no queued requests")
         if len(queue) == 1 or not self.batch_invariant:
             return 1
         limit = max_rows if max_rows is not None else getattr(self.backbone, "batch_max_rows", DEFAULT_BATCH_ROWS)
-        rows_of = getattr(self.backbone, "batch_rows", None)
-
-        def rows(batch: Sequence[CompiledRequest]) -> int | None:
-            candidates, groups = batch_inputs(batch)
-            return sum(map(len, candidates)) if rows_of is None else rows_of(candidates, groups)
-
-        alone = rows(queue[:1])
-        for k in range(1, len(queue)):
-            own = rows(queue[k : k + 1])
-            together = rows(queue[: k + 1])
+        queue_rows = getattr(self.backbone, "queue_rows", None)
+        if queue_rows is None:
+            weighed = itertools.accumulate(sum(map(len, one.candidates)) for one in queue)
+            rows = ((sum(map(len, one.candidates)), together) for one, together in zip(queue, weighed))
+        else:
+            rows = queue_rows((one.candidates, one.groups) for one in queue)
+        alone, _ = next(rows)
+        for k, (own, together) in enumerate(rows, start=1):
             if alone is None or own is None or together is None or together > limit or together > alone + own:
                 return k
             alone += own
