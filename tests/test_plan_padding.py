@@ -178,10 +178,11 @@ def test_the_solve_workspace_is_keyed_by_arena_position_and_zeroed_per_forward()
 
 
 def small_grid() -> list[Bucket]:
-    """Three rows sizes, every candidate class of the default grid's small rows, their slot factors."""
+    """Four rows sizes, every candidate class of the default grid at each, their slot factors. The largest (288 rows,
+    up to 16 candidates, 5 x rows slots) holds every request `requests()` draws (at most 283 rows, 9 candidates)."""
     return [
         grid_bucket(rows, factor, candidates)
-        for rows in (64, 96, 160)
+        for rows in (64, 96, 160, 288)
         for candidates in candidate_classes(rows)
         for factor in slot_factors(candidates)
     ]
@@ -245,19 +246,18 @@ def test_equal_bucketed_shapes_launch_the_same_parameters():
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_tokens=requests())
 def test_padding_to_every_bucket_changes_no_bit(merged_weights, request_tokens):
-    """Buckets of a small grid the request fits, the smallest of each candidate class (reference-composition ops,
-    replicated mode): the head's rows and every residual state of every real candidate are those of the unpadded
-    plan."""
+    """Two buckets of a small grid the request fits (reference-composition ops, replicated mode): the smallest (the
+    tightest padding) and the smallest of the largest candidate class (the most dummy sequences, nodes and chunks).
+    In both the head's rows and every residual state of every real candidate are those of the unpadded plan."""
     candidates, groups = request_tokens
     engine = build_engine(merged_weights, MERGED_TREE, gdn_mode="replicated")
     want = outputs(engine, plan_tree(candidates, groups))
     layout = tree_layout(candidates, groups)
-    smallest_of_class = {}
-    for bucket in small_grid():
-        if bucket_padding(layout, bucket) is not None:
-            smallest_of_class.setdefault(bucket.candidates, bucket)
-    assert smallest_of_class, "every request of the strategy fits some bucket of the small grid"
-    for bucket in smallest_of_class.values():
+    fitting = [bucket for bucket in small_grid() if bucket_padding(layout, bucket) is not None]
+    assert fitting, "every request of the strategy fits some bucket of the small grid"
+    tightest = smallest_bucket(layout, fitting)
+    widest = smallest_bucket(layout, [b for b in fitting if b.candidates == max(f.candidates for f in fitting)])
+    for bucket in dict.fromkeys([tightest, widest]):
         plan = plan_tree(candidates, groups, bucket=bucket)
         rows = rows_of(engine, plan)
         last = engine.forward(rows)[: len(candidates)]
