@@ -59,7 +59,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import EngineConfig
-from engine.gemm_table import SPLITK_SHAPES, GemmChoice, GemmKernel, GemmTable, GemmTableError, table_or_fallback
+from engine.gemm_table import (
+    CUBLASLT_ALGORITHM_KEYS,
+    SPLITK_SHAPES,
+    GemmChoice,
+    GemmKernel,
+    GemmTable,
+    GemmTableError,
+    table_or_fallback,
+)
 from engine.graphs import ROWS_GRID
 from engine.weights import GDNLayerWeights, Weight
 
@@ -233,25 +241,50 @@ class GemmDispatch:
         return _run_cublaslt(matmul, x, weight.data, self.device)
 
     def _plan_cublaslt(self, shape: str, choice: GemmChoice, plan_weights: dict[str, list[Tensor]]) -> Any:
-        from nvmath.linalg.advanced import Matmul  # CUDA only: imported when a table holds a cuBLASLt choice
-
         if len(plan_weights.get(shape, [])) != 1:
             raise GemmTableError(f"{shape}: one cuBLASLt plan per bucket needs one [out, in] under the name")
         weight = plan_weights[shape][0]
         if shape not in self._lt_inputs:
             self._lt_inputs[shape] = torch.empty(ROWS_GRID[-1], weight.shape[1], dtype=weight.dtype, device=self.device)
-        x = self._lt_inputs[shape][: choice.rows]
-        matmul = Matmul(x, weight.t(), stream=torch.cuda.current_stream(self.device))
         wanted = dict(choice.kernel.algorithm)
-        for algorithm in matmul.plan(preferences={"limit": CUBLASLT_PLAN_LIMIT}):
-            if {key: int(getattr(algorithm.config_ifc, key)) for key in wanted} == wanted:
-                matmul.plan(algorithms=[algorithm])
-                return matmul
-        raise GemmTableError(f"{shape} at {choice.rows} rows: cuBLASLt offers no algorithm {wanted} here")
+        matmul = plan_cublaslt(self._lt_inputs[shape][: choice.rows], weight, wanted)
+        if matmul is None:
+            raise GemmTableError(f"{shape} at {choice.rows} rows: cuBLASLt plans no algorithm {wanted} here")
+        return matmul
 
 
 CUBLAS = GemmKernel("cublas", 1)
 CUBLASLT_PLAN_LIMIT = 64  # heuristic candidates searched for a table's algorithm (the tuner draws from the same list)
+
+
+def cublaslt_config(algorithm: Any) -> dict[str, int]:
+    """The nine config attributes of an nvmath `Algorithm` (the table's `algorithm` object)."""
+    return {key: int(getattr(algorithm.config_ifc, key)) for key in CUBLASLT_ALGORITHM_KEYS}
+
+
+def plan_cublaslt(x: Tensor, weight: Tensor, wanted: dict[str, int]) -> Any | None:
+    """An nvmath `Matmul` of x [rows, K] @ weight [out, K]ᵀ planned with the cuBLASLt algorithm `wanted` (nine config
+    attributes), or None when cuBLASLt offers no algorithm of that id here or refuses the configuration. The heuristic's
+    own entry when it lists exactly `wanted`; otherwise one of its entries of the same id with the other eight
+    attributes set to `wanted`'s (the tuner's explicit set is built the same way, so a table's choice plans here)."""
+    from nvmath.linalg.advanced import Matmul  # CUDA only: imported when a table holds a cuBLASLt choice
+
+    matmul = Matmul(x, weight.t(), stream=torch.cuda.current_stream(x.device))
+    same_id = [
+        a for a in matmul.plan(preferences={"limit": CUBLASLT_PLAN_LIMIT}) if int(a.config_ifc.id) == wanted["id"]
+    ]
+    if not same_id:
+        return None
+    exact = [a for a in same_id if cublaslt_config(a) == wanted]
+    algorithm = exact[0] if exact else same_id[0]
+    try:
+        for key in CUBLASLT_ALGORITHM_KEYS[1:]:
+            setattr(algorithm.config_ifc, key, wanted[key])
+        matmul.plan(algorithms=[algorithm])
+    except Exception as error:  # nvmath raises its own and cuBLASLt's error types for a configuration it refuses
+        LOG.info("cuBLASLt refused %s at %s rows: %s", wanted, x.shape[0], error)
+        return None
+    return matmul if cublaslt_config(matmul.algorithms[0]) == wanted else None
 
 
 def _run_cublaslt(matmul: Any, x: Tensor, weight: Tensor, device: torch.device) -> Tensor:
