@@ -36,8 +36,8 @@ must then be made bounded (engine/stages/gemm.md). Both tables and the decision 
 
 Outputs (through this tool only): results/gemm/<utc>-<gpu>-<commit>-candidates.json (environment, ceilings, every
 measurement, both tables, the decision) and, when every shape and bucket was measured, <...>-table.json (schema v1,
-engine/gemm_table.py). Runtime on the H200: not measured yet; see engine/stages/gemm.md for the estimate and the
-per-shape split that keeps each device call under 10 minutes.
+engine/gemm_table.py). Runtime on the H200: not measured yet; engine/stages/gemm.md has the estimate and the
+per-shape split (`--shapes` in two device calls, then `--from-candidates`) that keeps each call under 10 minutes.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def measure_shape(
         return statistics.median(samples)
 
     f_linear_first = F.linear(x_all[:first], weights[0])
-    keep = []  # Matmul objects used under capture stay alive until the shape is done (free() after capture raised)
+    keep = []  # Matmul objects used under capture stay alive until their bucket's graphs are gone (free() raised)
     out = []
     for rows in rows_grid:
         want = F.linear(x_all[:rows], weights[0])
@@ -286,7 +286,7 @@ def measure_shape(
             time_us = graph_time_us(run_one(kernel, rows, matmul))
             out.append(Measurement(shape, rows, kernel, round(time_us, 3), bitwise, invariant))
             progress.update(1)
-    keep.clear()
+        keep.clear()
     return out
 
 
@@ -364,7 +364,14 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
     gpus = {r["gpu_name"] for r in records}
     if len(gpus) != 1:
         raise SystemExit(f"candidates of several GPUs {sorted(gpus)}: a table is tuned on one")
+    commits = {r["commit"] for r in records}
+    if len(commits) != 1:
+        raise SystemExit(f"candidates of several commits {sorted(commits)}: a table is tuned on one")
     measurements = [Measurement(**m) for r in records for m in r["measurements"]]
+    seen = Counter((m.shape, m.rows, kernel_key(m.kernel)) for m in measurements)
+    twice = sorted({shape for (shape, _, _), count in seen.items() if count > 1})
+    if twice:
+        raise SystemExit(f"shapes {twice} measured in more than one record: merge one record per shape")
     floors = {(s, r): f for rec in records for s, r, f in rec["floors_us"]}
     first = records[0]
     env = {"gpu": first["gpu_name"], "capability": first["capability"], "versions": first["versions"],

@@ -75,11 +75,6 @@ ROW_INVARIANT_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}  # no workspace: no s
 ROW_INVARIANT_CHOICES = ("cublas_row_invariant", "tuned")  # the configs whose process must have no cuBLAS workspace
 
 
-def linear(x: Tensor, weight: Weight) -> Tensor:
-    """x [N, in] bf16 @ weight.dataᵀ -> [N, out] bf16 (the bf16 format; the only one so far)."""
-    return F.linear(x, weight.data)
-
-
 def needs_row_invariant(config: EngineConfig) -> bool:
     """Whether the config's GEMM choice claims row-count invariance (and so needs the workspace-free cuBLAS)."""
     return config.gemm in ROW_INVARIANT_CHOICES

@@ -125,6 +125,8 @@ def test_subsets_write_candidates_only_and_merge_into_one_table(tmp_path, monkey
         written = tune_gemm.write_outputs(ms, fl, env(), {"copy_tbps": 4.0}, ROWS_GRID, [])
         assert set(written) == {"candidates"}
         paths.append(written["candidates"])
+    with pytest.raises(SystemExit, match="measured in more than one record"):
+        tune_gemm.from_candidates([paths[0], paths[0]])
     merged = tune_gemm.from_candidates(paths)
     assert load_gemm_table(merged["table"], device_name="NVIDIA H200").shape("gdn_in").choices[0].kernel.family == (
         "cublas"
