@@ -636,11 +636,9 @@ class EngineBackbone:
                     proj = gemm_.linear(normed, layer.w_in, "gdn_in" if gdn else "attn_in")  # [N, in width]
                 mixed = (
                     self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch, rope)
-                )  # [N, value width]: the out projection's input
-                with rng("out_proj"):
-                    delta = gemm_.project(mixed, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
+                )  # the out projection: [N, H] bf16, or split-K's [S, N, H] fp32 partials
                 with rng("norm"):
-                    residual, normed = gemm_.residual_rmsnorm(ops_, residual, delta, layer.post_norm)
+                    residual, normed = gemm_.residual_rmsnorm(ops_, residual, mixed, layer.post_norm)
                 with rng("mlp"):
                     act = ops_.silu_mul(gemm_.linear(normed, layer.w_gate_up, "gate_up"))  # [N, I]
                     down = gemm_.project(act, layer.w_down, "down")  # [N, H] bf16, or split-K's [S, N, H] fp32
@@ -685,7 +683,9 @@ class EngineBackbone:
                 )
         with rng("gated_norm"):
             z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
-            return self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]: the out projection's input
+            y = self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]
+        with rng("out_proj"):
+            return self._gemm.project(y, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
 
     def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope) -> Tensor:
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
@@ -699,7 +699,9 @@ class EngineBackbone:
             else:
                 attn = _masked_sdpa(q, k, v, batch.attn_mask, scale)
         with rng("attn_gate"):
-            return self._ops.attention_gate(attn, gate)  # [N, Hq D]: the out projection's input
+            y = self._ops.attention_gate(attn, gate)  # [N, Hq D]
+        with rng("out_proj"):
+            return self._gemm.project(y, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
 
 
 def eager_warm_requests() -> list[tuple[list[list[int]], list[int]]]:
