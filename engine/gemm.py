@@ -261,7 +261,8 @@ def plan_cublaslt(x: Tensor, weight: Tensor, wanted: dict[str, int]) -> Any | No
     """An nvmath `Matmul` of x [rows, K] @ weight [out, K]ᵀ planned with the cuBLASLt algorithm `wanted` (nine config
     attributes), or None when cuBLASLt offers no algorithm of that id here or refuses the configuration. The heuristic's
     own entry when it lists exactly `wanted`; otherwise one of its entries of the same id with the other eight
-    attributes set to `wanted`'s (the tuner's explicit set is built the same way, so a table's choice plans here)."""
+    attributes set to `wanted`'s (the tuner's explicit set is built the same way, so a table's choice plans here).
+    Executed once on x's current contents, so that a configuration cuBLASLt refuses fails here, not in a request."""
     from nvmath.linalg.advanced import Matmul  # CUDA only: imported when a table holds a cuBLASLt choice
 
     matmul = Matmul(x, weight.t(), stream=torch.cuda.current_stream(x.device))
@@ -276,6 +277,8 @@ def plan_cublaslt(x: Tensor, weight: Tensor, wanted: dict[str, int]) -> Any | No
         for key in CUBLASLT_ALGORITHM_KEYS[1:]:
             setattr(algorithm.config_ifc, key, wanted[key])
         matmul.plan(algorithms=[algorithm])
+        matmul.execute(stream=torch.cuda.current_stream(x.device))  # once here: plan() runs no algo check, and the
+        # workspace is allocated now, not under a graph capture
     except Exception as error:  # nvmath raises its own and cuBLASLt's error types for a configuration it refuses
         LOG.info("cuBLASLt refused %s at %s rows: %s", wanted, x.shape[0], error)
         return None
