@@ -58,6 +58,14 @@ def gpu_tests(session: nox.Session) -> None:
     session.run(python, "-m", "pytest", "-m", "gpu", *session.posargs)
 
 
+@nox.session(python=False)
+def tune_gemm(session: nox.Session) -> None:
+    """The GEMM tuner of stage `gemm` on a CUDA GPU: candidates record and table under results/gemm/. On the H200:
+    `nox --no-venv -s tune_gemm -- --shapes gdn_in,attn_in` (options: `python -m ablations.tune_gemm --help`)."""
+    python = _lab_python(session, "dev")
+    session.run(python, "-m", "ablations.tune_gemm", *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and format check."""

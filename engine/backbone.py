@@ -101,6 +101,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +110,7 @@ from torch import Tensor
 import kernels
 from engine import gemm
 from engine.config import EngineConfig
+from engine.gemm_table import GemmTable
 from engine.graphs import GraphCache, GridIndex, capture_forward, default_grid
 from engine.plan import (
     ConvInput,
@@ -240,6 +242,8 @@ class _Ranges:
 # Element-wise stages: reference compositions (merged) and kernels (fused), one interface
 #
 #   residual_rmsnorm(residual [N, H], delta [N, H] | None, weight [H]) -> (new residual, normed) [N, H]
+#   residual_rmsnorm_splitk(residual [N, H], partials [S, N, H] fp32, weight [H]) -> the same, the delta reduced from
+#       split-K partials (fp32 sum in split order, one rounding; engine/gemm.py)
 #   silu_mul(gate_up [N, 2I]) -> [N, I]
 #   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput) -> q, k [n, Hk, K], v [n, Hv, V] bf16; g fp32,
 #       beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA numerics) iff
@@ -263,6 +267,9 @@ class _ReferenceOps:
 
     def residual_rmsnorm(self, residual: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         return ops.residual_rmsnorm(residual, delta, weight, self.shapes.rms_norm_eps)
+
+    def residual_rmsnorm_splitk(self, residual: Tensor, partials: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.residual_rmsnorm_splitk(residual, partials, weight, self.shapes.rms_norm_eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -330,6 +337,9 @@ class _FusedOps:
     def residual_rmsnorm(self, residual: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         return kernels.residual_rmsnorm(residual, delta, weight, self.shapes.rms_norm_eps)
 
+    def residual_rmsnorm_splitk(self, residual: Tensor, partials: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return kernels.residual_rmsnorm_splitk(residual, partials, weight, self.shapes.rms_norm_eps)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return kernels.silu_mul(gate_up)
 
@@ -387,7 +397,14 @@ class EngineBackbone:
     cannot honour (`engine.gemm.check_process`). Stages are built through `engine.stages.build_backbone`.
     """
 
-    def __init__(self, merged: MergedWeights, config: EngineConfig, *, nvtx_ranges: bool = False):
+    def __init__(
+        self,
+        merged: MergedWeights,
+        config: EngineConfig,
+        *,
+        nvtx_ranges: bool = False,
+        gemm_table: GemmTable | str | Path | None = None,
+    ):
         if config.backbone != "engine":
             raise ValueError(f"EngineBackbone runs backbone='engine' configs, got {config.backbone!r}")
         self.weights = merged
@@ -403,6 +420,10 @@ class EngineBackbone:
         if formats != {config.weight_format}:
             raise ValueError(f"the weights hold {sorted(formats)} GEMM weights; the config says {config.weight_format}")
         gemm.check_process(config, self.device)
+        # `gemm="tuned"`: the table's kernels (`gemm_table`: a table, a path, or None for the default location; a table
+        # that cannot be used here is one warning and cuBLAS); any other choice: F.linear everywhere
+        by_shape = gemm.gemm_weights_by_shape(merged.layers)
+        self._gemm = gemm.build_dispatch(config, self.device, by_shape, gemm_table)
         self.tree = config.layout == "tree"
         self.attention = config.attention
         self.gdn_mode = None if config.gdn_mode == "cost" else config.gdn_mode
@@ -429,7 +450,7 @@ class EngineBackbone:
         # invariant on the CPU and, on CUDA, only without a cuBLAS workspace. The masked SDPA (`merged`) is not
         # claimed (its kernel tiles all N keys). Tested on the CPU: tests/test_batching.py.
         self.batch_invariant = config.attention == "varlen" and (
-            self.device.type == "cpu" or config.gemm == gemm.NEEDS_ROW_INVARIANT
+            self.device.type == "cpu" or gemm.needs_row_invariant(config)
         )
         grid_rows = max((bucket.rows for bucket in self.grid), default=config.max_batch_rows)
         self.batch_max_rows = min(config.max_batch_rows, grid_rows)  # rows of one batched forward (`batch_rows`)
@@ -641,7 +662,7 @@ class EngineBackbone:
     def _forward_batch(self, batch: RowBatch, states: list[Tensor] | None) -> Tensor:
         """One batch's forward; appends every residual state to `states` when given. Returns the head's rows
         [len(read_rows), hidden] (a bucketed plan reads its bucket's count: the real candidates come first)."""
-        w, ops_, rng = self.weights, self._ops, self._range
+        w, ops_, rng, gemm_ = self.weights, self._ops, self._range, self._gemm
         # FlaForwardCore: one zeroed solve buffer per GDN call layout of this batch, shared by its 48 GDN layers
         core_options = {"use_qk_l2norm_in_kernel": not ops_.qk_normalised}
         if self.gdn_core == "fla_forward":
@@ -661,18 +682,18 @@ class EngineBackbone:
             gdn = isinstance(layer, GDNLayerWeights)
             with rng(f"layer {i:02d} {'gdn' if gdn else 'attn'}"):
                 with rng("in_proj"):
-                    proj = gemm.linear(normed, layer.w_in)  # [N, gdn_in_width | attn_in_width]
+                    proj = gemm_.linear(normed, layer.w_in, "gdn_in" if gdn else "attn_in")  # [N, in width]
                 mixed = (
                     self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch, rope)
-                )
+                )  # the out projection: [N, H] bf16, or split-K's [S, N, H] fp32 partials
                 with rng("norm"):
-                    residual, normed = ops_.residual_rmsnorm(residual, mixed, layer.post_norm)
+                    residual, normed = gemm_.residual_rmsnorm(ops_, residual, mixed, layer.post_norm)
                 with rng("mlp"):
-                    act = ops_.silu_mul(gemm.linear(normed, layer.w_gate_up))  # [N, I]
-                    down = gemm.linear(act, layer.w_down)  # [N, H]
+                    act = ops_.silu_mul(gemm_.linear(normed, layer.w_gate_up, "gate_up"))  # [N, I]
+                    down = gemm_.project(act, layer.w_down, "down")  # [N, H] bf16, or split-K's [S, N, H] fp32
                 next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
                 with rng("norm"):
-                    residual, normed = ops_.residual_rmsnorm(residual, down, next_norm)
+                    residual, normed = gemm_.residual_rmsnorm(ops_, residual, down, next_norm)
             if states is not None:
                 states.append(residual)
         if states is not None:
@@ -713,7 +734,7 @@ class EngineBackbone:
             z = proj[:, s.conv_dim : s.conv_dim + s.linear_value_dim]
             y = self._ops.gated_rmsnorm(o, z, layer.out_norm, o_rows)  # [N, Hv V]
         with rng("out_proj"):
-            return gemm.linear(y, layer.w_out)
+            return self._gemm.project(y, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
 
     def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope) -> Tensor:
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
@@ -729,7 +750,7 @@ class EngineBackbone:
         with rng("attn_gate"):
             y = self._ops.attention_gate(attn, gate)  # [N, Hq D]
         with rng("out_proj"):
-            return gemm.linear(y, layer.w_out)
+            return self._gemm.project(y, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
 
 
 def eager_warm_requests() -> list[tuple[list[list[int]], list[int]]]:

@@ -18,8 +18,10 @@ Fields (values; what each picks):
   FLA kernels launched directly (`kernels/gdn_core.py`).
 * `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
   forced.
-* `gemm` (`cublas`, `cublas_row_invariant`): `F.linear` with cuBLAS's default workspace, or without a workspace (no
-  split-K: a row's bits do not depend on the row count); `engine/gemm.py`.
+* `gemm` (`cublas`, `cublas_row_invariant`, `tuned`): `F.linear` with cuBLAS's default workspace; without a workspace
+  (no split-K: a row's bits do not depend on the row count); or the kernel a GEMM tuning table picks per shape and row
+  bucket (`engine/gemm_table.py`), in the same workspace-free process (its `cublas` choices and its fallback);
+  `engine/gemm.py`.
 * `graphs` (`False`, `True`): eager launches, or each batch padded to a bucket of the grid and replayed as one CUDA
   graph captured for that bucket (`engine/graphs.py`; on the CPU the padded plans run eagerly; needs the `tree` layout,
   the Triton element-wise kernels, varlen attention and the direct FLA core, whose launches read only the plan's
@@ -47,7 +49,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "attention": ("sdpa_padded", "mask", "varlen"),
     "gdn_core": ("torch", "fla", "fla_forward"),
     "gdn_mode": ("cost", "replicated", "handoff"),
-    "gemm": ("cublas", "cublas_row_invariant"),
+    "gemm": ("cublas", "cublas_row_invariant", "tuned"),
     "graphs": (False, True),
     "weight_format": ("bf16",),
 }
@@ -71,6 +73,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",
     ("gemm", "cublas"): "GEMMs through cuBLAS with its default workspace",
     ("gemm", "cublas_row_invariant"): "GEMMs through cuBLAS without a workspace (row-count invariant)",
+    ("gemm", "tuned"): "GEMMs by a tuning table per shape and row bucket (cuBLAS, cuBLASLt algorithm or fixed split-K "
+    "with fp32 partials reduced in residual_rmsnorm)",
     ("graphs", False): "eager launches",
     ("graphs", True): "each batch padded to a bucket and replayed as one pre-captured CUDA graph",
     ("weight_format", "bf16"): "bf16 GEMM weights",

@@ -1,8 +1,9 @@
 """The GEMM tuning table: which kernel each of the 27B's GEMM shapes runs at each row bucket, as a GPU tuner chose it.
 
-Status (issue 14): this module is the schema and its loader only. The tuner that measures the candidates and writes a
-table under `results/` and the registry stage `gemm` that reads one come with a GPU session; nothing in the forward
-reads a table yet and `EngineConfig.gemm` is unchanged. No measured table exists (tests build their own).
+Written by the tuner (`python -m ablations.tune_gemm`, `nox -s tune_gemm` on the GPU) as
+results/gemm/<utc>-<gpu>-<commit>-table.json and read by stage `gemm` (`EngineConfig.gemm="tuned"`) through
+`engine.gemm.build_dispatch`, which finds it at `engine.gemm.default_table_path` (the newest table of this GPU there,
+or `$JEVLAB_GEMM_TABLE`). No table has been measured yet: the tuner has not run on a GPU (tests build their own).
 
 Schema, version 1 (one JSON object; every key required, no others; `...` elides the other buckets and shapes):
 
@@ -27,10 +28,10 @@ Schema, version 1 (one JSON object; every key required, no others; `...` elides 
 * A bucket's `kernel`: `cublas` (`F.linear` in the row-invariant process: no workspace, no split-K), `cublaslt` (one
   cuBLASLt algorithm: the nine `cublasLtMatmulAlgoConfigAttributes_t` values, lower-cased, as nvmath-python's
   `Algorithm` and `nvmath.bindings.cublasLt` expose them) or `splitk` (K cut in `split` >= 2 slices, fp32 partials
-  reduced by `kernels.residual_rmsnorm_splitk`). `time_us` is the measured time, `floor_us` the tuner's lower bound
-  for that GEMM (never above `time_us`), `bitwise_f_linear` whether its output equals `F.linear`'s bit for bit, and
-  `row_invariant` whether a row's bits are independent of the call's row count (must be true: the tree layout is
-  bitwise against the flat one only then).
+  reduced by `kernels.residual_rmsnorm_splitk`; only for `SPLITK_SHAPES`, whose output feeds that norm). `time_us`
+  is the measured time, `floor_us` the tuner's lower bound for that GEMM (never above `time_us`), `bitwise_f_linear`
+  whether its output equals `F.linear`'s bit for bit, and `row_invariant` whether a row's bits are independent of
+  the call's row count (must be true: the tree layout is bitwise against the flat one only then).
 * The row-invariance law: one split per shape (`cublas` counts 1, `cublaslt` its `splitk_num`), never one per row
   count, so that a row's K-reduction order does not change when the batch moves to another bucket. Kernels of equal
   split can still differ in bits; the tuner must mix them in one shape only where it measured them bitwise to each
@@ -76,6 +77,7 @@ CUBLASLT_ALGORITHM_KEYS = (  # cublasLtMatmulAlgoConfigAttributes_t, in enum ord
     "cluster_shape_id",
 )
 VERSION_KEYS = ("torch", "cuda", "cublas", "cublaslt", "nvmath", "triton")
+SPLITK_SHAPES = ("out", "down")  # the projections whose output goes straight into residual_rmsnorm
 BUCKET_KEYS = ("rows", "kernel", "time_us", "floor_us", "bitwise_f_linear", "row_invariant")
 LOG = logging.getLogger(__name__)
 
@@ -233,6 +235,8 @@ def _shape(name: str, data: Any) -> GemmShape:
         extra = sorted(set(rows) - set(ROWS_GRID))
         detail = f"missing {missing}" if missing else f"not in the grid {extra}" if extra else "out of order"
         raise GemmTableError(f"{where}: bucket rows must be engine.graphs.ROWS_GRID in order: {detail}")
+    if name not in SPLITK_SHAPES and any(c.kernel.family == "splitk" for c in choices):
+        raise GemmTableError(f"{where}: split-K only for {SPLITK_SHAPES}, whose partials residual_rmsnorm reduces")
     rows_by_split: dict[int, list[int]] = {}
     for c in choices:
         rows_by_split.setdefault(c.kernel.split, []).append(c.rows)

@@ -560,7 +560,7 @@ def measured_exactness(record: dict) -> list[list[str]]:
 
 def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
     """What the record does not show yet: targets missed or not measured, stages not timed, planned stages absent
-    from the registry, probes not run."""
+    from the registry, registered stages never measured (`unmeasured` and not timed here), probes not run."""
     items = [f"issue {r['issue']} target {r['outcome']}: {r['what']} ({r['measured']})"
              for r in target_rows if r["outcome"] != targets.MET]  # fmt: skip
     items += [f"stage {s['name']}: {status_text(s, record)}" for s in record["stages"] if not has_timings(s)]
@@ -568,6 +568,11 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
     planned = [name for name in targets.NOT_YET_BUILT if name not in registered]
     if planned:
         items.append(f"stages not built yet: {', '.join(planned)}")
+    timed = {s["name"] for s in record["stages"] if has_timings(s)}
+    unmeasured = [s["name"] for s in record.get("registry", [])
+                  if s["registry_status"] == "unmeasured" and s["name"] not in timed]  # fmt: skip
+    if unmeasured:
+        items.append(f"stages registered but never measured: {', '.join(unmeasured)}")
     if record["plan"]["device"] == "cuda" and "probes" not in record:
         items.append("probes (engine checks, GEMM rows, hand-off, tiles): not measured by the runner yet")
     return items

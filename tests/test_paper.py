@@ -820,7 +820,7 @@ def test_probe_tables_come_from_the_record_and_say_when_not_measured():
     assert targets.probes_of(older, []) == ({}, None)
 
 
-def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
+def test_overview_speedups_per_workload_class_exactness_and_what_is_missing(monkeypatch):
     medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": None, "tree": 40.0}
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
     header, *rows = tables.class_speedups(record)
@@ -835,5 +835,7 @@ def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
     assert rows[3][0] == "fused (gate-red)"
     missing = tables.still_missing(record, targets.evaluate(record))
     assert "stage fused: gate-red" in missing
-    assert "stages not built yet: gemm" in missing
+    assert "stages registered but never measured: gemm" in missing
+    monkeypatch.setattr(targets, "NOT_YET_BUILT", ("fp8",))
+    assert "stages not built yet: fp8" in tables.still_missing(record, targets.evaluate(record))
     assert any(m.startswith("probes (") for m in missing)

@@ -5,7 +5,10 @@ A stage (ARCHITECTURE.md, "The stage contract") is one declared unit: a name, th
 and bound, the pytest nodes that gate it, and its status:
 
 * `kept`: part of the ladder; `opt-in`: measured and available, off by default; `failed`: tried and rejected, kept
-  here with the reason and the numbers that decided it (so the report's failed-attempts table can show it).
+  here with the reason and the numbers that decided it (so the report's failed-attempts table can show it);
+  `unmeasured`: built and gated on the CPU but never run on a GPU: off by default, in no plan's stage list (the runner
+  times it only when asked by name), never a ladder rung; an H200 record promotes it to `kept` or `opt-in`, or
+  records it `failed`.
 
 Everything else is derived from the deltas, never written twice: a stage's config (`config_of`: its parent's config
 with its delta applied), its "switches" text (`switches`), the README's stage table (`readme_table`, written between
@@ -43,7 +46,7 @@ import torch
 from engine.config import EngineConfig, describe_value
 
 EXACTNESS_LEVELS = ("reference", "bitwise", "bounded", "decisions")
-REGISTRY_STATUSES = ("kept", "opt-in", "failed")
+REGISTRY_STATUSES = ("kept", "opt-in", "failed", "unmeasured")
 METRICS = ("hidden_rel_rmse", "max_abs_dp")
 DEVICES = ("cuda", "cpu")
 NOTES_DIR = Path(__file__).resolve().parent
@@ -206,6 +209,15 @@ STAGE_LIST: tuple[Stage, ...] = (
         gpu_gate="tests/test_gpu_graphs.py::test_replay_matches_eager_on_the_ladder_workloads",
         status="kept",
     ),
+    Stage(
+        name="gemm",
+        builds_on="graphs",
+        delta={"gemm": "tuned"},
+        exactness=Exactness("bitwise", against="graphs"),  # a split-K table makes it bounded: engine/stages/gemm.md
+        gate="tests/test_gemm_stage.py::test_gemm_stage_matches_graphs_bitwise_without_split",
+        gpu_gate="tests/test_gpu_gemm_tuned.py::test_gemm_stage_matches_graphs_bitwise",
+        status="unmeasured",
+    ),
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in STAGE_LIST}
@@ -251,10 +263,12 @@ def everything_but(name: str) -> EngineConfig:
     """The top stage's config with `name`'s delta set back to its parent's values: the ladder without that stage.
 
     Raises ValueError for the root (there is nothing to go back to) and for combinations `EngineConfig` refuses
-    (without `merged` the engine's own stages have no backbone to run on)."""
+    (without `merged` the engine's own stages have no backbone to run on), and for a stage that is not `kept`."""
     stage = get_stage(name)
     if stage.builds_on is None:
         raise ValueError(f"{name} is the reference; there is no ladder without it")
+    if stage.status != "kept":
+        raise ValueError(f"{name} is not a ladder rung (status {stage.status}); the ladder has nothing to leave out")
     parent = config_of(stage.builds_on)
     return top_stage().config.replace(**{field: getattr(parent, field) for field in stage.delta})
 
@@ -277,9 +291,10 @@ class BuildContext:
     built afterwards (`hf_model()` then raises).
     """
 
-    def __init__(self, weights: Any, *, nvtx: bool = False) -> None:  # weights: reference.weights.DecisionWeights
-        self.weights = weights
+    def __init__(self, weights: Any, *, nvtx: bool = False, gemm_table: Any = None) -> None:
+        self.weights = weights  # reference.weights.DecisionWeights
         self.nvtx = nvtx  # engine stages put NVTX ranges around every layer and op family
+        self.gemm_table = gemm_table  # `gemm="tuned"`: a GemmTable or its path; None: engine.gemm.default_table_path
         self._hf_model = None
         self._merged = None
 
@@ -352,18 +367,21 @@ def build_backbone(stage: str | EngineConfig, ctx: BuildContext) -> Any:
 
         return HFBackbone(ctx.weights, config.gdn_core, model=ctx.hf_model())
     prepare_process([config], device.type)  # a no-op when the caller prepared the process; raises when too late
-    return build_engine(ctx.merged_weights(), config, nvtx_ranges=ctx.nvtx)
+    return build_engine(ctx.merged_weights(), config, nvtx_ranges=ctx.nvtx, gemm_table=ctx.gemm_table)
 
 
-def build_engine(merged: Any, stage: str | EngineConfig, *, nvtx_ranges: bool = False, **changes: Any) -> Any:
+def build_engine(
+    merged: Any, stage: str | EngineConfig, *, nvtx_ranges: bool = False, gemm_table: Any = None, **changes: Any
+) -> Any:
     """An `EngineBackbone` on already merged weights (`engine.weights.MergedWeights`) for an engine stage name or
     config, with `changes` to its fields (tests and ablations: `build_engine(merged, "tree", gdn_mode="handoff")`),
-    in the config's form on the weights' device. `build_backbone` ends here for every engine stage."""
+    in the config's form on the weights' device; `gemm_table` (a `GemmTable` or a path) for `gemm="tuned"`, else
+    the default location. `build_backbone` ends here for every engine stage."""
     from engine.backbone import EngineBackbone
 
     config = config_of(stage) if isinstance(stage, str) else stage
     config = config.replace(**changes) if changes else config
-    return EngineBackbone(merged, config.on(merged.device.type), nvtx_ranges=nvtx_ranges)
+    return EngineBackbone(merged, config.on(merged.device.type), nvtx_ranges=nvtx_ranges, gemm_table=gemm_table)
 
 
 # ---------------------------------------------------------------------------------------------------------- README
@@ -372,17 +390,17 @@ def build_engine(merged: Any, stage: str | EngineConfig, *, nvtx_ranges: bool = 
 def readme_table() -> str:
     """The README's stage table (Markdown), from the registry."""
     rows = [
-        "| stage | builds on | what it switches | exactness | gates (CPU / GPU) | notes |",
-        "|---|---|---|---|---|---|",
+        "| stage | builds on | what it switches | exactness | gates (CPU / GPU) | status | notes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for stage in STAGE_LIST:
         gates = f"`{stage.gate.split('::')[-1]}` / `{stage.gpu_gate.split('::')[-1]}`"
         rows.append(
             f"| `{stage.name}` | {stage.builds_on or '—'} | {stage.switches} | {stage.exactness.describe()} | "
-            f"{gates} | [{stage.name}.md](engine/stages/{stage.name}.md) |"
+            f"{gates} | {stage.status} | [{stage.name}.md](engine/stages/{stage.name}.md) |"
         )
     ablations = []
-    for stage in STAGE_LIST[1:]:
+    for stage in [s for s in STAGE_LIST[1:] if s.status == "kept"]:
         try:
             delta = everything_but(stage.name).delta(top_stage().config)
             text = f"`{top_stage().name}` with " + ", ".join(f"`{field}={value}`" for field, value in delta.items())

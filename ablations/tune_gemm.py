@@ -1,0 +1,441 @@
+"""The GEMM tuner of stage `gemm` (issue 14): measure every candidate kernel of every GEMM shape at every row bucket of
+the graphs grid on this GPU, select a table by the row-invariance law, and write it under results/gemm/.
+
+    python -m ablations.tune_gemm [--shapes gdn_in,out] [--buckets 64,96,227] [--calls 10] [--replays 7]
+    python -m ablations.tune_gemm --from-candidates results/gemm/A-candidates.json results/gemm/B-candidates.json
+    nox --no-venv -s tune_gemm -- [the same options]          (on the H200)
+
+Candidates per (shape, bucket rows), in a process without a cuBLAS workspace (`engine.gemm.prepare_process`, as the
+stage runs):
+* `cublas`: `F.linear`.
+* `cublaslt`: the algorithms cuBLASLt's heuristic offers at that bucket (nvmath-python's `Matmul.plan`, up to
+  `HEURISTIC_LIMIT`), plus an explicit set: the `EXPLICIT_PER_SHAPE` algorithms offered at the most buckets of the
+  shape, each tried at every bucket (a one-kernel-per-shape table needs one algorithm measured everywhere).
+* `splitk` (out and down, `engine.gemm_table.SPLITK_SHAPES`): S in `SPLITS` where S cuts K into equal slices
+  (down's K = 17,408 is not three equal slices: S = 3 is skipped there and recorded as such).
+For out and down every candidate is timed with the `residual_rmsnorm` that consumes it (`kernels.residual_rmsnorm`
+on the bf16 output, `kernels.residual_rmsnorm_splitk` on the partials), since split-K moves its reduction there.
+
+Timing: each candidate is one CUDA graph of `calls` back-to-back calls cycling over `WEIGHT_COPIES` distinct weights
+(the forward never reads one weight twice in a row), replayed `replays` times after a `FLUSH_BYTES` buffer write
+(cold L2); the time is the median replay / calls. Floor per (shape, rows) = max(weight bytes / copy rate,
+2 n k rows / bf16 rate), with the ceilings of `ablations.timing.measure_ceilings` measured at start in this process.
+
+Checks per candidate: `bitwise_f_linear` (its bf16 output, or `splitk_delta` of its partials, equals `F.linear`'s at
+the same rows bit for bit) and `row_invariant` (its first `ROWS_GRID[0]` rows equal, bit for bit, what the same
+kernel gives for a call of `ROWS_GRID[0]` rows; a cuBLASLt algorithm cuBLASLt will not plan at that row count
+counts as invariant only when bitwise with `F.linear`, itself checked invariant here).
+
+Selection (`select_table`, pure, tested on the CPU with synthetic measurements): per shape, among row-invariant
+candidates, (a) per bucket the fastest kernel bitwise with `F.linear` (mixing those across buckets keeps every row's
+bits); (b) one non-split kernel for every bucket; (c) one split-K S for every bucket. The option with the least
+forward GEMM time (sum over buckets of time x the shape's calls per forward) wins. The bitwise table is (a) for every
+shape. Ship rule (issue 14): when the bitwise table's forward GEMM time is within `SHIP_MARGIN` of the best table's
+at every bucket, the bitwise table is written as the table; otherwise the best, and the stage's registry entry
+must then be made bounded (engine/stages/gemm.md). Both tables and the decision are in the candidates record.
+
+Outputs (through this tool only): results/gemm/<utc>-<gpu>-<commit>-candidates.json (environment, ceilings, every
+measurement, both tables, the decision) and, when every shape and bucket was measured, <...>-table.json (schema v1,
+engine/gemm_table.py). Runtime on the H200: not measured yet; engine/stages/gemm.md has the estimate and the
+per-shape split (`--shapes` in two device calls, then `--from-candidates`) that keeps each call under 10 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.gemm_table import GEMM_SHAPES, SCHEMA_VERSION, SPLITK_SHAPES, load_gemm_table
+from engine.graphs import ROWS_GRID
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "gemm"
+SPLITS = (2, 3, 4)
+HEURISTIC_LIMIT = 8
+EXPLICIT_PER_SHAPE = 6
+WEIGHT_COPIES = 4
+FLUSH_BYTES = 256 * 2**20  # larger than the H200's 60 MiB L2
+SHIP_MARGIN = 0.02
+CALLS_PER_FORWARD = {"gdn_in": 48, "attn_in": 16, "out": 64, "gate_up": 64, "down": 64}  # the 27B's 48 + 16 layers
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate at one (shape, rows): its kernel (the table's `kernel` object), time and checks."""
+
+    shape: str
+    rows: int
+    kernel: dict[str, Any]
+    time_us: float
+    bitwise_f_linear: bool
+    row_invariant: bool
+
+
+def kernel_key(kernel: dict[str, Any]) -> str:
+    """A kernel's identity across buckets (the same cuBLASLt algorithm or split at another row count)."""
+    return json.dumps(kernel, sort_keys=True)
+
+
+def kernel_split(kernel: dict[str, Any]) -> int:
+    if kernel["family"] == "splitk":
+        return kernel["split"]
+    return kernel["algorithm"]["splitk_num"] if kernel["family"] == "cublaslt" else 1
+
+
+def select_table(
+    measurements: Iterable[Measurement], floors_us: dict[tuple[str, int], float], rows_grid: tuple[int, ...] = ROWS_GRID
+) -> dict[str, Any]:
+    """The best table and the bitwise table from measurements (module docstring, Selection).
+
+    Returns {"best": {shape: [bucket, ...]}, "bitwise": {...}, "options": {shape: {option: forward us}},
+    "forward_us": {"best": [per bucket], "bitwise": [...]}, "bitwise_within_margin": bool, "ship": "bitwise" | "best"}
+    with buckets in the table's schema (rows, kernel, time_us, floor_us, bitwise_f_linear, row_invariant). Raises
+    ValueError when a shape lacks a row-invariant `F.linear`-bitwise candidate at some bucket (cuBLAS must be one)."""
+    by_shape: dict[str, dict[int, list[Measurement]]] = {}
+    for m in measurements:
+        if m.row_invariant:
+            by_shape.setdefault(m.shape, {}).setdefault(m.rows, []).append(m)
+    best, bitwise, options = {}, {}, {}
+    for shape, per_rows in by_shape.items():
+        missing = [rows for rows in rows_grid if rows not in per_rows]
+        if missing:
+            raise ValueError(f"{shape}: no row-invariant candidate at rows {missing}")
+        weight = CALLS_PER_FORWARD.get(shape, 1)
+        mixed = []
+        for rows in rows_grid:
+            exact = [m for m in per_rows[rows] if m.bitwise_f_linear and kernel_split(m.kernel) == 1]
+            if not exact:
+                raise ValueError(f"{shape} at {rows} rows: no candidate bitwise with F.linear (cuBLAS must be one)")
+            mixed.append(min(exact, key=lambda m: m.time_us))
+        shape_options = {"bitwise per bucket": mixed}
+        everywhere: dict[str, list[Measurement]] = {}
+        for rows in rows_grid:
+            for m in per_rows[rows]:
+                everywhere.setdefault(kernel_key(m.kernel), []).append(m)
+        for key, ms in everywhere.items():
+            if len(ms) == len(rows_grid):  # measured at every bucket: one kernel for the whole shape
+                split = kernel_split(ms[0].kernel)
+                label = f"one kernel {key}" if split == 1 else f"split {split} {key}"
+                shape_options[label] = ms
+        totals = {label: weight * sum(m.time_us for m in ms) for label, ms in shape_options.items()}
+        winner = min(totals, key=totals.get)
+        options[shape] = totals
+        best[shape] = [_bucket(m, floors_us[(shape, m.rows)]) for m in shape_options[winner]]
+        bitwise[shape] = [_bucket(m, floors_us[(shape, m.rows)]) for m in mixed]
+    forward = {
+        name: [sum(CALLS_PER_FORWARD.get(s, 1) * table[s][i]["time_us"] for s in table) for i in range(len(rows_grid))]
+        for name, table in (("best", best), ("bitwise", bitwise))
+    }
+    within = all(b <= (1 + SHIP_MARGIN) * a for a, b in zip(forward["best"], forward["bitwise"], strict=True))
+    return {
+        "best": best,
+        "bitwise": bitwise,
+        "options": options,
+        "forward_us": forward,
+        "bitwise_within_margin": within,
+        "ship": "bitwise" if within else "best",
+    }
+
+
+def _bucket(m: Measurement, floor_us: float) -> dict[str, Any]:
+    return {
+        "rows": m.rows,
+        "kernel": m.kernel,
+        "time_us": m.time_us,
+        "floor_us": floor_us,
+        "bitwise_f_linear": m.bitwise_f_linear,
+        "row_invariant": m.row_invariant,
+    }
+
+
+def table_document(shapes: dict[str, list[dict]], env: dict[str, Any]) -> dict[str, Any]:
+    """A schema-v1 table (engine/gemm_table.py) of the selected buckets."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "gpu": {"name": env["gpu"], "capability": env["capability"]},
+        "versions": env["versions"],
+        "commit": env["commit"],
+        "created_utc": env["utc"],
+        "shapes": {
+            name: {"n": GEMM_SHAPES[name][0], "k": GEMM_SHAPES[name][1], "buckets": shapes[name]}
+            for name in GEMM_SHAPES
+        },  # fmt: skip
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measuring (CUDA only)
+
+
+def measure_shape(
+    shape: str, rows_grid: tuple[int, ...], calls: int, replays: int, progress: Any, skipped: list[dict]
+) -> list[Measurement]:
+    """Every candidate of one shape at every bucket of `rows_grid` (module docstring), on the current CUDA device;
+    candidates that could not run are appended to `skipped` with the reason."""
+    import torch
+    import torch.nn.functional as F
+    from nvmath.linalg.advanced import Matmul
+
+    import kernels
+    from engine.gemm import cublaslt_config, plan_cublaslt, splitk_partials
+    from reference.ops import splitk_delta
+
+    n, k = GEMM_SHAPES[shape]
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(14)
+    weights = [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16() for _ in range(WEIGHT_COPIES)]
+    x_all = torch.randn(max(rows_grid), k, generator=gen, device=device).bfloat16()
+    residual_all = torch.randn(max(rows_grid), n, generator=gen, device=device).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).bfloat16()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    with_norm = shape in SPLITK_SHAPES
+    first = rows_grid[0]
+
+    def heuristic_configs(rows: int) -> list[dict[str, int]]:
+        matmul = Matmul(x_all[:rows], weights[0].t(), stream=torch.cuda.current_stream())
+        return [cublaslt_config(a) for a in matmul.plan(preferences={"limit": HEURISTIC_LIMIT})]
+
+    heuristic = {rows: heuristic_configs(rows) for rows in rows_grid}
+    counts = Counter(kernel_key(c) for configs in heuristic.values() for c in configs)
+    explicit = {key for key, _ in counts.most_common(EXPLICIT_PER_SHAPE)}
+
+    def run_one(kernel: dict, rows: int, matmul: Any) -> Callable[[int], Any]:
+        x, residual = x_all[:rows], residual_all[:rows]
+        if kernel["family"] == "splitk":
+            op = lambda w: splitk_partials(x, w, kernel["split"])  # noqa: E731
+        elif kernel["family"] == "cublaslt":
+
+            def op(w):
+                matmul.reset_operands_unchecked(a=x, b=w.t())
+                return matmul.execute(stream=torch.cuda.current_stream())
+        else:
+            op = lambda w: F.linear(x, w)  # noqa: E731
+        if not with_norm:
+            return lambda i: op(weights[i % WEIGHT_COPIES])
+        if kernel["family"] == "splitk":
+            return lambda i: kernels.residual_rmsnorm_splitk(
+                residual, op(weights[i % WEIGHT_COPIES]), norm_weight, 1e-6
+            )
+        return lambda i: kernels.residual_rmsnorm(residual, op(weights[i % WEIGHT_COPIES]), norm_weight, 1e-6)
+
+    def bits(kernel: dict, rows: int, matmul: Any) -> Any:
+        x = x_all[:rows]
+        if kernel["family"] == "splitk":
+            return splitk_delta(splitk_partials(x, weights[0], kernel["split"]))
+        if kernel["family"] == "cublaslt":
+            matmul.reset_operands_unchecked(a=x, b=weights[0].t())
+            return matmul.execute(stream=torch.cuda.current_stream()).clone()
+        return F.linear(x, weights[0])
+
+    def graph_time_us(fn: Callable[[int], Any]) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(2):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        samples = []
+        for _ in range(replays):
+            flush.random_(0, 255)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+        return statistics.median(samples)
+
+    f_linear_first = F.linear(x_all[:first], weights[0])
+    keep = []  # Matmul objects used under capture stay alive until their bucket's graphs are gone (free() raised)
+    out = []
+    for rows in rows_grid:
+        want = F.linear(x_all[:rows], weights[0])
+        candidates: list[tuple[dict, Any]] = [({"family": "cublas"}, None)]
+        for key in sorted({kernel_key(c) for c in heuristic[rows]} | explicit):
+            matmul = plan_cublaslt(x_all[:rows], weights[0], json.loads(key))
+            if matmul is None:
+                skipped.append({"shape": shape, "rows": rows, "algorithm": json.loads(key), "why": "not planned here"})
+                continue
+            candidates.append(({"family": "cublaslt", "algorithm": json.loads(key)}, matmul))
+            keep.append(matmul)
+        for split in SPLITS if shape in SPLITK_SHAPES else ():
+            if k % split == 0:
+                candidates.append(({"family": "splitk", "split": split}, None))
+            elif rows == rows_grid[0]:
+                skipped.append({"shape": shape, "split": split, "why": f"K = {k} is not {split} equal slices"})
+        for kernel, matmul in candidates:
+            progress.update(1)
+            try:  # an explicit algorithm is planned without cuBLASLt's algo check: it may fail only when it runs
+                got = bits(kernel, rows, matmul)
+                bitwise = bool(torch.equal(got, want))
+                if kernel["family"] == "cublaslt":
+                    small = plan_cublaslt(x_all[:first], weights[0], kernel["algorithm"])
+                    keep.append(small)
+                    anchor = bits(kernel, first, small) if small is not None else (f_linear_first if bitwise else None)
+                else:
+                    anchor = bits(kernel, first, None)
+                invariant = anchor is not None and bool(torch.equal(got[:first], anchor))
+                time_us = graph_time_us(run_one(kernel, rows, matmul))
+            except Exception as error:  # nvmath and cuBLASLt raise their own types; the candidate is recorded, not lost
+                skipped.append(
+                    {"shape": shape, "rows": rows, "kernel": kernel, "why": f"{type(error).__name__}: {error}"}
+                )
+                continue
+            out.append(Measurement(shape, rows, kernel, round(time_us, 3), bitwise, invariant))
+        keep.clear()
+    return out
+
+
+def environment(device: Any) -> dict[str, Any]:
+    import nvmath
+    import torch
+    import triton
+    from nvmath.bindings import cublasLt
+
+    from ablations import envinfo
+
+    env = envinfo.collect("cuda")
+    lt = cublasLt.get_version()
+    lt_text = f"{lt // 10000}.{lt // 100 % 100}.{lt % 100}"
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "gpu": props.name,
+        "capability": [props.major, props.minor],
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": str(torch.version.cuda),
+            "cublas": lt_text,  # one library release
+            "cublaslt": lt_text,
+            "nvmath": nvmath.__version__,
+            "triton": triton.__version__,
+        },  # fmt: skip
+        "commit": str(env["git_commit"])[:40],
+        "utc": env["utc"],
+        "stem": envinfo.record_stem(env),
+        "env": env,
+    }
+
+
+def write_outputs(
+    measurements: list[Measurement],
+    floors: dict[tuple[str, int], float],
+    env: dict,
+    ceilings: dict,
+    rows_grid: tuple[int, ...],
+    skipped: list[dict],
+) -> dict[str, Path]:
+    """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
+    of the grid was measured."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    shapes = sorted({m.shape for m in measurements})
+    selection = select_table(measurements, floors, rows_grid)
+    written = {}
+    record = {
+        "env": env["env"], "versions": env["versions"], "ceilings": ceilings, "rows_grid": list(rows_grid),
+        "floors_us": [[s, r, f] for (s, r), f in sorted(floors.items())],
+        "measurements": [asdict(m) for m in measurements], "skipped": skipped, "selection": selection,
+        "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"], "commit": env["commit"],
+    }  # fmt: skip
+    complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) == ROWS_GRID
+    shipped = selection[selection["ship"]]
+    below = [(s, b["rows"]) for s in shipped for b in shipped[s] if b["time_us"] < b["floor_us"]]
+    if below:  # a time under its floor is a broken measurement (or ceiling): no table from it
+        record["table"] = f"not written: time below the floor at {below}"
+    elif complete:
+        path = RESULTS / f"{env['stem']}-table.json"
+        path.write_text(json.dumps(table_document(selection[selection["ship"]], env), indent=1) + "\n")
+        load_gemm_table(path, device_name=env["gpu"])  # the engine's loader accepts what the tuner wrote
+        written["table"] = path
+    if not below:
+        record["table"] = str(written.get("table", "not written: a subset of shapes or buckets was measured"))
+    path = RESULTS / f"{env['stem']}-{'-'.join(shapes)}-candidates.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    written["candidates"] = path
+    return written
+
+
+def from_candidates(paths: list[Path]) -> dict[str, Path]:
+    """Merge candidates records of one GPU and commit (e.g. one device call per shape) and write the table."""
+    records = [json.loads(p.read_text()) for p in paths]
+    gpus = {r["gpu_name"] for r in records}
+    if len(gpus) != 1:
+        raise SystemExit(f"candidates of several GPUs {sorted(gpus)}: a table is tuned on one")
+    commits = {r["commit"] for r in records}
+    if len(commits) != 1:
+        raise SystemExit(f"candidates of several commits {sorted(commits)}: a table is tuned on one")
+    measurements = [Measurement(**m) for r in records for m in r["measurements"]]
+    seen = Counter((m.shape, m.rows, kernel_key(m.kernel)) for m in measurements)
+    twice = sorted({shape for (shape, _, _), count in seen.items() if count > 1})
+    if twice:
+        raise SystemExit(f"shapes {twice} measured in more than one record: merge one record per shape")
+    floors = {(s, r): f for rec in records for s, r, f in rec["floors_us"]}
+    first = records[0]
+    env = {"gpu": first["gpu_name"], "capability": first["capability"], "versions": first["versions"],
+           "commit": first["commit"], "utc": first["env"]["utc"], "env": first["env"],
+           "stem": first["stem"]}  # fmt: skip
+    skipped = [s for r in records for s in r["skipped"]]
+    return write_outputs(measurements, floors, env, first["ceilings"], tuple(first["rows_grid"]), skipped)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", help=f"comma-separated subset of {list(GEMM_SHAPES)} (default: all)")
+    parser.add_argument("--buckets", help="comma-separated subset of engine.graphs.ROWS_GRID (default: all)")
+    parser.add_argument("--calls", type=int, default=10, help="GEMM calls per captured graph")
+    parser.add_argument("--replays", type=int, default=7, help="timed replays per candidate (median)")
+    parser.add_argument("--from-candidates", nargs="+", type=Path, help="merge candidates records into a table")
+    args = parser.parse_args(argv)
+    if args.from_candidates:
+        print(json.dumps({k: str(v) for k, v in from_candidates(args.from_candidates).items()}))
+        return 0
+    shapes = args.shapes.split(",") if args.shapes else list(GEMM_SHAPES)
+    unknown = sorted(set(shapes) - set(GEMM_SHAPES))
+    rows_grid = tuple(int(r) for r in args.buckets.split(",")) if args.buckets else ROWS_GRID
+    outside = sorted(set(rows_grid) - set(ROWS_GRID))
+    if unknown or outside or list(rows_grid) != sorted(rows_grid):
+        parser.error(f"unknown shapes {unknown}, rows outside the grid {outside}, or buckets out of order")
+
+    import torch
+    from tqdm import tqdm
+
+    from ablations import timing
+    from engine import gemm
+    from engine.stages import config_of
+
+    if not torch.cuda.is_available():
+        parser.error("the tuner measures CUDA kernels: run it on the GPU (nox --no-venv -s tune_gemm)")
+    gemm.prepare_process([config_of("gemm")])  # no cuBLAS workspace, as the stage runs
+    device = torch.device("cuda")
+    env = environment(device)
+    if env["commit"] == "unknown":
+        parser.error("a table records the commit it was tuned on: run from a git checkout or set JEVLAB_GIT_COMMIT")
+    ceilings = timing.measure_ceilings("cuda", copy_bytes=2**30, gemm_n=8192, runs=20)
+    floors = {
+        (shape, rows): 1e6 * max(
+            2 * n * k / (ceilings["copy_tbps"] * 1e12), 2 * n * k * rows / (ceilings["bf16_tflops"] * 1e12)
+        )
+        for shape, (n, k) in GEMM_SHAPES.items() if shape in shapes for rows in rows_grid
+    }  # fmt: skip
+    measurements: list[Measurement] = []
+    skipped: list[dict] = []
+    with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
+        for shape in shapes:
+            progress.set_postfix_str(shape)
+            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped)
+    written = write_outputs(measurements, floors, env, ceilings, rows_grid, skipped)
+    print(json.dumps({k: str(v) for k, v in written.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""CPU tests of stage `gemm` (`EngineConfig.gemm="tuned"`, engine/gemm.py): the dispatcher on tables built here (the
+tiny twin, whose GEMMs share the 27B's shape names), the stage against `graphs` with a table without split-K, tree
+against flat within the stage with a split-K table, the split-K reduction against its reference, and the cuBLAS
+fallback on a missing, foreign or broken table (one warning, no crash)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import gemm
+from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, GemmTableError, load_gemm_table
+from engine.graphs import ROWS_GRID
+from engine.stages import build_engine, config_of, get_stage
+from engine.weights import MergedWeights, Weight
+from reference import ops
+from reference.shapes import TINY
+from reference.weights import synthetic_weights
+
+CPU = torch.device("cpu")
+ALGORITHM = dict.fromkeys(CUBLASLT_ALGORITHM_KEYS, 0) | {"id": 66, "tile_id": 20, "splitk_num": 1, "stages_id": 8}
+
+
+def table_data(kernels_by_shape: dict[str, dict], gpu: str = "cpu") -> dict:
+    """A schema-v1 table with one kernel per shape at every bucket (times made up, floors below them)."""
+    shapes = {
+        name: {"n": n, "k": k, "buckets": [
+            {"rows": rows, "kernel": kernels_by_shape.get(name, {"family": "cublas"}), "time_us": 30.0 + rows,
+             "floor_us": 20.0 + rows, "bitwise_f_linear": kernels_by_shape.get(name, {}).get("family") != "splitk",
+             "row_invariant": True}
+            for rows in ROWS_GRID]}
+        for name, (n, k) in GEMM_SHAPES.items()
+    }  # fmt: skip
+    versions = {"torch": "2.13.0", "cuda": "13.0", "cublas": "13.1.0", "cublaslt": "13.1.0", "nvmath": None,
+                "triton": "3.9.0"}  # fmt: skip
+    return {"schema_version": 1, "gpu": {"name": gpu, "capability": [9, 0]}, "versions": versions,
+            "commit": "abc1234", "created_utc": "2026-12-01T10:00:00Z", "shapes": shapes}  # fmt: skip
+
+
+def write_table(tmp_path: Path, data: dict | str, name: str = "table.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def load(tmp_path: Path, kernels_by_shape: dict[str, dict]):
+    return load_gemm_table(write_table(tmp_path, table_data(kernels_by_shape)), device_name="cpu")
+
+
+SPLIT = {"out": {"family": "splitk", "split": 3}, "down": {"family": "splitk", "split": 2}}
+
+
+@pytest.fixture(scope="module")
+def merged_weights() -> MergedWeights:
+    return MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=17))
+
+
+def request(seed: int, root_len: int = 70) -> tuple[list[list[int]], list[int]]:
+    """A shared root of `root_len` tokens, two questions, three options each (odd lengths)."""
+    rng = random.Random(seed)
+    root = [rng.randrange(100, 150_000) for _ in range(root_len)]
+    candidates = [root + [q + 1] + [rng.randrange(100, 150_000) for _ in range(3 + q * 5)] + [o + 1]
+                  for q in range(2) for o in range(3)]  # fmt: skip
+    return candidates, [0, 0, 0, 1, 1, 1]
+
+
+def test_gemm_stage_is_registered_unmeasured_on_graphs():
+    stage = get_stage("gemm")
+    assert (stage.builds_on, stage.delta, stage.status) == ("graphs", {"gemm": "tuned"}, "unmeasured")
+    assert stage.exactness.describe() == "bitwise vs graphs"
+    assert config_of("gemm") == config_of("graphs").replace(gemm="tuned")
+    assert gemm.needs_row_invariant(config_of("gemm"))  # its cublas choices and its fallback need no workspace
+    plans = Path(__file__).resolve().parents[1] / "ablations" / "plans"
+    for plan in plans.glob("*.toml"):
+        assert '"gemm"' not in plan.read_text(), f"{plan.name}: an unmeasured stage is no plan's rung"
+
+
+def test_gemm_stage_matches_graphs_bitwise_without_split(merged_weights, tmp_path):
+    """The stage's CPU gate: with a table without split-K (every choice `cublas`, what the CPU runs) the `gemm`
+    stage's forward and hidden states are bit-identical to `graphs` on the same request."""
+    table = load(tmp_path, {})
+    tuned = build_engine(merged_weights, "gemm", gemm_table=table)
+    graphs = build_engine(merged_weights, "graphs")
+    assert tuned._gemm.table is table and tuned._gemm.kernel("down", 100).family == "cublas"
+    candidates, groups = request(3, root_len=9)
+    got, want = tuned.prepare(candidates, groups), graphs.prepare(candidates, groups)
+    assert got.batches[0].plan.bucket is not None  # a bucketed plan: the calls have the bucket's rows
+    assert torch.equal(tuned.forward(got), graphs.forward(want))
+
+
+def test_split_k_tree_matches_flat_bitwise(merged_weights, tmp_path, monkeypatch):
+    """Row-count invariance of the tuned GEMMs: with fixed split-K for out (S=3) and down (S=2) the tree and the flat
+    layout give the same candidate outputs and the same hidden states bit for bit, though their calls have different
+    row counts; every out and down projection went through the split. (The reference ops and varlen attention: the
+    stage's own kernels under the interpreter take minutes here; the bucketed tree with them is the GPU test's.)"""
+    table = load(tmp_path, SPLIT)
+    calls = []
+
+    def counted(x, weight, split):
+        calls.append((x.shape[0], split))
+        return splitk_partials(x, weight, split)
+
+    splitk_partials = gemm.splitk_partials
+    monkeypatch.setattr(gemm, "splitk_partials", counted)
+    flat_config = config_of("merged", gemm="tuned", attention="varlen")
+    tree = build_engine(merged_weights, flat_config.replace(layout="tree"), gemm_table=table)
+    flat = build_engine(merged_weights, flat_config, gemm_table=table)
+    candidates, groups = request(8)
+    tree_rows, flat_rows = tree.prepare(candidates, groups), flat.prepare(candidates, groups)
+    assert tree_rows.rows_computed != flat_rows.rows_computed
+    assert torch.equal(tree.forward(tree_rows), flat.forward(flat_rows))
+    per_forward = 2 * TINY.num_layers
+    assert sorted({split for _, split in calls}) == [2, 3] and len(calls) == 2 * per_forward
+    assert {rows for rows, _ in calls} == {tree_rows.rows_computed, flat_rows.rows_computed}
+    tree_states, flat_states = tree.hidden_states(tree_rows), flat.hidden_states(flat_rows)
+    assert all(torch.equal(a, b) for a, b in zip(tree_states, flat_states, strict=True))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference ops", "kernels"])
+def test_split_k_projection_is_the_reference_reduction(fused):
+    """`project` + `residual_rmsnorm` with split-K at 37 rows (odd): the partials against fp64 within the fp32
+    accumulation bound (K/S terms, each product exact in fp32), and the norm bitwise against
+    `reference.ops.splitk_delta` composed with the ops' own `residual_rmsnorm`."""
+    from engine.backbone import _FusedOps, _ReferenceOps
+
+    norms = _FusedOps(TINY, "torch") if fused else _ReferenceOps(TINY)
+    gen = torch.Generator().manual_seed(29)
+    rows, k, n, split = 37, 384, TINY.hidden_size, 3
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16()
+    dispatch = gemm.GemmDispatch(None, CPU, {}, "test")
+    dispatch._choice[("down", rows)] = gemm.GemmKernel("splitk", split)
+    partials = dispatch.project(x, Weight(w), "down")
+    assert partials.shape == (split, rows, n) and partials.dtype == torch.float32
+    slices = [slice(s * k // split, (s + 1) * k // split) for s in range(split)]
+    exact = torch.stack([x[:, sl].double() @ w[:, sl].double().T for sl in slices])
+    magnitude = torch.stack([x[:, sl].double().abs() @ w[:, sl].double().abs().T for sl in slices])
+    bound = (k // split) * 2.0**-24 / (1 - (k // split) * 2.0**-24) * magnitude  # gamma_{K/S} of fp32
+    assert ((partials.double() - exact).abs() <= bound).all()
+    got = dispatch.residual_rmsnorm(norms, residual, partials, norm_weight)
+    want = norms.residual_rmsnorm(residual, ops.splitk_delta(partials), norm_weight)
+    assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="call project"):
+        dispatch.linear(x, Weight(w), "down")
+
+
+def test_dispatch_runs_the_tables_cublas_choice_as_f_linear(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(50, 128, generator=gen).bfloat16(), torch.randn(96, 128, generator=gen).bfloat16()
+    dispatch = gemm.GemmDispatch(load(tmp_path, {}), CPU, {}, "test")
+    assert torch.equal(dispatch.linear(x, Weight(w), "gate_up"), F.linear(x, w))
+    assert torch.equal(dispatch.project(x, Weight(w), "out"), F.linear(x, w))
+    assert dispatch.kernel("no_such_gemm", 50) == gemm.CUBLAS  # a shape the table lacks: cuBLAS
+    assert dispatch.describe()["kernels"]["down"][0] == [ROWS_GRID[0], "cublas", 1]
+
+
+def test_split_k_must_cut_k_equally():
+    with pytest.raises(ValueError, match="not 5 equal slices"):
+        gemm.splitk_partials(torch.zeros(4, 384, dtype=torch.bfloat16), torch.zeros(8, 384, dtype=torch.bfloat16), 5)
+
+
+def test_tables_the_cpu_cannot_run_fall_back_with_one_warning(merged_weights, tmp_path):
+    """A cuBLASLt choice (CUDA only), split-K of an uneven K, a foreign GPU's table, a corrupt file and no table at
+    all: each is one warning and cuBLAS, and the stage still answers (merged's fast ops with `gemm="tuned"`)."""
+    config = config_of("merged", gemm="tuned")
+    by_shape = gemm.gemm_weights_by_shape(merged_weights.layers)
+    cases = {
+        "needs CUDA": load(tmp_path, {"gate_up": {"family": "cublaslt", "algorithm": ALGORITHM}}),
+        "not 5 equal slices": load(tmp_path, {"down": {"family": "splitk", "split": 5}}),
+        "tuned on 'NVIDIA H200'": write_table(tmp_path, table_data({}, gpu="NVIDIA H200"), "h200.json"),
+        "not valid JSON": write_table(tmp_path, '{"schema_version": 1,', "corrupt.json"),
+        "cannot read it": tmp_path / "absent.json",
+    }
+    for message, table in cases.items():
+        warnings: list[str] = []
+        dispatch = gemm.build_dispatch(config, CPU, by_shape, table, warnings.append)
+        assert dispatch.table is None and len(warnings) == 1 and message in warnings[0], (message, warnings)
+        assert "fall back to cuBLAS" in warnings[0]
+    engine = build_engine(merged_weights, config, gemm_table=tmp_path / "absent.json")
+    assert engine._gemm.table is None and "refused" in engine._gemm.source
+    candidates, groups = request(1)
+    plain = build_engine(merged_weights, "merged")
+    assert torch.equal(
+        engine.forward(engine.prepare(candidates, groups)), plain.forward(plain.prepare(candidates, groups))
+    )
+
+
+def test_split_k_is_refused_outside_the_norm_fed_projections(tmp_path):
+    with pytest.raises(GemmTableError, match="split-K only for"):
+        load(tmp_path, {"gate_up": {"family": "splitk", "split": 2}})
+
+
+def test_the_default_table_is_the_newest_of_this_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv(gemm.TABLE_ENV, raising=False)
+    assert gemm.default_table_path("NVIDIA H200", tmp_path) is None
+    names = ("20261201T100000Z-nvidia-h200-abc1234-table.json", "20261202T100000Z-nvidia-h200-def5678-table.json",
+             "20261203T100000Z-nvidia-h200-nvl-0123abc-table.json", "20261204T100000Z-nvidia-h200-aaa1111-records.json",
+             "20261205T100000Z-nvidia-b200-bbb2222-table.json")  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    assert gemm.default_table_path("NVIDIA H200", tmp_path).name.startswith("20261202T100000Z-nvidia-h200-")
+    assert gemm.default_table_path("NVIDIA H200 NVL", tmp_path).name.startswith("20261203T")
+    monkeypatch.setenv(gemm.TABLE_ENV, str(tmp_path / "mine.json"))
+    assert gemm.default_table_path("NVIDIA H200", tmp_path) == tmp_path / "mine.json"
+
+
+def test_no_table_is_one_warning_and_cublas(tmp_path, monkeypatch):
+    monkeypatch.delenv(gemm.TABLE_ENV, raising=False)
+    monkeypatch.setattr(gemm, "TABLE_DIR", tmp_path)
+    warnings: list[str] = []
+    table, source = gemm.resolve_table(None, CPU, warnings.append)
+    assert table is None and source == "none found: cuBLAS" and len(warnings) == 1 and "tune_gemm" in warnings[0]
+
+
+def test_committed_tables_match_the_declared_exactness():
+    """A table under results/gemm/ with split-K (or a choice not bitwise with F.linear) makes the stage bounded: the
+    registry entry must say so (engine/stages/gemm.md, Exactness)."""
+    tables = sorted(gemm.TABLE_DIR.glob("*-table.json"))
+    if not tables:
+        pytest.skip("no tuning table committed yet (the tuner has not run on a GPU)")
+    level = get_stage("gemm").exactness.level
+    for path in tables:
+        data = json.loads(path.read_text())
+        table = load_gemm_table(path, device_name=data["gpu"]["name"])
+        bitwise = all(c.kernel.split == 1 and c.bitwise_f_linear for s in table.shapes for c in s.choices)
+        assert bitwise or level == "bounded", f"{path.name} has split-K or non-bitwise choices; the stage says {level}"
