@@ -17,7 +17,8 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
 3. Ceilings of this device (copy rate, bf16 matmul rate; ablations/timing.py), then the synthetic weights of the
    plan's shapes, then every workload planned once through `reference.service.DecisionModel.plan` (validation,
    prompts, chat template, token ids), so every stage sees the same tokens.
-4. Per stage: build once (a `graphs` stage on CUDA then captures its bucket grid: `graph_cache`, `capture_s`); per
+4. Per stage: build once (a `graphs` stage on CUDA then captures its bucket grid: `graph_cache`, `capture_s`; the
+   `gemm` stage records its tuned kernels: `gemm_table`); per
    workload `prepare` (host work and copies; timed apart from the forward, `PREPARE_RUNS` times: `prepare_ms` is the
    first call, `prepare_median_ms` the median), one call whose outputs are kept
    (hidden states at the read positions and the head's scores; it is also the first warm-up), the other warm-up
@@ -581,6 +582,9 @@ class Run:
                 self.write()
                 continue
             entry["build_s"] = time.perf_counter() - start
+            gemm_table = getattr(backbone, "gemm_table", lambda: None)()
+            if gemm_table is not None:
+                entry["gemm_table"] = gemm_table  # stage `gemm`: the kernel per shape and bucket it ran (or no table)
             if stage.config.graphs and self.device == "cuda":
                 start = time.perf_counter()
                 entry["graph_cache"] = backbone.warm_up(partial(

@@ -459,6 +459,11 @@ class EngineBackbone:
         """Bytes of every GEMM weight (the weight-streaming floor's numerator)."""
         return self.weights.gemm_weight_bytes()
 
+    def gemm_table(self) -> dict | None:
+        """The tuned GEMM choices this backbone runs (`gemm="tuned"`: the table's source, commit, GPU and kernel per
+        shape and bucket, `engine.gemm.GemmDispatch.describe`), for the run record; None for the other choices."""
+        return self._gemm.describe() if self.config.gemm == "tuned" else None
+
     # -- Backbone protocol ---------------------------------------------------------------------------------------------
 
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> EngineRows:

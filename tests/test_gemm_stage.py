@@ -87,6 +87,9 @@ def test_gemm_stage_matches_graphs_bitwise_without_split(merged_weights, tmp_pat
     tuned = build_engine(merged_weights, "gemm", gemm_table=table)
     graphs = build_engine(merged_weights, "graphs")
     assert tuned._gemm.table is table and tuned._gemm.kernel("down", 100).family == "cublas"
+    described = tuned.gemm_table()  # what the runner records for the stage
+    assert graphs.gemm_table() is None and described["commit"] == table.commit
+    assert [row[0] for row in described["kernels"]["down"]] == list(ROWS_GRID)
     candidates, groups = request(3, root_len=9)
     got, want = tuned.prepare(candidates, groups), graphs.prepare(candidates, groups)
     assert got.batches[0].plan.bucket is not None  # a bucketed plan: the calls have the bucket's rows

@@ -1115,8 +1115,8 @@ def test_engine_backends_serve_what_decide_gives_and_tree_answers_as_fused():
         assert ("graph" in body["metadata"]) == (backend == "graphs")
     assert body["metadata"]["graph"]["hit"] is False and body["metadata"]["graph"]["bucket"].startswith("r")
     assert answers["tree"] == answers["fused"] == answers["graphs"]
-    with pytest.raises(ValueError, match="unknown stage 'gemm'"):
-        build_decision_model("gemm", "tiny")
+    with pytest.raises(ValueError, match="unknown stage 'fp8'"):
+        build_decision_model("fp8", "tiny")
 
 
 # ---------------------------------------------------------------- the 27B reference backend (H200)
