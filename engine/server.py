@@ -1128,10 +1128,10 @@ def build_decision_model(
     meaningless probabilities). The process is prepared for the stage first (`engine.stages.prepare_process`: the
     Triton interpreter on the CPU, row-count-invariant cuBLAS on CUDA where the stage's GEMM choice needs it), and a
     stage that cannot run on this device is refused with the reason before any weights are made. FLA's autotune
-    configs are pinned before anything imports fla (`engine.fla_configs.pin_fla_configs`: the committed set of this
-    GPU, a no-op without CUDA), so the server, the in-process JevBench and concurrency servers and the replicas pick
-    the same FLA kernels."""
-    pin_fla_configs()
+    configs are pinned right after that and before anything imports fla (`engine.fla_configs.pin_fla_configs`: the
+    committed set of this GPU, a no-op without CUDA; it asks CUDA for the device name, so it must follow
+    `prepare_process`, which cuBLAS's workspace setting requires before CUDA starts), so the server, the in-process
+    JevBench and concurrency servers and the replicas pick the same FLA kernels."""
     stage = get_stage(backend)
     if (checkpoint is None) != (base is None):
         raise ValueError("--checkpoint and --base go together (the package and the HF base model it adapts)")
@@ -1139,6 +1139,7 @@ def build_decision_model(
     if device.type not in stage.devices:
         raise ValueError(f"stage {stage.name} runs on {', '.join(stage.devices)} only, not on {device.type}")
     prepare_process([stage.name], device.type)  # before this process's first kernel or GEMM
+    pin_fla_configs()
     if checkpoint is not None:
         weights = load_package(checkpoint, base, device=device)
     else:
