@@ -625,13 +625,15 @@ class EngineBackbone:
         each request's tokens are read once (`engine.plan.prefix_summary`) and each prefix's layout is joined from the
         summaries (`engine.plan.JoinedLayout`), where calling `batch_rows` per prefix reads every token of the
         prefix again. Equal to those calls: tests/test_batching.py."""
-        joined, total = JoinedLayout(), 0
-        for candidates, groups in requests:
-            if not self.tree:
+        if not self.tree:
+            total = 0
+            for candidates, _ in requests:
                 own = sum(len(ids) for ids in candidates)
                 total += own
                 yield own, total
-                continue
+            return
+        joined = JoinedLayout()
+        for candidates, groups in requests:
             summary = prefix_summary(candidates, groups)
             yield self._layout_rows(summary.layout()), self._layout_rows(joined.add(summary))
 

@@ -324,7 +324,7 @@ def tree_layout(candidates: Sequence[Sequence[int]], groups: Sequence[int], chun
 
 @dataclass(frozen=True, eq=False)
 class PrefixSummary:
-    """What the two-level tree's split needs of one request's tokens (`_tree_split`), read from them once.
+    """What the two-level tree's split needs of one request's tokens (`_summary`), read from them once.
 
     With P(S) the common prefix length of a set of candidates: `common` = P(all), `shortest` the shortest candidate's
     length, and per question (in order of first appearance) `question_ends[q]` = min(P(its candidates), its shortest
@@ -618,8 +618,7 @@ def plan_tree(
     candidate lengths, questions or chunk size are not the request's)."""
     seqs, question_of, num_questions = _check_inputs(candidates, groups)
     if layout is None:
-        root_len, question_lens = _tree_split(seqs, question_of, num_questions)
-        layout = TreeLayout(tuple(len(q) for q in seqs), tuple(question_of), root_len, tuple(question_lens), chunk_size)
+        layout = _summary(seqs, question_of, num_questions).layout(chunk_size)
     elif (layout.candidate_lens, layout.question_of, layout.chunk_size) != (
         tuple(len(q) for q in seqs),
         tuple(question_of),
@@ -695,13 +694,8 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
     return [sorted(batch) for batch in batches]
 
 
-def _tree_split(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> tuple[int, list[int]]:
-    """Root length and question node lengths of the two-level tree (module docstring)."""
-    layout = _summary(seqs, question_of, num_questions).layout()
-    return layout.root_len, list(layout.question_lens)
-
-
 def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> PrefixSummary:
+    """The two-level tree's split of checked inputs (module docstring), as a `PrefixSummary`."""
     members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(seqs[c])
