@@ -77,18 +77,18 @@ ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1
 DEFAULT_MAX_GRAPHS = 512
 
 
-def candidate_capacity(rows: int) -> int:
-    """The most candidates a bucket of `rows` rows holds (its largest candidate class)."""
-    return 8 if rows <= 256 else 16 if rows <= 512 else 32
-
-
 def candidate_classes(rows: int) -> tuple[int, ...]:
-    """The candidate capacities of the buckets of `rows` rows (module docstring, "The grid")."""
+    """The candidate capacities of the buckets of `rows` rows, ascending (module docstring, "The grid")."""
     if rows <= 256:
         return (1, 2, 4, 6, 8)
     if rows <= 512:
         return (1, 2, 4, 8, 16)
     return (1, 2, 8, 32)
+
+
+def candidate_capacity(rows: int) -> int:
+    """The most candidates a bucket of `rows` rows holds (its largest candidate class)."""
+    return candidate_classes(rows)[-1]
 
 
 def slot_factors(candidates: int) -> tuple[int, ...]:
