@@ -169,7 +169,7 @@ class GemmDispatch:
         self, table: GemmTable | None, device: torch.device, plan_weights: dict[str, list[Tensor]], source: str
     ):
         self.table, self.device, self.source = table, device, source
-        self._choice: dict[tuple[str, int], GemmKernel] = {}  # (shape, rows) -> kernel; filled on first use
+        self._choice: dict[tuple[str, int], GemmChoice | None] = {}  # (shape, rows) -> its bucket's; on first use
         self._lt: dict[tuple[str, int], Any] = {}  # (shape, bucket rows) -> planned nvmath Matmul, backbone-lifetime
         self._lt_inputs: dict[str, Tensor] = {}  # shape -> [max bucket rows, K] buffer the plans were made against
         if table is None:
@@ -201,10 +201,14 @@ class GemmDispatch:
 
     def kernel(self, shape: str, rows: int) -> GemmKernel:
         """The table's kernel for `shape` at `rows` rows (its bucket: `GemmTable.choice`); `cublas` without one."""
+        choice = self._choice_at(shape, rows)
+        return CUBLAS if choice is None else choice.kernel
+
+    def _choice_at(self, shape: str, rows: int) -> GemmChoice | None:
         key = (shape, rows)
         if key not in self._choice:
             known = self.table is not None and any(s.name == shape for s in self.table.shapes)
-            self._choice[key] = self.table.choice(shape, rows).kernel if known else CUBLAS
+            self._choice[key] = self.table.choice(shape, rows) if known else None
         return self._choice[key]
 
     def linear(self, x: Tensor, weight: Weight, shape: str) -> Tensor:
@@ -232,7 +236,7 @@ class GemmDispatch:
     def _one_pass(self, x: Tensor, weight: Weight, shape: str, kernel: GemmKernel) -> Tensor:
         if kernel.family == "cublas":
             return F.linear(x, weight.data)
-        matmul = self._lt[(shape, self.table.choice(shape, x.shape[0]).rows)]
+        matmul = self._lt[(shape, self._choice_at(shape, x.shape[0]).rows)]
         return _run_cublaslt(matmul, x, weight.data, self.device)
 
     def _plan_cublaslt(self, shape: str, choice: GemmChoice, plan_weights: dict[str, list[Tensor]]) -> Any:
