@@ -302,8 +302,8 @@ class DecisionModel:
         limit = max_rows if max_rows is not None else getattr(self.backbone, "batch_max_rows", DEFAULT_BATCH_ROWS)
         queue_rows = getattr(self.backbone, "queue_rows", None)
         if queue_rows is None:
-            weighed = itertools.accumulate(sum(map(len, one.candidates)) for one in queue)
-            rows = ((sum(map(len, one.candidates)), together) for one, together in zip(queue, weighed))
+            tokens = [sum(map(len, one.candidates)) for one in queue]
+            rows = zip(tokens, itertools.accumulate(tokens))
         else:
             rows = queue_rows((one.candidates, one.groups) for one in queue)
         alone, _ = next(rows)

@@ -480,3 +480,17 @@ def test_queue_rows_and_the_batch_rule_equal_one_layout_per_prefix(rule_models, 
         assert got == want, name
         limit = budget if budget is not None else model.backbone.batch_max_rows
         assert model.batch_requests(queue, max_rows=budget) == old_batch_rule(model, queue, limit), name
+
+
+def test_a_backbone_without_queue_rows_is_weighed_by_its_tokens(tiny):
+    """The fallback of `batch_requests`: a batch-invariant backbone that cannot weigh a queue (no `queue_rows`) is
+    costed at the candidates' tokens, so a request joins while the tokens so far stay within the row budget."""
+    plain = engine_model(tiny, MERGED_TREE)
+    model = DecisionModel(Failing(plain.backbone, [], "none"), tiny[0], code_commit="test")
+    rng = random.Random(14)
+    queue = compile_all(model, [request_body(rng, 4 + 3 * i, 1) for i in range(4)])
+    tokens = [sum(map(len, one.candidates)) for one in queue]
+    assert not hasattr(model.backbone, "queue_rows")
+    assert model.batch_requests(queue, max_rows=sum(tokens)) == 4
+    assert model.batch_requests(queue, max_rows=sum(tokens[:3])) == 3
+    assert model.batch_requests(queue, max_rows=tokens[0]) == 1
