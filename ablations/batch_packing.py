@@ -18,7 +18,6 @@ backbone's `queue_rows`, which weighs the prefixes of the queue, is inside it). 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -125,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['stage']:<7} {row['queued']:>6} {row['median_ms']:>20.2f}/{row['max_ms']:<10.2f} "
             f"{row['admitted_median']:>8g}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"env": envinfo.collect("cpu"), "table": table, "timing": timing}
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"written: {args.out}")
+    envinfo.write_json({"env": envinfo.collect("cpu"), "table": table, "timing": timing}, args.out)
     return 0
 
 

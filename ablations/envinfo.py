@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -142,3 +143,11 @@ def record_stem(env: dict[str, object]) -> str:
     stamp = str(env["utc"]).replace("-", "").replace(":", "")
     machine = slug(str(env["gpu"])) if env["gpu"] else "cpu"
     return f"{stamp}-{machine}-{str(env['git_commit'])[:7]}"
+
+
+def write_json(record: dict, path: Path) -> None:
+    """Write a measurement record (one JSON object, its `env` from `collect`) to `path`, its folder made if needed,
+    and say where: what the CPU measurement tools (batch packing, grid coverage, prepare time) end with."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"written: {path}")

@@ -19,7 +19,6 @@ versions, time: `ablations.envinfo`). CPU only, about 30 s.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -148,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "solve_buffer_bytes_27b": solve_buffer_bytes(grid),
             "sets": table,
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"written: {args.out}")
+    envinfo.write_json(record, args.out)
     return 0
 
 

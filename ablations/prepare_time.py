@@ -16,7 +16,6 @@ the stage's host planning time on this CPU; the H200 host is another CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -104,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "grid_buckets": len(engine.grid),
         "workloads": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"written: {args.out}")
+    envinfo.write_json(record, args.out)
     return 0
 
 
