@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import gemm
-from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, GemmTableError, load_gemm_table
+from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, GemmChoice, GemmTableError, load_gemm_table
 from engine.graphs import ROWS_GRID
 from engine.stages import build_engine, config_of, get_stage
 from engine.weights import MergedWeights, Weight
@@ -139,7 +139,7 @@ def test_split_k_projection_is_the_reference_reduction(fused):
     residual = torch.randn(rows, n, generator=gen).bfloat16()
     norm_weight = (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16()
     dispatch = gemm.GemmDispatch(None, CPU, {}, "test")
-    dispatch._choice[("down", rows)] = gemm.GemmKernel("splitk", split)
+    dispatch._choice[("down", rows)] = GemmChoice(rows, gemm.GemmKernel("splitk", split), 1.0, 1.0, False)
     partials = dispatch.project(x, Weight(w), "down")
     assert partials.shape == (split, rows, n) and partials.dtype == torch.float32
     slices = [slice(s * k // split, (s + 1) * k // split) for s in range(split)]
