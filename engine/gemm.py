@@ -31,6 +31,8 @@ families of a table's choice:
   backbone's lifetime (the objects are used under graph capture; `Matmul.free()` after capture raised on the H200);
   each call repoints its operands (`reset_operands_unchecked`) and executes on torch's current stream. nvmath is
   imported only when a table holds such a choice, only on CUDA; never on the CPU (a `cublaslt` choice there raises).
+  cuBLASLt's heuristic is asked for algorithms with or without split-K (`offered_algorithms`: the reduction scheme
+  mask), as the tuner asked it for the table's algorithm.
 * `splitk` (out and down only; the table loader refuses it elsewhere): K cut into S equal slices, the fp32 partials
   P [S, N, out] with P_s = x[:, sK/S:(s+1)K/S] @ w[:, same]ᵀ accumulated in fp32 (`torch.bmm` with fp32 output on
   CUDA; on the CPU the same bmm on the fp32-widened operands, exact products, fp32 sums), no atomics, S fixed per
@@ -253,7 +255,38 @@ class GemmDispatch:
 
 
 CUBLAS = GemmKernel("cublas", 1)
-CUBLASLT_PLAN_LIMIT = 64  # heuristic candidates searched for a table's algorithm (the tuner draws from the same list)
+CUBLASLT_PLAN_LIMIT = 64  # heuristic offers searched for a table's algorithm (the tuner's come from the same query)
+NO_SPLIT_K_MASK = 0  # cublasLtReductionScheme_t CUBLASLT_REDUCTION_SCHEME_NONE (nvmath: MatmulReductionScheme.NONE)
+NO_ALGORITHM_OFFERED = "Planning failed to find any suitable algorithm."  # nvmath 1.0.0 Matmul.plan's RuntimeError
+
+
+def offered_algorithms(matmul: Any, limit: int, allow_split_k: bool) -> list[Any]:
+    """The nvmath `Algorithm`s cuBLASLt's heuristic offers for an nvmath `Matmul`, best first, at most `limit`; the
+    Matmul is left planned with them (read the offers before planning it again). [] when the heuristic offers none
+    (nvmath 1.0.0's `Matmul.plan` raises RuntimeError(`NO_ALGORITHM_OFFERED`) then, matmulmod.py); other errors pass.
+
+    allow_split_k True: nvmath's default preferences, every reduction scheme, so split-K algorithms are among the
+    offers (for down, K = 17,408, at 64 rows and limit 8 on the H200 every offer was split-K:
+    results/gpu/20261201T2125Z-nvidia-h200-6871773-graphs-gemm-batching-tests.log).
+    allow_split_k False: the preference `reduction_scheme_mask` = `NO_SPLIT_K_MASK`, which `Matmul.plan` sets as
+    cuBLASLt's CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK. That is a bit set over cublasLtReductionScheme_t, the ways a
+    split-K algorithm adds up the partial dot products of its K slices: INPLACE (1: in the output buffer),
+    COMPUTE_TYPE (2) and OUTPUT_TYPE (4: partials in the workspace, summed in a second step); nvmath's default is all
+    three (MASK, 7). The heuristic offers only configurations whose scheme the set allows; NONE (0), the scheme of an
+    algorithm that runs each dot product over K in one sequence, has no bit to mask out, so a mask of 0 leaves only
+    the algorithms without split-K and the limit counts only those (our reading of cublasLt.h; what the H200 offers so
+    is not measured yet). The offers are also filtered on `splitk_num == 1`, so that "without split-K" rests on each
+    configuration, not only on the heuristic honouring the mask: [] also when none is left."""
+    preferences: dict[str, int] = {"limit": limit}
+    if not allow_split_k:
+        preferences["reduction_scheme_mask"] = NO_SPLIT_K_MASK
+    try:
+        offered = matmul.plan(preferences=preferences)
+    except RuntimeError as error:
+        if str(error) != NO_ALGORITHM_OFFERED:
+            raise
+        return []
+    return [a for a in offered if allow_split_k or int(a.config_ifc.splitk_num) == 1]
 
 
 def cublaslt_config(algorithm: Any) -> dict[str, int]:
@@ -263,16 +296,17 @@ def cublaslt_config(algorithm: Any) -> dict[str, int]:
 
 def plan_cublaslt(x: Tensor, weight: Tensor, wanted: dict[str, int]) -> Any | None:
     """An nvmath `Matmul` of x [rows, K] @ weight [out, K]ᵀ planned with the cuBLASLt algorithm `wanted` (nine config
-    attributes), or None when cuBLASLt offers no algorithm of that id here or refuses the configuration. The heuristic's
-    own entry when it lists exactly `wanted`; otherwise one of its entries of the same id with the other eight
-    attributes set to `wanted`'s (the tuner's explicit set is built the same way, so a table's choice plans here).
-    Executed once on x's current contents, so that a configuration cuBLASLt refuses fails here, not in a request."""
+    attributes), or None when cuBLASLt offers no algorithm of that id here or refuses the configuration. The
+    heuristic is asked as the tuner asked it for `wanted` (`offered_algorithms`, up to `CUBLASLT_PLAN_LIMIT`): without
+    split-K when `wanted` has splitk_num 1, with every reduction scheme otherwise. Its own entry when it lists exactly
+    `wanted`; otherwise one of its entries of the same id with the other eight attributes set to `wanted`'s (the
+    tuner's explicit set is built the same way, so a table's choice plans here). Executed once on x's current
+    contents, so that a configuration cuBLASLt refuses fails here, not in a request."""
     from nvmath.linalg.advanced import Matmul  # CUDA only: imported when a table holds a cuBLASLt choice
 
     matmul = Matmul(x, weight.t(), stream=torch.cuda.current_stream(x.device))
-    same_id = [
-        a for a in matmul.plan(preferences={"limit": CUBLASLT_PLAN_LIMIT}) if int(a.config_ifc.id) == wanted["id"]
-    ]
+    offered = offered_algorithms(matmul, CUBLASLT_PLAN_LIMIT, allow_split_k=wanted["splitk_num"] != 1)
+    same_id = [a for a in offered if int(a.config_ifc.id) == wanted["id"]]
     if not same_id:
         return None
     exact = [a for a in same_id if cublaslt_config(a) == wanted]
