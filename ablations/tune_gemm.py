@@ -8,9 +8,18 @@ the graphs grid on this GPU, select a table by the row-invariance law, and write
 Candidates per (shape, bucket rows), in a process without a cuBLAS workspace (`engine.gemm.prepare_process`, as the
 stage runs):
 * `cublas`: `F.linear`.
-* `cublaslt`: the algorithms cuBLASLt's heuristic offers at that bucket (nvmath-python's `Matmul.plan`, up to
-  `HEURISTIC_LIMIT`), plus an explicit set: the `EXPLICIT_PER_SHAPE` algorithms offered at the most buckets of the
-  shape, each tried at every bucket (a one-kernel-per-shape table needs one algorithm measured everywhere).
+* `cublaslt`: the algorithms cuBLASLt's heuristic offers at that bucket (nvmath-python's `Matmul.plan`), asked twice
+  (`heuristic_offers`): with every reduction scheme, up to `HEURISTIC_LIMIT`, and without split-K (reduction scheme
+  NONE: `engine.gemm.offered_algorithms`), up to `NON_SPLIT_LIMIT`. The second query is there because on the H200 the
+  first, at limit 8, offered only split-K algorithms for down at 64 rows (K = 17,408; tests/test_gpu_gemm_tuned.py in
+  results/gpu/20261201T2125Z-nvidia-h200-6871773-graphs-gemm-batching-tests.log), and a bucket with only such offers
+  has no cuBLASLt candidate for the bitwise table. What the second query offers on the H200 is not measured yet.
+  Plus an explicit set: the `EXPLICIT_PER_SHAPE` non-split algorithms offered at the most buckets of the shape, each
+  tried at every bucket (a one-kernel-per-shape table needs one algorithm measured everywhere). Split-K algorithms
+  are tried only where offered: no bitwise bucket takes them (`select_table`), and cuBLAS's own split-K kernel for
+  down was not row-count invariant on the H200 (engine/stages/tree.md). A cuBLASLt candidate's split is its
+  algorithm's `splitk_num`. The buckets of a shape where neither query offered a non-split algorithm are one
+  `skipped` entry in the candidates record (`cublaslt_candidates`), not an error.
 * `splitk` (out and down, `engine.gemm_table.SPLITK_SHAPES`): S in `SPLITS` where S cuts K into equal slices
   (down's K = 17,408 is not three equal slices: S = 3 is skipped there and recorded as such).
 For out and down every candidate is timed with the `residual_rmsnorm` that consumes it (`kernels.residual_rmsnorm`
@@ -57,7 +66,8 @@ from engine.graphs import ROWS_GRID
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "gemm"
 SPLITS = (2, 3, 4)
-HEURISTIC_LIMIT = 8
+HEURISTIC_LIMIT = 8  # offers of cuBLASLt's heuristic with every reduction scheme, per (shape, bucket)
+NON_SPLIT_LIMIT = 8  # offers of cuBLASLt's heuristic without split-K (reduction scheme NONE), per (shape, bucket)
 EXPLICIT_PER_SHAPE = 6
 WEIGHT_COPIES = 4
 FLUSH_BYTES = 256 * 2**20  # larger than the H200's 60 MiB L2
@@ -86,6 +96,46 @@ def kernel_split(kernel: dict[str, Any]) -> int:
     if kernel["family"] == "splitk":
         return kernel["split"]
     return kernel["algorithm"]["splitk_num"] if kernel["family"] == "cublaslt" else 1
+
+
+def heuristic_offers(matmul: Any, shape: str, rows: int, skipped: list[dict]) -> dict[str, list[dict[str, int]]]:
+    """The algorithms (config dicts, `engine.gemm.cublaslt_config`) cuBLASLt's heuristic offers for one nvmath `Matmul`
+    of `shape` at `rows` rows: {"any": up to `HEURISTIC_LIMIT` with every reduction scheme, "non_split": up to
+    `NON_SPLIT_LIMIT` without split-K}. A non-split query that cuBLASLt refuses with an error, rather than offering
+    none, is appended to `skipped` with the error and counts as no offer, so the tuner goes on with the other shapes."""
+    from engine.gemm import cublaslt_config, offered_algorithms
+
+    # each query re-plans `matmul`: read its offers before the next one
+    offers = {"any": [cublaslt_config(a) for a in offered_algorithms(matmul, HEURISTIC_LIMIT, allow_split_k=True)]}
+    try:
+        non_split = [cublaslt_config(a) for a in offered_algorithms(matmul, NON_SPLIT_LIMIT, allow_split_k=False)]
+    except Exception as error:  # nvmath and cuBLASLt raise their own types
+        skipped.append({"shape": shape, "rows": rows, "query": "non-split", "why": f"{type(error).__name__}: {error}"})
+        non_split = []
+    offers["non_split"] = non_split
+    return offers
+
+
+def cublaslt_candidates(
+    shape: str, offers: dict[int, dict[str, list[dict[str, int]]]], skipped: list[dict]
+) -> dict[int, list[dict[str, int]]]:
+    """Per bucket rows (the keys of `offers`, `heuristic_offers` per bucket), the cuBLASLt algorithms to measure there:
+    that bucket's offers of both queries and the explicit set, the `EXPLICIT_PER_SHAPE` non-split algorithms offered
+    at the most buckets of the shape (ties in order of first offer), sorted by `kernel_key`. The buckets where no
+    non-split algorithm was offered are one entry of `skipped`, saying whether the explicit set still covers them."""
+    offered = {rows: {kernel_key(c): c for c in o["any"] + o["non_split"]} for rows, o in offers.items()}
+    non_split = {rows: [key for key, c in by_key.items() if c["splitk_num"] == 1] for rows, by_key in offered.items()}
+    counts = Counter(key for keys in non_split.values() for key in keys)
+    explicit = {key for key, _ in counts.most_common(EXPLICIT_PER_SHAPE)}
+    without = [rows for rows, keys in non_split.items() if not keys]
+    if without:
+        if explicit:
+            covered = "the explicit set's non-split algorithms are still tried there"
+        else:
+            covered = "nor at any other bucket: the shape has no non-split cuBLASLt candidate"
+        why = f"cuBLASLt's heuristic offered no algorithm without split-K at these rows; {covered}"
+        skipped.append({"shape": shape, "rows": without, "query": "non-split", "why": why})
+    return {rows: [json.loads(key) for key in sorted(set(by_key) | explicit)] for rows, by_key in offered.items()}
 
 
 def select_table(
@@ -183,7 +233,7 @@ def measure_shape(
     from nvmath.linalg.advanced import Matmul
 
     import kernels
-    from engine.gemm import cublaslt_config, plan_cublaslt, splitk_partials
+    from engine.gemm import plan_cublaslt, splitk_partials
     from reference.ops import splitk_delta
 
     n, k = GEMM_SHAPES[shape]
@@ -197,13 +247,11 @@ def measure_shape(
     with_norm = shape in SPLITK_SHAPES
     first = rows_grid[0]
 
-    def heuristic_configs(rows: int) -> list[dict[str, int]]:
+    def offers_at(rows: int) -> dict[str, list[dict[str, int]]]:
         matmul = Matmul(x_all[:rows], weights[0].t(), stream=torch.cuda.current_stream())
-        return [cublaslt_config(a) for a in matmul.plan(preferences={"limit": HEURISTIC_LIMIT})]
+        return heuristic_offers(matmul, shape, rows, skipped)
 
-    heuristic = {rows: heuristic_configs(rows) for rows in rows_grid}
-    counts = Counter(kernel_key(c) for configs in heuristic.values() for c in configs)
-    explicit = {key for key, _ in counts.most_common(EXPLICIT_PER_SHAPE)}
+    lt_candidates = cublaslt_candidates(shape, {rows: offers_at(rows) for rows in rows_grid}, skipped)
 
     def run_one(kernel: dict, rows: int, matmul: Any) -> Callable[[int], Any]:
         x, residual = x_all[:rows], residual_all[:rows]
@@ -261,12 +309,12 @@ def measure_shape(
     for rows in rows_grid:
         want = F.linear(x_all[:rows], weights[0])
         candidates: list[tuple[dict, Any]] = [({"family": "cublas"}, None)]
-        for key in sorted({kernel_key(c) for c in heuristic[rows]} | explicit):
-            matmul = plan_cublaslt(x_all[:rows], weights[0], json.loads(key))
+        for algorithm in lt_candidates[rows]:
+            matmul = plan_cublaslt(x_all[:rows], weights[0], algorithm)
             if matmul is None:
-                skipped.append({"shape": shape, "rows": rows, "algorithm": json.loads(key), "why": "not planned here"})
+                skipped.append({"shape": shape, "rows": rows, "algorithm": algorithm, "why": "not planned here"})
                 continue
-            candidates.append(({"family": "cublaslt", "algorithm": json.loads(key)}, matmul))
+            candidates.append(({"family": "cublaslt", "algorithm": algorithm}, matmul))
             keep.append(matmul)
         for split in SPLITS if shape in SPLITK_SHAPES else ():
             if k % split == 0:

@@ -1,15 +1,19 @@
-"""CPU tests of the GEMM tuner's selection law and outputs (ablations/tune_gemm.py) on synthetic measurements: the
-per-bucket mix only of kernels bitwise with F.linear, one kernel or one split per shape otherwise, the ship rule,
-the written table accepted by the engine's loader, and candidates of several device calls merged into one table."""
+"""CPU tests of the GEMM tuner (ablations/tune_gemm.py): its cuBLASLt candidates from fake heuristic offers (the
+non-split query, the explicit set, buckets without a non-split offer recorded), and its selection law and outputs on
+synthetic measurements: the per-bucket mix only of kernels bitwise with F.linear, one kernel or one split per shape
+otherwise, the ship rule, the written table accepted by the engine's loader, and candidates of several device calls
+merged into one table."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from ablations import tune_gemm
-from ablations.tune_gemm import Measurement, select_table
+from ablations.tune_gemm import Measurement, cublaslt_candidates, heuristic_offers, kernel_key, select_table
+from engine.gemm import NO_ALGORITHM_OFFERED, NO_SPLIT_K_MASK, offered_algorithms
 from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, load_gemm_table
 
 GRID = (64, 128, 256)
@@ -27,6 +31,110 @@ def m(shape, rows, kernel, time_us, bitwise=True, invariant=True) -> Measurement
 
 def floors(shapes, grid=GRID) -> dict:
     return {(s, r): 1.0 for s in shapes for r in grid}
+
+
+def offer(algo_id: int, splitk: int = 1) -> SimpleNamespace:
+    """A fake nvmath `Algorithm`: only its `config_ifc` attributes, which is all the tuner reads."""
+    return SimpleNamespace(config_ifc=SimpleNamespace(**lt(algo_id, splitk)["algorithm"]))
+
+
+class FakeMatmul:
+    """An nvmath `Matmul` as cuBLASLt's heuristic answers through `plan(preferences=...)`: `any` with nvmath's default
+    mask (every reduction scheme), `non_split` with the mask NONE; no offer raises as nvmath 1.0.0 does. Every
+    preferences dict it was planned with is kept in `asked`."""
+
+    def __init__(self, any_scheme: list, non_split: list, error: Exception | None = None):
+        self.any_scheme, self.non_split, self.error, self.asked = any_scheme, non_split, error, []
+
+    def plan(self, preferences: dict):
+        self.asked.append(preferences)
+        restricted = preferences.get("reduction_scheme_mask") == NO_SPLIT_K_MASK
+        if restricted and self.error is not None:
+            raise self.error
+        offered = (self.non_split if restricted else self.any_scheme)[: preferences["limit"]]
+        if not offered:
+            raise RuntimeError(NO_ALGORITHM_OFFERED)
+        return tuple(offered)
+
+
+def test_the_non_split_query_asks_for_reduction_scheme_none_and_keeps_split_one_only():
+    """As for down on the H200: with every reduction scheme the heuristic offers only split-K algorithms; asked with
+    the mask NONE it offers non-split ones, and an offer with splitk_num > 1 (the mask not honoured) is dropped."""
+    matmul = FakeMatmul([offer(1, 4), offer(2, 2)], [offer(3), offer(4, 2), offer(5)])
+    assert [a.config_ifc.id for a in offered_algorithms(matmul, 8, allow_split_k=False)] == [3, 5]
+    assert matmul.asked[-1] == {"limit": 8, "reduction_scheme_mask": NO_SPLIT_K_MASK} and NO_SPLIT_K_MASK == 0
+    assert [a.config_ifc.id for a in offered_algorithms(matmul, 1, allow_split_k=True)] == [1]
+    assert matmul.asked[-1] == {"limit": 1}
+
+
+def test_no_offer_is_an_empty_list_and_other_errors_pass():
+    assert offered_algorithms(FakeMatmul([offer(1, 2)], []), 8, allow_split_k=False) == []
+    refused = FakeMatmul([offer(1, 2)], [], error=RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED"))
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        offered_algorithms(refused, 8, allow_split_k=False)
+
+
+def test_heuristic_offers_asks_both_queries_with_the_named_limits():
+    matmul = FakeMatmul([offer(1, 4)], [offer(3)])
+    skipped: list[dict] = []
+    offers = heuristic_offers(matmul, "down", 64, skipped)
+    assert offers == {"any": [lt(1, 4)["algorithm"]], "non_split": [lt(3)["algorithm"]]} and skipped == []
+    assert matmul.asked == [
+        {"limit": tune_gemm.HEURISTIC_LIMIT},
+        {"limit": tune_gemm.NON_SPLIT_LIMIT, "reduction_scheme_mask": NO_SPLIT_K_MASK},
+    ]
+    refused = FakeMatmul([offer(1, 4)], [], error=ValueError("cuBLASLt refused the query"))
+    assert heuristic_offers(refused, "down", 80, skipped) == {"any": [lt(1, 4)["algorithm"]], "non_split": []}
+    assert skipped == [
+        {"shape": "down", "rows": 80, "query": "non-split", "why": "ValueError: cuBLASLt refused the query"}
+    ]
+
+
+def test_cublaslt_candidates_keep_non_split_algorithms_and_record_buckets_without_one():
+    """Split-K offers are measured where offered; the explicit set is the non-split algorithms only, tried at every
+    bucket; the bucket without a non-split offer is recorded, and still gets the explicit set."""
+    matmuls = {
+        64: FakeMatmul([offer(1, 4), offer(2, 2)], [offer(3)]),
+        128: FakeMatmul([offer(1, 4)], []),
+        256: FakeMatmul([offer(1, 4), offer(6)], [offer(6), offer(3)]),
+    }
+    skipped: list[dict] = []
+    offers = {rows: heuristic_offers(matmul, "down", rows, skipped) for rows, matmul in matmuls.items()}
+    candidates = cublaslt_candidates("down", offers, skipped)
+    ids = {rows: sorted((c["id"], c["splitk_num"]) for c in configs) for rows, configs in candidates.items()}
+    assert ids == {64: [(1, 4), (2, 2), (3, 1), (6, 1)], 128: [(1, 4), (3, 1), (6, 1)], 256: [(1, 4), (3, 1), (6, 1)]}
+    assert len(skipped) == 1 and skipped[0]["rows"] == [128] and "still tried there" in skipped[0]["why"]
+
+
+def test_a_shape_with_no_non_split_offer_anywhere_is_recorded_not_an_error():
+    skipped: list[dict] = []
+    offers = {rows: heuristic_offers(FakeMatmul([offer(1, 4)], []), "down", rows, skipped) for rows in GRID}
+    candidates = cublaslt_candidates("down", offers, skipped)
+    assert candidates == {rows: [lt(1, 4)["algorithm"]] for rows in GRID}
+    assert skipped == [
+        {
+            "shape": "down",
+            "rows": list(GRID),
+            "query": "non-split",
+            "why": "cuBLASLt's heuristic offered no algorithm without split-K at these rows; nor at any other bucket: "
+            "the shape has no non-split cuBLASLt candidate",
+        }
+    ]
+
+
+def test_a_split_k_cublaslt_algorithm_is_never_in_the_bitwise_table():
+    """lt(5) splits K in two: even where its checks say bitwise and row-invariant it is no bitwise bucket, only the
+    one-split option of the best table; the row-variant lt(7) is no option at all."""
+    ms = [m("down", r, CUBLAS, 100.0) for r in GRID]
+    ms += [m("down", r, lt(5, splitk=2), 50.0) for r in GRID]
+    ms += [m("down", r, lt(6), 90.0) for r in GRID]
+    ms += [m("down", r, lt(7, splitk=2), 10.0, bitwise=False, invariant=False) for r in GRID]
+    chosen = select_table(ms, floors(["down"]), GRID)
+    assert [b["kernel"] for b in chosen["bitwise"]["down"]] == [lt(6)] * 3
+    assert [b["kernel"] for b in chosen["best"]["down"]] == [lt(5, splitk=2)] * 3
+    options = chosen["options"]["down"]
+    assert f"split 2 {kernel_key(lt(5, splitk=2))}" in options
+    assert not any(kernel_key(lt(7, splitk=2)) in label for label in options)
 
 
 def test_bitwise_kernels_mix_across_buckets_and_the_fastest_wins():
