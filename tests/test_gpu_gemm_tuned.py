@@ -7,7 +7,9 @@ Declared and checked (the process has no cuBLAS workspace: tests/conftest.py pre
 * every family per shape and bucket within the bf16 output bound of an fp64 reference (|y - y64| <= 2^-8 |y64| +
   gamma_K |x||w|), with the share of rows bit-identical to `F.linear` printed (`-s`);
 * row-count invariance: the first ROWS_GRID[0] rows of a call of every bucket size equal the ROWS_GRID[0]-row call bit
-  for bit, for cuBLAS, the heuristic's first cuBLASLt algorithm without split-K, and every fixed split-K S that cuts K;
+  for bit, for cuBLAS, the heuristic's first cuBLASLt algorithm without split-K (asked for with reduction scheme NONE,
+  as the tuner asks: at limit 8 with every scheme it offered only split-K for down on the H200), and every fixed
+  split-K S that cuts K;
 * a cuBLASLt choice through the dispatcher replays inside a CUDA graph as it ran eagerly (operands repointed under
   capture, two weights);
 * `kernels.residual_rmsnorm_splitk` bitwise against `reference.ops.splitk_delta` + `kernels.residual_rmsnorm`;
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from ablations.tune_gemm import NON_SPLIT_LIMIT
 from ablations.workloads import get_workload, jevbench_panel
 from engine import gemm
 from engine.gemm_table import GEMM_SHAPES, SPLITK_SHAPES, load_gemm_table
@@ -60,12 +63,14 @@ def within_bf16_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool
 
 
 def first_lt_config(x: torch.Tensor, w: torch.Tensor) -> dict[str, int]:
+    """The first algorithm cuBLASLt's heuristic offers without split-K, asked as the tuner asks it (reduction scheme
+    NONE, up to `NON_SPLIT_LIMIT`: `engine.gemm.offered_algorithms`)."""
     from nvmath.linalg.advanced import Matmul
 
-    offered = Matmul(x, w.t(), stream=torch.cuda.current_stream()).plan(preferences={"limit": 8})
-    configs = [gemm.cublaslt_config(a) for a in offered if int(a.config_ifc.splitk_num) == 1]
-    assert configs, "cuBLASLt's heuristic offered no algorithm without split-K"
-    return configs[0]
+    matmul = Matmul(x, w.t(), stream=torch.cuda.current_stream())
+    offered = gemm.offered_algorithms(matmul, NON_SPLIT_LIMIT, allow_split_k=False)
+    assert offered, f"cuBLASLt's heuristic offered no algorithm without split-K (reduction scheme NONE) at {x.shape}"
+    return gemm.cublaslt_config(offered[0])
 
 
 def family_outputs(shape: str, x: torch.Tensor, w: torch.Tensor, lt_config: dict) -> dict[str, torch.Tensor]:
