@@ -69,7 +69,8 @@ the server). Should the batched forward fail, each request is answered alone, so
 `--batching off` turns batching across requests off: the worker takes one request at a time from the queue and answers
 it with its own forward (`answer_many` of that request alone, the path `decide` takes), without looking at the queue
 behind it or asking `batch_requests`; validation, the queue, deadlines, 503s and metrics are unchanged. It is the
-server without the batcher that issue 15's one-client target compares with.
+server without the batcher that issue 15's one-client target compares with (`ablations/concurrency.py
+--compare-batching`).
 
 Each request carries its own future, so an answer can only go back to the request it came from; a full queue answers
 503 at once instead of growing. A request whose deadline passes (queue wait and forward; compiling comes before it) is
