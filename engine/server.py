@@ -3,6 +3,7 @@
     python -m engine.server [--backend STAGE] [--shapes qwen3.8-27b|tiny] [--checkpoint PKG --base DIR]
                             [--host 127.0.0.1] [--port 8791] [--max-length N] [--queue-size N] [--allow-cross-origin]
                             [--candidate-budget N] [--token-budget N] [--allow-host NAME ...] [--deadline S]
+                            [--batching on|off]
 
 The wire contract is `shared/research/open-jev-server-contract.md` §1-§4. The stack is Starlette on uvicorn
 (httptools parses HTTP/1.1, uvloop runs the event loop when installed): `build_app(model, ...)` returns the Starlette
@@ -65,6 +66,11 @@ Batching: each forward takes the oldest queued request and, of those queued behi
 requests queue while a forward runs, and the next forward takes them together. Every answer is bit-identical to the
 same request answered alone (`reference.service`, "Batching"; tests/test_batching.py, and tests/test_server.py through
 the server). Should the batched forward fail, each request is answered alone, so only a bad request gets its 500.
+`--batching off` turns batching across requests off: the worker takes one request at a time from the queue and answers
+it with its own forward (`answer_many` of that request alone, the path `decide` takes), without looking at the queue
+behind it or asking `batch_requests`; validation, the queue, deadlines, 503s and metrics are unchanged. It is the
+server without the batcher that issue 15's one-client target compares with (`ablations/concurrency.py
+--compare-batching`).
 
 Each request carries its own future, so an answer can only go back to the request it came from; a full queue answers
 503 at once instead of growing. A request whose deadline passes (queue wait and forward; compiling comes before it) is
@@ -238,6 +244,9 @@ class DecisionWorker:
     alone, so only the one that raises gets the exception. A job whose future was cancelled while queued (its deadline
     passed) is skipped. `on_batch(answers)` is told the answers of each forward (the metrics).
 
+    `batching=False`: each forward answers the oldest job alone (`calls.answer_many` of one request); the thread neither
+    takes the jobs queued behind it nor calls `calls.batch_size`.
+
     If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
     job gets `WorkerStopped`.
     """
@@ -249,10 +258,12 @@ class DecisionWorker:
         *,
         on_failure: Callable[[BaseException], None],
         on_batch: Callable[[list[dict]], None] = lambda answers: None,
+        batching: bool = True,
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self._calls = calls
+        self.batching = batching
         self._next: list[_Job] = []  # taken from the queue, not yet answered (only the worker thread touches it)
         self._on_failure = on_failure
         self._on_batch = on_batch
@@ -322,6 +333,14 @@ class DecisionWorker:
         taken, self._next = self._next[:count], self._next[count:]
         return [job for job in taken if job.future.set_running_or_notify_cancel()]
 
+    def _take_one(self) -> list[_Job]:
+        """The job of the next forward without batching: the oldest job alone (none if its deadline passed)."""
+        try:
+            job = self._queue.get(timeout=0.1)
+        except queue.Empty:
+            return []
+        return [job] if job.future.set_running_or_notify_cancel() else []
+
     def _answer(self, jobs: list[_Job]) -> list[Any]:
         try:
             results = self._calls.answer_many([job.request for job in jobs])
@@ -337,7 +356,7 @@ class DecisionWorker:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                jobs = self._take()
+                jobs = self._take() if self.batching else self._take_one()
                 if not jobs:
                     continue
                 results = self._answer(jobs)
@@ -560,7 +579,7 @@ class DecisionApp:
     `weights.method` will do). `answered_hosts`: the `Host` names answered (any case, any port); None answers every
     name. `deadline_s`: a request's queue wait and inference before it is answered 504. `body_timeout_s`: from the
     end of a request's head to the end of its declared body before it is answered 408. `examples_dir`: the folder
-    `/examples.json` lists.
+    `/examples.json` lists. `batching`: whether one forward may answer several queued requests (`DecisionWorker`).
     """
 
     def __init__(
@@ -574,6 +593,7 @@ class DecisionApp:
         deadline_s: float = DEFAULT_DEADLINE_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
         examples_dir: Path = EXAMPLES_DIR,
+        batching: bool = True,
     ):
         self.model = model
         self.model_id: str = model.weights.model_id
@@ -589,7 +609,7 @@ class DecisionApp:
         self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
         self.calls = ModelCalls(model)
         self.worker = DecisionWorker(
-            self.calls, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch
+            self.calls, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch, batching=batching
         )
 
     def check_host(self, values: list[str]) -> tuple[int, str] | None:
@@ -1010,7 +1030,8 @@ class DecisionServer:
 
     `model`: see `DecisionApp`. `port=0` picks a free port; `url` and `server_address` tell which. Use as a context
     manager, or call `close()`. `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when
-    bound to a loopback address). `app` is the ASGI app (`build_app`), `uvicorn` the server that runs it.
+    bound to a loopback address). `batching`: see `DecisionWorker`. `app` is the ASGI app (`build_app`), `uvicorn` the
+    server that runs it.
     """
 
     def __init__(
@@ -1025,6 +1046,7 @@ class DecisionServer:
         access_log: TextIO | None = None,
         deadline_s: float = DEFAULT_DEADLINE_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        batching: bool = True,
     ):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
@@ -1037,6 +1059,7 @@ class DecisionServer:
             access_log=access_log,
             deadline_s=deadline_s,
             body_timeout_s=body_timeout_s,
+            batching=batching,
         )
         self.decisions: DecisionApp = self.app.state.decisions
         self.worker = self.decisions.worker
@@ -1224,6 +1247,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="S",
         help=f"seconds a request may wait in the queue and run before its 504 (default {DEFAULT_DEADLINE_S:g})",
     )
+    parser.add_argument(
+        "--batching",
+        choices=["on", "off"],
+        default="on",
+        help="on (default): one forward answers the requests queued together; off: each request gets its own forward",
+    )
     parser.add_argument("--access-log", choices=["stderr", "off"], default="stderr")
     return parser.parse_args(argv)
 
@@ -1242,6 +1271,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
         "allow_cross_origin": args.allow_cross_origin,
         "access_log": sys.stderr if args.access_log == "stderr" else None,
         "deadline_s": args.deadline,
+        "batching": args.batching == "on",
     }
 
 

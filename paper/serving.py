@@ -24,10 +24,13 @@ def device_of(summary: dict) -> str:
 
 
 def newest_runs(root: Path) -> list[tuple[Path, dict]]:
-    """The newest summary per device under `<root>/serving/`, GPU first."""
+    """The newest client sweep per device under `<root>/serving/`, GPU first (a `--compare-batching` run has no
+    `per_clients` and is not one)."""
     newest: dict[str, tuple[Path, dict]] = {}
     for path in sorted((root / "serving").glob("*/summary.json")):
         summary = json.loads(path.read_text())
+        if "per_clients" not in summary:
+            continue
         device = device_of(summary)
         if device not in newest or summary["environment"]["utc"] > newest[device][1]["environment"]["utc"]:
             newest[device] = (path, summary)

@@ -1,5 +1,6 @@
-"""The concurrency runner (ablations/concurrency.py) and the report's serving section (paper/serving.py), on the CPU
-against a server without a forward (ablations.overhead's precomputed hidden states: fast, synthetic answers)."""
+"""The concurrency runner (ablations/concurrency.py: the client sweep and the batching comparison) and the report's
+serving section (paper/serving.py), on the CPU against servers without a forward (ablations.overhead's precomputed
+hidden states: fast, synthetic answers)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,60 @@ def test_serving_section_shows_the_newest_run_per_device_with_its_figure(run):
 
 def test_serving_section_without_runs_is_empty(tmp_path):
     assert serving.serving_summary(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    root = tmp_path_factory.mktemp("results")
+    argv = ["--serve-precomputed", "--compare-batching", "--limit", "3", "--blocks", "2", "--label", "compare"]
+    assert concurrency.main([*argv, "--out", str(root / "serving")]) == 0
+    (out_dir,) = (root / "serving").iterdir()
+    return out_dir, json.loads((out_dir / "summary.json").read_text()), jevbench_tasks()[:3]
+
+
+def test_batching_comparison_sends_each_task_to_both_modes_alternating_and_they_answer_alike(comparison):
+    out_dir, summary, tasks = comparison
+    records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * len(tasks)
+    pairs = [records[k : k + 2] for k in range(0, len(records), 2)]
+    for number, (first, second) in enumerate(pairs):  # a task's two requests back to back, the first mode alternating
+        block, index = divmod(number, len(tasks))
+        assert first["id"] == second["id"] == tasks[index]["id"] and first["block"] == second["block"] == block
+        assert [first["batching"], second["batching"]] == (["off", "on"] if (block + index) % 2 == 0 else ["on", "off"])
+    assert all(r["status"] == 200 and r["identical"] and r["batch"] is None for r in records)
+    assert (
+        summary["run"]["answered_alone"] == {"off": 3, "on": 3} and summary["run"]["alone_identical_across_modes"] == 3
+    )
+    result = summary["batching_comparison"]
+    assert result["clients"] == 1 and result["blocks"] == 2 and result["backends"] == ["precomputed"]
+    for mode in ("off", "on"):
+        row = result["per_mode"][mode]
+        assert row["requests"] == row["identical_to_alone"] == 2 * len(tasks) and row["errors"] == 0
+    p50 = {mode: result["per_mode"][mode]["latency"]["p50_ms"] for mode in ("off", "on")}
+    assert result["p50_difference_ms"] == pytest.approx(p50["on"] - p50["off"])
+    low, high = result["p50_difference_interval_ms"]
+    assert low <= high and len(result["per_block_p50_difference_ms"]) == 2
+    assert result["target_met"] == (result["p50_difference_ms"] <= 1.0)
+    assert "per_clients" not in summary
+    assert ("not measured" in summary["note"]) == (not summary["environment"]["gpu"])  # a CPU run says so
+
+
+def test_serving_section_takes_the_newest_sweep_not_a_batching_comparison(run, comparison, tmp_path):
+    _, sweep_dir, _, _ = run
+    _, compare_summary, _ = comparison
+    (tmp_path / "serving" / "sweep").mkdir(parents=True)
+    (tmp_path / "serving" / "sweep" / "summary.json").write_text((sweep_dir / "summary.json").read_text())
+    (tmp_path / "serving" / "compare").mkdir()
+    newer = {**compare_summary, "environment": {**compare_summary["environment"], "utc": "2999-01-01T00:00:00Z"}}
+    (tmp_path / "serving" / "compare" / "summary.json").write_text(json.dumps(newer))
+    (section,) = serving.serving_summary(tmp_path)
+    assert section["record"] == "serving/sweep"
+
+
+def test_compare_batching_refuses_an_endpoint_and_a_clients_sweep():
+    for argv in (
+        ["--endpoint", "http://127.0.0.1:1", "--compare-batching"],
+        ["--serve-precomputed", "--compare-batching", "--clients", "1"],
+    ):
+        with pytest.raises(SystemExit):
+            concurrency.main(argv)

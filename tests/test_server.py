@@ -573,9 +573,10 @@ def wait_until(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_full_queue_answers_503_and_loses_nothing():
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_full_queue_answers_503_and_loses_nothing(batching):
     model = BlockingModel()
-    with DecisionServer(model, port=0, queue_size=1) as blocking, ThreadPoolExecutor(2) as pool:
+    with DecisionServer(model, port=0, queue_size=1, batching=batching) as blocking, ThreadPoolExecutor(2) as pool:
         blocking.start()
         running = pool.submit(post, blocking, {"n": 1})
         try:
@@ -798,12 +799,13 @@ class SlowModel:
         return {"echo": request}
 
 
-def test_deadline_answers_504_and_drops_the_queued_request():
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_deadline_answers_504_and_drops_the_queued_request(batching):
     """Deadline 0.2 s: the running request and the one queued behind it are both 504 at their deadline; the queued one
-    never reaches the model; once the model is fast again, requests are answered."""
+    never reaches the model; once the model is fast again, requests are answered. With batching on or off."""
     model = SlowModel()
     deadline = {"error": "request deadline exceeded: 0.2 s for queue wait and inference"}
-    with DecisionServer(model, port=0, deadline_s=0.2) as slow, ThreadPoolExecutor(2) as pool:
+    with DecisionServer(model, port=0, deadline_s=0.2, batching=batching) as slow, ThreadPoolExecutor(2) as pool:
         slow.start()
         running = pool.submit(post, slow, {"n": 1})
         wait_until(lambda: model.calls == 1)

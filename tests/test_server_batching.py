@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.server import MAX_BATCH_REQUESTS, DecisionServer
+from engine.server import MAX_BATCH_REQUESTS, DecisionServer, app_options, parse_arguments
 from engine.stages import build_engine, config_of
 from engine.weights import MergedWeights
 from reference.service import DecisionModel
@@ -151,3 +151,49 @@ def test_a_forward_takes_at_most_max_batch_requests(model, monkeypatch):
     assert [status for status, _ in rest] == [200] * len(queued)
     sizes = sorted(answer["metadata"].get("batch", {"requests": 1})["requests"] for _, answer in rest)
     assert max(sizes) == MAX_BATCH_REQUESTS and len(held.calls) >= 3
+
+
+def test_batching_off_gives_each_request_its_own_forward_and_the_same_answers(model, monkeypatch):
+    """The same six requests, five of them queued behind a held forward: with batching on the five share one forward;
+    with it off each has its own (the worker never asks `batch_requests`), and every answer is bit-identical to the
+    batching server's and to the request's answer alone."""
+    alone = [model.decide(payload) for payload in BODIES]
+    answers, forwards, metrics = {}, {}, {}
+    for batching in ("on", "off"):
+        with monkeypatch.context() as patch:
+            held = HeldForward(model)
+            patch.setattr(model.backbone, "prepare", held)
+            with DecisionServer(model, port=0, access_log=io.StringIO(), batching=batching == "on") as server:
+                if batching == "off":
+                    patch.setattr(server.decisions.calls, "batch_size", never_called)
+                server.start()
+                first, rest = queue_behind_a_held_forward(server, held, BODIES[0], BODIES[1:])
+                metrics[batching] = server.decisions.metrics.text().decode()
+        answers[batching], forwards[batching] = [first, *rest], held.calls
+    assert all(status == 200 for mode in answers.values() for status, _ in mode)
+    assert [answer["metadata"].get("batch", {}).get("requests") for _, answer in answers["on"]] == [None] + [5] * 5
+    assert all("batch" not in answer["metadata"] for _, answer in answers["off"])
+    candidates = [len(model.compile(payload).candidates) for payload in BODIES]  # the queued ones in any order
+    assert forwards["off"][0] == candidates[0] and sorted(forwards["off"][1:]) == sorted(candidates[1:])
+    assert "jev_batch_requests_sum 6.0" in metrics["off"] and "jev_batch_requests_count 6.0" in metrics["off"]
+    for (_, on), (_, off), expected in zip(answers["on"], answers["off"], alone):
+        assert own_part(off) == own_part(on) == own_part(expected)
+        assert without_inference_seconds(off) == without_inference_seconds(expected)  # its forward is its own
+
+
+def never_called(queued):
+    raise AssertionError("batch_requests was asked with batching off")
+
+
+def without_inference_seconds(response: dict) -> dict:
+    out = copy.deepcopy(response)
+    del out["metadata"]["inference_seconds"]
+    return out
+
+
+def test_the_batching_option_reaches_the_app():
+    assert app_options(parse_arguments([]))["batching"] is True
+    assert app_options(parse_arguments(["--batching", "off"]))["batching"] is False
+    assert app_options(parse_arguments(["--batching", "on"]))["batching"] is True
+    with pytest.raises(SystemExit):
+        parse_arguments(["--batching", "maybe"])
