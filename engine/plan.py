@@ -385,7 +385,8 @@ class JoinedLayout:
 def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     """The padding that lays `layout` out at `bucket`'s sizes, or None where it does not fit (some size exceeds the
     bucket's). Dummy chunks are spread evenly over the dummy paths; each path is as short as its chunk count allows
-    (64 (c - 1) + 1 slots), and the slots left over trail the last sequence."""
+    (64 (c - 1) + 1 slots), and the slots left over trail the last sequence. The sizes that need no path lengths are
+    compared first (a search over a grid rejects most buckets on them)."""
     size = layout.chunk_size
     dummy_rows = bucket.rows - layout.rows
     if dummy_rows < 1:  # the common case in a search over a grid: settled before the other sizes are read
@@ -393,9 +394,12 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     num_paths = bucket.sequences - len(layout.candidate_lens)
     dummy_chunks = bucket.chunks - layout.chunks
     first_min = -(-dummy_rows // size)
+    trailing_keys = bucket.keys - layout.keys - dummy_rows
     fits = (
         num_paths >= 1
         and dummy_chunks >= first_min
+        and trailing_keys >= 0
+        and bucket.slots >= layout.slots + dummy_rows  # the dummy node's path holds its rows (before the counts)
         and bucket.nodes >= layout.nodes + 1
         and bucket.candidates >= len(layout.candidate_lens)
         and bucket.max_q >= max(layout.max_q, dummy_rows)
@@ -411,8 +415,7 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     path_lens = [size * (c - 1) + 1 if c else 0 for c in counts]
     path_lens[0] = max(path_lens[0], dummy_rows)
     trailing_slots = bucket.slots - layout.slots - sum(path_lens)
-    trailing_keys = bucket.keys - layout.keys - dummy_rows
-    if trailing_slots < 0 or trailing_keys < 0 or sum(counts) != dummy_chunks:
+    if trailing_slots < 0 or sum(counts) != dummy_chunks:
         return None
     return BucketPadding(
         dummy_rows=dummy_rows,
@@ -699,24 +702,30 @@ def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int)
     members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(seqs[c])
-    ends = tuple(min(_common_prefix_len(m), min(len(q) for q in m) - 1) for m in members)
+    question_common = [_common_prefix_len(m) for m in members]
+    ends = tuple(min(common, min(len(q) for q in m) - 1) for common, m in zip(question_common, members))
+    # P(all) = min(P(each question), P(the questions' first candidates)): each candidate agrees with its question's
+    # first on P(its question) tokens (the identity `JoinedLayout` joins requests by); one question: P(all) = P(it).
+    common = min(*question_common, _common_prefix_len([m[0] for m in members]))
     lens = tuple(len(q) for q in seqs)
-    return PrefixSummary(seqs[0], _common_prefix_len(seqs), min(lens), ends, lens, tuple(question_of))
+    return PrefixSummary(seqs[0], common, min(lens), ends, lens, tuple(question_of))
 
 
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
+    """The candidates as int64 arrays (an int64 array is taken as it is, without a copy), each question numbered in
+    order of first appearance; ValueError for the first bad candidate. One range check over all tokens: the
+    per-candidate checks run only to name the one that failed."""
     if len(candidates) == 0:
         raise ValueError("a plan needs at least one candidate")
     if len(groups) != len(candidates):
         raise ValueError(f"groups has {len(groups)} entries for {len(candidates)} candidates")
-    seqs = []
-    for c, tokens in enumerate(candidates):
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"candidate {c} must be a non-empty list of token ids")
-        if arr.min() < 0:
-            raise ValueError(f"candidate {c} has a negative token id")
-        seqs.append(arr)
+    seqs = [np.asarray(tokens, dtype=np.int64) for tokens in candidates]
+    if any(arr.ndim != 1 or arr.size == 0 for arr in seqs) or np.concatenate(seqs).min() < 0:
+        for c, arr in enumerate(seqs):
+            if arr.ndim != 1 or arr.size == 0:
+                raise ValueError(f"candidate {c} must be a non-empty list of token ids")
+            if arr.min() < 0:
+                raise ValueError(f"candidate {c} has a negative token id")
     index: dict[int, int] = {}
     question_of = [index.setdefault(int(g), len(index)) for g in groups]
     return seqs, question_of, len(index)
