@@ -666,6 +666,10 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
     a tree over questions r with n_r candidates: root + sum_r (E_r - root) + sum_c (len_c - E_r(c)), where E_r is the
     end of question r's node (min(lcp of its candidates, its shortest - 1)) and root = min(lcp of all, shortest - 1),
     so it is updated per question from the lcp of the new question's first candidate with the batch's first.
+    Adding question q to a set S of questions (root -> root' <= root) adds (root - root')(|S| - 1) + (E_q - root') +
+    sum_{c in q} (len_c - E_q) >= 1 rows (E_q >= root', each leaf holds a row): rows grow with every question, so a
+    request whose whole tree holds at most `max_rows` rows is one batch of every candidate (what
+    `EngineBackbone.prepare` reads from the request's `tree_layout` without splitting).
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
