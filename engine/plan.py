@@ -482,7 +482,7 @@ class PlanArena:
             self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
                           for name in int32_names}  # fmt: skip
         else:
-            self.int32 = {name: torch.from_numpy(self.views[name].numpy().astype(np.int32)) for name in int32_names}
+            self.int32 = {name: self.views[name].to(torch.int32) for name in int32_names}
         self.workspace = SolveWorkspace()
 
     def refresh_int32(self) -> None:
