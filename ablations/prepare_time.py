@@ -1,4 +1,4 @@
-"""Host time of the `graphs` stage's `prepare` on the tiny twin (CPU, about 20 s):
+"""Host time of the `graphs` stage's `prepare` on the tiny twin (CPU, about 25 s):
 
     python -m ablations.prepare_time [--out results/graphs/prepare-time.json] [--calls 200]
 

@@ -58,6 +58,14 @@ and it depends on the bucket alone (no contiguous-range shortcuts, which depend 
 capture placeholder).
 
 `split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
+
+Host cost. A plan's arrays hold a few hundred to a few thousand entries, so building them costs per numpy or torch
+call, not per row, and `_build` keeps the calls few: the node table from Python lists in one array, each node's tokens
+a slice of its candidate, the paths a slice of the attention keys (a leaf's keys are its path), no gather by an
+arange. Nothing is cached between requests: a bucket's padding depends on the request's rows, chunks, slots, keys and
+candidates, not on the bucket alone. `graphs`-stage `prepare` on the 2-core development CPU: 0.64-1.17 ms per
+JevBench-sized request, `plan_tree` 0.57-1.04 ms of it (results/graphs/prepare-time.json; engine/stages/graphs.md,
+"`prepare` in fewer host calls").
 """
 
 from __future__ import annotations
