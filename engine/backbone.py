@@ -166,16 +166,21 @@ def _name_of(config: EngineConfig, device: torch.device) -> str:
 def _token_arrays(candidates: Sequence[Sequence[int]], groups: Sequence[int], vocab_size: int) -> list[np.ndarray]:
     """The candidates as int64 arrays, converted once per request (the planner's functions take int64 arrays without
     converting them again), checked as `check_candidates` checks them: one range check over all tokens, and
-    `check_candidates` itself where anything fails (it raises the error of the first bad candidate)."""
+    `check_candidates` itself where anything fails (it raises the error of the first bad candidate); ids that are not
+    integers (floats, bools) are refused here."""
     if len(candidates) == 0 or len(groups) != len(candidates):
         check_candidates(candidates, groups, vocab_size)
     try:
-        arrays = [np.asarray(ids, dtype=np.int64) for ids in candidates]
-    except (TypeError, ValueError, OverflowError):  # not int64 token ids: the reference check's error
+        arrays = [np.asarray(ids) for ids in candidates]
+    except (TypeError, ValueError, OverflowError):  # not token ids: the reference check's error
         check_candidates(candidates, groups, vocab_size)
         raise
     if any(a.ndim != 1 or a.size == 0 for a in arrays):
         check_candidates(candidates, groups, vocab_size)
+    for c, a in enumerate(arrays):
+        if a.dtype.kind not in "iu":  # a float or bool id is refused, never truncated
+            raise ValueError(f"candidate {c} has token ids that are not 64-bit integers ({a.dtype})")
+    arrays = [a.astype(np.int64, copy=False) for a in arrays]
     tokens = np.concatenate(arrays)
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         check_candidates(candidates, groups, vocab_size)
