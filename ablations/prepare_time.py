@@ -1,14 +1,14 @@
-"""Host time of the `graphs` stage's `prepare` on the tiny twin (CPU, about 20 s):
+"""Host time of the `graphs` stage's `prepare` on the tiny twin (CPU, about 25 s):
 
     python -m ablations.prepare_time [--out results/graphs/prepare-time.json] [--calls 200]
 
 The engine `engine.stages.build_engine(MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=1)),
-"graphs")`; per workload of `ablations.workloads.resolve(["drone", "jevbench"])` (drone and the JevBench panel) the
-request's candidates (`reference.service.request_candidates`), 20 untimed calls, then `--calls` timed calls of
-`prepare` (perf_counter around each), interleaved with the same count of its parts: `tree_layout`, the bucket search
-over the engine's grid (`engine.graphs.smallest_bucket`, on a fresh layout built outside the timer) and `plan_tree` at
-that bucket on the host. Writes the medians and p10 / p90 in microseconds with
-the environment (commit, versions, CPU, time: `ablations.envinfo`); prints a table. The prepare of a CPU engine
+"graphs")`; per workload of `WORKLOADS` (the ladder's `graphs` workloads: drone, context-128-choice-2 / -8,
+context-512-choice-2 and the JevBench panel) the request's candidates (`reference.service.request_candidates`), 20
+untimed calls, then `--calls` timed calls of `prepare` (perf_counter around each), interleaved with the same count of
+its parts: `tree_layout`, the bucket search over the engine's grid (`engine.graphs.smallest_bucket`, on a fresh layout
+built outside the timer) and `plan_tree` at that bucket on the host. Writes the medians and p10 / p90 in microseconds
+with the environment (commit, versions, CPU, time: `ablations.envinfo`); prints a table. The prepare of a CPU engine
 builds the host plan that the CUDA form builds too (a bucketed plan is host-only on either device), so the figure is
 the stage's host planning time on this CPU; the H200 host is another CPU.
 """
@@ -35,6 +35,7 @@ from reference.weights import synthetic_weights
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "results" / "graphs" / "prepare-time.json"
 WARMUP_CALLS = 20
+WORKLOADS = ("drone", "context-128-choice-2", "context-128-choice-8", "context-512-choice-2", "jevbench")
 
 
 def summary_us(seconds: list[float]) -> dict[str, float]:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=1)), "graphs")
     rows = []
     print(f"{'workload':<36} {'rows':>5} {'bucket':>16} {'prepare':>8} {'layout':>7} {'search':>7} {'plan':>7}  (us)")
-    for workload in resolve(["drone", "jevbench"]):
+    for workload in resolve(WORKLOADS):
         candidates, groups = request_candidates(workload.request)
         layout = tree_layout(candidates, groups)
         bucket = smallest_bucket(layout, engine.grid)

@@ -103,6 +103,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -160,6 +161,30 @@ def _name_of(config: EngineConfig, device: torch.device) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layout
+
+
+def _token_arrays(candidates: Sequence[Sequence[int]], groups: Sequence[int], vocab_size: int) -> list[np.ndarray]:
+    """The candidates as int64 arrays, converted once per request (the planner's functions take int64 arrays without
+    converting them again), checked as `check_candidates` checks them: one range check over all tokens, and
+    `check_candidates` itself where anything fails (it raises the error of the first bad candidate); ids that are not
+    integers (floats, bools) are refused here."""
+    if len(candidates) == 0 or len(groups) != len(candidates):
+        check_candidates(candidates, groups, vocab_size)
+    try:
+        arrays = [np.asarray(ids) for ids in candidates]
+    except (TypeError, ValueError, OverflowError):  # not token ids: the reference check's error
+        check_candidates(candidates, groups, vocab_size)
+        raise
+    if any(a.ndim != 1 or a.size == 0 for a in arrays):
+        check_candidates(candidates, groups, vocab_size)
+    for c, a in enumerate(arrays):
+        if a.dtype.kind not in "iu":  # a float or bool id is refused, never truncated
+            raise ValueError(f"candidate {c} has token ids that are not 64-bit integers ({a.dtype})")
+    arrays = [a.astype(np.int64, copy=False) for a in arrays]
+    tokens = np.concatenate(arrays)
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        check_candidates(candidates, groups, vocab_size)
+    return arrays
 
 
 @dataclass
@@ -468,19 +493,22 @@ class EngineBackbone:
 
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> EngineRows:
         """Lay candidates out in batches (each one plan) and copy everything the forward reads to the device."""
-        check_candidates(candidates, groups, self.shapes.vocab_size)
+        candidates = _token_arrays(candidates, groups, self.shapes.vocab_size)
         if self.tree:
-            index_batches = split_questions(candidates, groups, self.max_batch_rows)
+            index_batches, layouts = self._question_batches(candidates, groups)
         else:
             index_batches = _consecutive_batches([len(ids) for ids in candidates], self.max_batch_rows)
-        make_plan = plan_tree if self.tree else plan_flat
+            layouts = [None] * len(index_batches)
         batches = []
-        for index in index_batches:
+        for index, layout in zip(index_batches, layouts):
             own, own_groups = [candidates[c] for c in index], [groups[c] for c in index]
             if self.config.graphs:
-                batches.append(self._bucketed_batch(own, own_groups, index))
+                batches.append(self._bucketed_batch(own, own_groups, index, layout))
                 continue
-            plan = make_plan(own, own_groups, device=self.device)
+            if self.tree:
+                plan = plan_tree(own, own_groups, device=self.device, layout=layout)
+            else:
+                plan = plan_flat(own, own_groups, device=self.device)
             batches.append(_row_batch(plan, index, self.shapes, self.gdn_mode, self.attention))
         flat_order = [c for index in index_batches for c in index]
         order = None
@@ -489,12 +517,26 @@ class EngineBackbone:
             order = torch.tensor([position[c] for c in range(len(candidates))], device=self.device)
         return EngineRows(batches, len(candidates), order)
 
-    def _bucketed_batch(self, candidates: list, groups: list, index: Sequence[int]) -> RowBatch:
+    def _question_batches(self, candidates: list, groups: Sequence[int]) -> tuple[list[list[int]], list]:
+        """`split_questions`' batches, each with its `tree_layout` where it is already known (else None). A request
+        whose whole tree holds at most `max_batch_rows` rows (or that has one question) is one batch, since a batch's
+        rows grow with every question added (`split_questions`): its layout, computed to see that, is the batch's."""
+        whole = tree_layout(candidates, groups)
+        if whole.rows <= self.max_batch_rows or len(whole.question_lens) == 1:
+            return [list(range(len(candidates)))], [whole]
+        index_batches = split_questions(candidates, groups, self.max_batch_rows)
+        return index_batches, [None] * len(index_batches)
+
+    def _bucketed_batch(
+        self, candidates: list, groups: list, index: Sequence[int], layout: TreeLayout | None = None
+    ) -> RowBatch:
         """`graphs`: the batch laid out at its bucket (replicated GDN mode) when the cost rule picks `replicated` and
         the grid holds it; otherwise the plain tree plan, run eagerly, with the reason. A bucketed plan is built on the
         host (its arena is its host buffer, no device copy): a replay copies it into the captured arena
-        (`engine.graphs.CapturedGraph.run`), and `_run_batch` moves it to the device only where it runs eagerly."""
-        layout = tree_layout(candidates, groups)
+        (`engine.graphs.CapturedGraph.run`), and `_run_batch` moves it to the device only where it runs eagerly.
+        `layout`: the batch's `tree_layout` where the caller has it."""
+        if layout is None:
+            layout = tree_layout(candidates, groups)
         mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
         bucket = self.grid.smallest(layout) if mode == "replicated" else None
         if bucket is None:

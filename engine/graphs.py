@@ -3,7 +3,8 @@
 A forward over a bucketed plan (`engine.plan.plan_tree(..., bucket=...)`) launches the same kernels with the same
 grids for every request of its bucket: everything a launch reads from the host comes from the plan's shape. So the
 forward is captured once per bucket and replayed. A bucketed plan is built on the host only (its arena is its host
-buffer: no device allocation or copy in `prepare`); a replay copies that buffer into the captured arena through one
+buffer: no device allocation or copy in `prepare`; its host time: engine/stages/graphs.md, "`prepare` in fewer host
+calls", record results/graphs/prepare-time.json); a replay copies that buffer into the captured arena through one
 pinned staging buffer and one non-blocking host-to-device copy in stream order (`PinnedStaging`: it waits for the
 previous copy out of the buffer before overwriting it), the int32 copies are the graph's first kernels, the graph
 replays, and the real candidates' rows are copied out of the static output (the next replay overwrites it). Where no

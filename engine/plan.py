@@ -58,6 +58,14 @@ and it depends on the bucket alone (no contiguous-range shortcuts, which depend 
 capture placeholder).
 
 `split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
+
+Host cost. A plan's arrays hold a few hundred to a few thousand entries, so building them costs per numpy or torch
+call, not per row, and `_build` keeps the calls few: the node table from Python lists in one array, each node's tokens
+a slice of its candidate, the paths a slice of the attention keys (a leaf's keys are its path), no gather by an
+arange. Nothing is cached between requests: a bucket's padding depends on the request's rows, chunks, slots, keys and
+candidates, not on the bucket alone. `graphs`-stage `prepare` on the 2-core development CPU: 0.64-1.17 ms per
+JevBench-sized request, `plan_tree` 0.57-1.04 ms of it (results/graphs/prepare-time.json; engine/stages/graphs.md,
+"`prepare` in fewer host calls").
 """
 
 from __future__ import annotations
@@ -385,7 +393,8 @@ class JoinedLayout:
 def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     """The padding that lays `layout` out at `bucket`'s sizes, or None where it does not fit (some size exceeds the
     bucket's). Dummy chunks are spread evenly over the dummy paths; each path is as short as its chunk count allows
-    (64 (c - 1) + 1 slots), and the slots left over trail the last sequence."""
+    (64 (c - 1) + 1 slots), and the slots left over trail the last sequence. The sizes that need no path lengths are
+    compared first (a search over a grid rejects most buckets on them)."""
     size = layout.chunk_size
     dummy_rows = bucket.rows - layout.rows
     if dummy_rows < 1:  # the common case in a search over a grid: settled before the other sizes are read
@@ -393,9 +402,12 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     num_paths = bucket.sequences - len(layout.candidate_lens)
     dummy_chunks = bucket.chunks - layout.chunks
     first_min = -(-dummy_rows // size)
+    trailing_keys = bucket.keys - layout.keys - dummy_rows
     fits = (
         num_paths >= 1
         and dummy_chunks >= first_min
+        and trailing_keys >= 0
+        and bucket.slots >= layout.slots + dummy_rows  # the dummy node's path holds its rows (before the counts)
         and bucket.nodes >= layout.nodes + 1
         and bucket.candidates >= len(layout.candidate_lens)
         and bucket.max_q >= max(layout.max_q, dummy_rows)
@@ -411,8 +423,7 @@ def bucket_padding(layout: TreeLayout, bucket: Bucket) -> BucketPadding | None:
     path_lens = [size * (c - 1) + 1 if c else 0 for c in counts]
     path_lens[0] = max(path_lens[0], dummy_rows)
     trailing_slots = bucket.slots - layout.slots - sum(path_lens)
-    trailing_keys = bucket.keys - layout.keys - dummy_rows
-    if trailing_slots < 0 or trailing_keys < 0 or sum(counts) != dummy_chunks:
+    if trailing_slots < 0 or sum(counts) != dummy_chunks:
         return None
     return BucketPadding(
         dummy_rows=dummy_rows,
@@ -458,7 +469,7 @@ class PlanArena:
     take as int32 (`INT32_ARRAYS`), and the FLA solve workspace. `fill` refills it in place (one copy of every array,
     host to device on CUDA, then the int32 copies on the arena's device); a plan of another shape is refused. `host`:
     a CPU arena over an int64 host buffer already laid out by the shape (`PlanShape.arrays` back to back), without a
-    copy (what a new CPU plan gets)."""
+    copy (what a new CPU plan gets); its int32 copies are converted from the host buffer once, on the host."""
 
     def __init__(self, shape: PlanShape, device: torch.device, host: np.ndarray | None = None) -> None:
         self.shape = shape
@@ -474,11 +485,13 @@ class PlanArena:
         self.views = {
             name: piece if len(dims) == 1 else piece.view(dims) for (name, dims), piece in zip(shape.arrays, pieces)
         }
-        self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
-                      for name in INT32_ARRAYS if name in self.views}  # fmt: skip
+        int32_names = [name for name in INT32_ARRAYS if name in self.views]
+        if host is None:
+            self.int32 = {name: torch.empty(self.views[name].shape, dtype=torch.int32, device=self.device)
+                          for name in int32_names}  # fmt: skip
+        else:
+            self.int32 = {name: self.views[name].to(torch.int32) for name in int32_names}
         self.workspace = SolveWorkspace()
-        if host is not None:
-            self.refresh_int32()
 
     def refresh_int32(self) -> None:
         """Recompute the int32 copies from the int64 views (on the device; a captured graph's first kernels)."""
@@ -486,7 +499,9 @@ class PlanArena:
             copy.copy_(self.views[name])
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        self.load(torch.from_numpy(_host_buffer(self.shape, arrays)))
+        if tuple((name, tuple(a.shape)) for name, a in arrays.items()) != self.shape.arrays:
+            raise ValueError("the plan's arrays do not match this arena's shape")
+        self.load(torch.from_numpy(_host_buffer(arrays)))
 
     def load(self, host: torch.Tensor) -> None:
         """Refill from `host` (int64, laid out by this arena's shape: another arena's `buffer` of the same shape)."""
@@ -494,11 +509,8 @@ class PlanArena:
         self.refresh_int32()
 
 
-def _host_buffer(shape: PlanShape, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """The arrays back to back (int64), checked against the shape's names and dimensions."""
-    got = tuple((name, tuple(a.shape)) for name, a in arrays.items())
-    if got != shape.arrays:
-        raise ValueError("the plan's arrays do not match this arena's shape")
+def _host_buffer(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """The arrays back to back (int64), in the order of `PlanShape.arrays` (a shape built from them, or checked)."""
     return np.concatenate([a.ravel() for a in arrays.values()], dtype=np.int64)
 
 
@@ -662,6 +674,10 @@ def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], 
     a tree over questions r with n_r candidates: root + sum_r (E_r - root) + sum_c (len_c - E_r(c)), where E_r is the
     end of question r's node (min(lcp of its candidates, its shortest - 1)) and root = min(lcp of all, shortest - 1),
     so it is updated per question from the lcp of the new question's first candidate with the batch's first.
+    Adding question q to a set S of questions (root -> root' <= root) adds (root - root')(|S| - 1) + (E_q - root') +
+    sum_{c in q} (len_c - E_q) >= 1 rows (E_q >= root', each leaf holds a row): rows grow with every question, so a
+    request whose whole tree holds at most `max_rows` rows is one batch of every candidate (what
+    `EngineBackbone.prepare` reads from the request's `tree_layout` without splitting).
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -699,24 +715,30 @@ def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int)
     members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(seqs[c])
-    ends = tuple(min(_common_prefix_len(m), min(len(q) for q in m) - 1) for m in members)
+    question_common = [_common_prefix_len(m) for m in members]
+    ends = tuple(min(common, min(len(q) for q in m) - 1) for common, m in zip(question_common, members))
+    # P(all) = min(P(each question), P(the questions' first candidates)): each candidate agrees with its question's
+    # first on P(its question) tokens (the identity `JoinedLayout` joins requests by); one question: P(all) = P(it).
+    common = min(*question_common, _common_prefix_len([m[0] for m in members]))
     lens = tuple(len(q) for q in seqs)
-    return PrefixSummary(seqs[0], _common_prefix_len(seqs), min(lens), ends, lens, tuple(question_of))
+    return PrefixSummary(seqs[0], common, min(lens), ends, lens, tuple(question_of))
 
 
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
+    """The candidates as int64 arrays (an int64 array is taken as it is, without a copy), each question numbered in
+    order of first appearance; ValueError for the first bad candidate. One range check over all tokens: the
+    per-candidate checks run only to name the one that failed."""
     if len(candidates) == 0:
         raise ValueError("a plan needs at least one candidate")
     if len(groups) != len(candidates):
         raise ValueError(f"groups has {len(groups)} entries for {len(candidates)} candidates")
-    seqs = []
-    for c, tokens in enumerate(candidates):
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"candidate {c} must be a non-empty list of token ids")
-        if arr.min() < 0:
-            raise ValueError(f"candidate {c} has a negative token id")
-        seqs.append(arr)
+    seqs = [np.asarray(tokens, dtype=np.int64) for tokens in candidates]
+    if any(arr.ndim != 1 or arr.size == 0 for arr in seqs) or np.concatenate(seqs).min() < 0:
+        for c, arr in enumerate(seqs):
+            if arr.ndim != 1 or arr.size == 0:
+                raise ValueError(f"candidate {c} must be a non-empty list of token ids")
+            if arr.min() < 0:
+                raise ValueError(f"candidate {c} has a negative token id")
     index: dict[int, int] = {}
     question_of = [index.setdefault(int(g), len(index)) for g in groups]
     return seqs, question_of, len(index)
@@ -730,6 +752,11 @@ def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
         differ = np.flatnonzero(first[:m] != s[:m])
         common = int(differ[0]) if differ.size else m
     return common
+
+
+def _is_arange(indices: np.ndarray, n: int) -> bool:
+    """indices == arange(n) (the length is compared first: most index arrays are longer or shorter)."""
+    return len(indices) == n and bool((indices == np.arange(n)).all())
 
 
 def _range_start(indices: np.ndarray) -> int | None:
@@ -764,55 +791,78 @@ def _build(
     device = torch.device(device)
     if padding is not None:
         pad_lens = (padding.dummy_rows,)  # the dummy node; its path and the further dummy paths are set below
-    num_cands, num_questions = len(seqs), len(question_lens)
-    lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    q_of = np.array(question_of, dtype=np.int64)
-    q_lens = np.array(question_lens, dtype=np.int64)
-    leaf_lens = lens - root_len - q_lens[q_of]
-    pad = np.array(pad_lens, dtype=np.int64).reshape(-1)
-    if (pad < 1).any():
-        raise ValueError(f"padding sequences need at least one row each, got {pad.tolist()}")
-    assert (leaf_lens >= 1).all() and (q_lens >= 0).all() and root_len >= 0
+    pad = np.array(pad_lens, dtype=np.int64).reshape(-1).tolist()
+    if min(pad, default=1) < 1:
+        raise ValueError(f"padding sequences need at least one row each, got {pad}")
+    num_cands, num_questions, num_pad = len(seqs), len(question_lens), len(pad)
+    lens = [len(s) for s in seqs]
+    leaf_lens = [n - root_len - question_lens[r] for n, r in zip(lens, question_of)]
+    assert min(leaf_lens) >= 1 and min(question_lens) >= 0 and root_len >= 0
 
     # The node table, by node id (module docstring); packed rows are the nodes' rows in id order:
     # [root | question nodes | leaves | dummy sequences]. Per node: its rows, its first row's original position, its
-    # parent and grandparent (-1 where none) and its representative path (the first path holding its rows, where
-    # each row sits at its position: the candidate whose tokens it holds, the first member for a question node).
-    num_pad = len(pad)
-    leaf_ids = 1 + num_questions + np.arange(num_cands)
-    pad_ids = 1 + num_questions + num_cands + np.arange(num_pad)
-    first_member = np.array([question_of.index(r) for r in range(num_questions)], dtype=np.int64)
-    questions, leaves, dummies = (np.ones(n, dtype=np.int64) for n in (num_questions, num_cands, num_pad))
-    # Each column: the root's value, then the questions', the leaves', the dummies'.
-    node_lens = np.concatenate([[root_len], q_lens, leaf_lens, pad])
-    node_first_pos = np.concatenate([[0], root_len * questions, root_len + q_lens[q_of], 0 * dummies])
-    node_parent = np.concatenate([[-1], 0 * questions, 1 + q_of, -dummies])
-    node_grandparent = np.concatenate([[-1], -questions, 0 * leaves, -dummies])
-    node_path = np.concatenate([[0], first_member, np.arange(num_cands), num_cands + np.arange(num_pad)])
+    # representative path (the first path holding its rows, where each row sits at its position: the candidate whose
+    # tokens it holds, the first member for a question node), its grandparent and parent (-1 where none) and its id.
+    # One row per field, one column per node: the root's value, then the questions', the leaves', the dummies'.
+    num_nodes = 1 + num_questions + num_cands + num_pad
+    first_member = [question_of.index(r) for r in range(num_questions)]
+    rows_of_node = [root_len, *question_lens, *leaf_lens, *pad]
+    leaf_first_pos = [root_len + question_lens[r] for r in question_of]
+    first_pos_of_node = [0, *[root_len] * num_questions, *leaf_first_pos, *[0] * num_pad]
+    path_of_node = [0, *first_member, *range(num_cands + num_pad)]
+    node_table = np.array(
+        [
+            rows_of_node,
+            first_pos_of_node,
+            path_of_node,
+            [-1, *[-1] * num_questions, *[0] * num_cands, *[-1] * num_pad],
+            [-1, *[0] * num_questions, *(1 + r for r in question_of), *[-1] * num_pad],
+            range(num_nodes),
+        ],
+        dtype=np.int64,
+    )
+    node_lens, node_first_pos, node_path, node_grandparent, node_parent, node_ids = node_table
+    leaf_ids = node_ids[1 + num_questions : 1 + num_questions + num_cands]
     node_end = np.cumsum(node_lens)
     node_start = node_end - node_lens
     num_rows = int(node_end[-1])
-    pad_base = num_rows - int(pad.sum())
-    # A node's keys (its path up to its last row): its grandparent's rows, its parent's, its own.
-    key_nodes = np.stack([node_grandparent, node_parent, np.arange(len(node_lens))], axis=1)
-    key_lens = np.where(key_nodes >= 0, node_lens[key_nodes], 0)
+    pad_base = num_rows - sum(pad)
+    # A node's keys (its path up to its last row): its grandparent's rows, its parent's, its own; a missing ancestor
+    # (-1) reads the zero length appended after the last node.
+    key_nodes = node_table[3:].T
+    key_lens = np.append(node_lens, 0)[key_nodes]
     key_starts = node_start[key_nodes]
 
     def keys_of(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The key rows of `nodes` back to back, and each node's count."""
         return _concat_ranges(key_starts[nodes].ravel(), key_lens[nodes].ravel()), key_lens[nodes].sum(axis=1)
 
-    row_node = np.repeat(np.arange(len(node_lens)), node_lens)
+    row_node = np.repeat(node_ids, node_lens)
     positions = node_first_pos[row_node] + np.arange(num_rows) - node_start[row_node]
     row_parent = node_parent[row_node]
     row_grandparent = node_grandparent[row_node]
-    token_ids = np.full(num_rows, PAD_TOKEN_ID, dtype=np.int64)
-    candidate_start = np.cumsum(lens) - lens  # of each candidate in the candidates' tokens back to back
-    real = slice(0, pad_base)
-    token_ids[real] = np.concatenate(seqs)[candidate_start[node_path[row_node[real]]] + positions[real]]
+    # Each real node's tokens are a slice of its representative candidate (at its positions); dummy rows pad.
+    real = slice(0, num_nodes - num_pad)
+    real_nodes = zip(rows_of_node[real], first_pos_of_node[real], path_of_node[real])
+    real_tokens = [seqs[path][first : first + rows] for rows, first, path in real_nodes]
+    token_ids = np.concatenate([*real_tokens, np.full(sum(pad), PAD_TOKEN_ID, dtype=np.int64)])
 
-    # Paths: each candidate's (its leaf's keys), then the dummy sequences' (a bucket's: module docstring).
-    path_rows, path_lens = keys_of(leaf_ids if padding is not None else np.concatenate([leaf_ids, pad_ids]))
+    # Attention: one sequence per non-empty node (packed order), its own rows as queries, its keys.
+    attn_nodes = np.flatnonzero(node_lens)
+    q_counts = node_lens[attn_nodes]
+    key_rows, k_counts = keys_of(attn_nodes)
+
+    # Paths: each candidate's, then the dummy sequences' (a bucket's: module docstring). The attention's nodes end
+    # with every leaf, then every dummy node (none is empty), whose keys are their paths: the paths are the keys after
+    # the root's and the non-empty questions' (root_len + q_r each).
+    num_inner = len(attn_nodes) - num_cands - num_pad
+    first_path_key = root_len * num_inner + sum(question_lens)
+    if padding is None:
+        num_paths, path_slots = num_cands + num_pad, sum(lens) + sum(pad)
+    else:  # a bucket's dummy paths are laid out below
+        num_paths, path_slots = num_cands, sum(lens)
+    path_lens = k_counts[num_inner : num_inner + num_paths]
+    path_rows = key_rows[first_path_key : first_path_key + path_slots]
     last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
     read_rows = node_end[leaf_ids] - 1
     if padding is not None:
@@ -828,20 +878,18 @@ def _build(
     path_cu = _bounds(path_lens)
 
     # Representative slot of each packed row: its first occurrence in the concatenated paths, which is its position
-    # in its node's representative path.
+    # in its node's representative path. So the replicated call, which produces each row from its representative
+    # slot, produces every packed row exactly once, in order.
     row_slot = path_cu[node_path[row_node]] + positions
-    assert np.array_equal(path_rows[row_slot], np.arange(num_rows))
+    if not _is_arange(path_rows[row_slot], num_rows):
+        raise AssertionError("a representative slot does not hold its row")
 
     # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
     back = np.arange(CONV_WIDTH - 1, -1, -1)
     window = path_rows[np.maximum(row_slot[:, None] - back, 0)]
     conv_rows = np.where(positions[:, None] >= back, window, num_rows)
 
-    # Attention: one sequence per non-empty node (packed order), its own rows as queries, its keys.
-    attn_nodes = np.flatnonzero(node_lens)
-    q_counts = node_lens[attn_nodes]
-    key_rows, k_counts = keys_of(attn_nodes)
-    conv_layouts = {"conv_paths": _conv_input(path_rows, path_lens, np.arange(len(path_rows)))}
+    conv_layouts = {"conv_paths": _conv_input(path_rows, path_lens)}
     if padding is None:  # a bucketed plan runs the replicated mode only: no node segments, no hand-off schedule
         # Conv segments: each non-empty node's rows after its history (the rows at positions p0-W+1..p0-1 of its
         # representative path, where any), which is one slice of that path.
@@ -863,13 +911,12 @@ def _build(
     schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
     if padding is None:
         paths = [path_rows[path_cu[c] : path_cu[c + 1]] for c in range(len(path_lens))]
-        schedules["handoff"] = _handoff_calls(
-            paths[:num_cands], lens, q_of, root_len, q_lens, chunk_size, paths[num_cands:]
-        )
-    for mode, calls in schedules.items():
-        produced = np.concatenate([call["out_rows"] for call in calls])
+        lens_array, q_of, q_lens = (np.array(x, dtype=np.int64) for x in (lens, question_of, question_lens))
+        handoff = _handoff_calls(paths[:num_cands], lens_array, q_of, root_len, q_lens, chunk_size, paths[num_cands:])
+        produced = np.concatenate([call["out_rows"] for call in handoff])
         if not np.array_equal(np.sort(produced), np.arange(num_rows)):
-            raise AssertionError(f"{mode} GDN schedule does not produce every packed row exactly once")
+            raise AssertionError("handoff GDN schedule does not produce every packed row exactly once")
+        schedules["handoff"] = handoff
 
     arrays = {
         "token_ids": token_ids,
@@ -880,7 +927,7 @@ def _build(
         "row_slot": row_slot,
         "path_rows": path_rows,
         "path_cu_seqlens": path_cu,
-        "read_rows": read_rows.astype(np.int64),
+        "read_rows": read_rows,
         "attention.key_rows": key_rows,
         "attention.cu_seqlens_q": attn_cu_q,
         "attention.cu_seqlens_k": attn_cu_k,
@@ -916,26 +963,26 @@ def _build(
         num_rows=num_rows,
         num_candidates=len(read_rows),
         num_padding=len(pad),
-        arrays=tuple((name, tuple(a.shape)) for name, a in arrays.items()),
+        arrays=tuple((name, a.shape) for name, a in arrays.items()),
         gdn=tuple((mode, tuple(shapes)) for mode, shapes in call_shapes.items()),
         conv_flags=tuple(
             (
                 name,
                 (
-                    np.array_equal(layout["rows"], np.arange(num_rows)),
-                    np.array_equal(layout["keep"], np.arange(len(layout["rows"]))),
-                    np.array_equal(layout["keep_rows"], np.arange(num_rows)),
+                    _is_arange(layout["rows"], num_rows),
+                    _is_arange(layout["keep"], len(layout["rows"])),
+                    _is_arange(layout["keep_rows"], num_rows),
                 ),
             )
             for name, layout in conv_layouts.items()
         ),
         attention_max=attn_max,
-        keys_are_rows=np.array_equal(key_rows, np.arange(num_rows)),
+        keys_are_rows=_is_arange(key_rows, num_rows),
     )
     if callable(arena):
         arena = arena(shape)
     if arena is None and device.type == "cpu":
-        arena = PlanArena(shape, device, host=_host_buffer(shape, arrays))  # no copy: the arena is the host buffer
+        arena = PlanArena(shape, device, host=_host_buffer(arrays))  # no copy: the arena is the host buffer
     elif arena is None:
         arena = PlanArena(shape, device)
         arena.fill(arrays)
@@ -961,7 +1008,7 @@ def _build(
                     keep_final=call_shape.keep_final,
                     out_slots=dev[key + "out_slots"],
                     out_rows=dev[key + "out_rows"],
-                    start_positions=tuple(int(p) for p in call["start_positions"]),
+                    start_positions=tuple(call["start_positions"].tolist()),
                     chunks=len(call["chunk_indices"]),
                     rows_start=call_shape.rows_start,
                     out_start=call_shape.out_start,
@@ -1002,12 +1049,12 @@ def _build(
         device=device,
         shape=shape,
         arena=arena,
-        candidate_lens=tuple(int(n) for n in lens),
+        candidate_lens=tuple(lens),
         question_of=tuple(question_of),
         root_len=int(root_len),
-        question_lens=tuple(int(n) for n in q_lens),
+        question_lens=tuple(int(n) for n in question_lens),
         leaf_lens=tuple(int(n) for n in leaf_lens),
-        padding_lens=tuple(int(n) for n in pad),
+        padding_lens=tuple(pad),
         chunk_size=chunk_size,
         conv_rows=torch.from_numpy(conv_rows),
         path_cu_seqlens_cpu=torch.from_numpy(path_cu),
@@ -1034,10 +1081,10 @@ def _concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
 
 
-def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray) -> dict:
+def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray | None = None) -> dict:
     """Host arrays of a `ConvInput`: sequences of `lens` rows back to back in `rows` (packed row ids), then any rows
     after the last sequence (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots
-    `keep`."""
+    `keep` (None: every slot, in order, so `keep_rows` is `rows` and `spaced_keep` every slot's position)."""
     history = CONV_WIDTH - 1
     trailing = len(rows) - int(lens.sum())
     # In `spaced`, W-1 zero rows precede each sequence: a slot moves by W-1 per sequence up to its own (a trailing
@@ -1046,25 +1093,30 @@ def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray) -> dict:
     spaced_slot = np.arange(len(rows)) + history * shift
     spaced = np.zeros(len(rows) + history * len(lens), dtype=np.int64)
     spaced[spaced_slot] = rows + 1
+    if keep is None:
+        keep, keep_rows, spaced_keep = np.arange(len(rows)), rows, spaced_slot
+    else:
+        keep, keep_rows, spaced_keep = keep.astype(np.int64), rows[keep], spaced_slot[keep]
     return {
         "rows": rows,
         "cu_seqlens": _bounds(lens),
-        "keep": keep.astype(np.int64),
-        "keep_rows": rows[keep],
+        "keep": keep,
+        "keep_rows": keep_rows,
         "spaced": spaced,
-        "spaced_keep": spaced_slot[keep],
+        "spaced_keep": spaced_keep,
     }
 
 
 def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.ndarray) -> dict:
-    """Every path from position 0; each packed row is produced by its representative slot."""
+    """Every path from position 0; each packed row is produced by its representative slot (so the rows produced,
+    `path_rows[row_slot]`, are the packed rows in order: checked where `row_slot` is built)."""
     return {
         "rows": path_rows,
         "cu_seqlens": path_cu,
         "init_state": None,
         "keep_final": False,
         "out_slots": row_slot,
-        "out_rows": path_rows[row_slot],
+        "out_rows": np.arange(len(row_slot)),
         "start_positions": np.zeros(len(path_cu) - 1, dtype=np.int64),
     }
 

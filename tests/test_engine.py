@@ -195,6 +195,8 @@ def test_prepare_splits_batches_without_splitting_candidates(merged_weights):
         ([[1], []], [0, 1], "no tokens"),
         ([[1, TINY.vocab_size]], [0], "outside"),
         ([[-1]], [0], "outside"),
+        ([[1, 2.0]], [0], "not 64-bit integers"),
+        ([[-0.5, 3]], [0], "not 64-bit integers"),
     ],
 )
 def test_prepare_rejects_bad_input(merged, candidates, groups, message):

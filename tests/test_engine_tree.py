@@ -7,6 +7,8 @@ kernels, the `fused` stage itself). What is checked:
 * whole forward and every hidden state, tree vs flat: bitwise (hypothesis-generated requests; reference-composition
   ops for speed, both GDN modes), and once with the fused kernels under the Triton interpreter;
 * batching by question: any split of the questions over batches gives the same bits (nothing depends on the batch);
+  `prepare`'s batches are `split_questions`' and its plans `plan_tree`'s at budgets around the request's rows (a
+  request whose tree fits is one batch, planned from that tree's layout);
 * the drone request: rows computed (<= 45% of 971), the service's `prefix_cache` metadata, identical probabilities;
 * kernel launches of one forward, counted on the CPU (torch ops that launch a kernel, Triton launches, GDN core and
   attention calls) and scaled to the 27B's 48 + 16 layers: the predicted CUDA kernel count is printed and its
@@ -32,7 +34,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from engine.backbone import EngineBackbone  # noqa: E402
-from engine.plan import plan_tree, split_questions  # noqa: E402
+from engine.plan import plan_tree, split_questions, tree_layout  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from kernels import activations  # noqa: E402
@@ -150,6 +152,29 @@ def test_split_questions_row_count_is_the_plans():
     assert len(split_questions(candidates, groups, 10_000)) == 1
     with pytest.raises(ValueError, match="max_rows"):
         split_questions(candidates, groups, 0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_tokens=requests(), slack=st.sampled_from([-1, 0, 1, 10_000]))
+def test_prepare_batches_and_plans_are_split_questions_and_plan_tree(merged_weights, request_tokens, slack):
+    """`prepare` takes a request whose whole tree fits the row budget (or that has one question) as one batch without
+    splitting it, and plans it from that tree's layout: at budgets just under, at and over the request's rows, its
+    batches are `split_questions`' and each batch's plan is `plan_tree`'s of the batch (at the batch's bucket for the
+    `graphs` stage), every array equal."""
+    candidates, groups = request_tokens
+    budget = max(1, tree_layout(candidates, groups).rows + slack)
+    want = split_questions(candidates, groups, budget)
+    for stage in ("tree", "graphs"):
+        batches = build_engine(merged_weights, stage, max_batch_rows=budget).prepare(candidates, groups).batches
+        assert [list(batch.candidates) for batch in batches] == want
+        for batch in batches:
+            own, own_groups = [candidates[c] for c in batch.candidates], [groups[c] for c in batch.candidates]
+            plan, expect = batch.plan, plan_tree(own, own_groups, bucket=batch.plan.bucket)
+            assert plan.shape == expect.shape and torch.equal(plan.arena.buffer, expect.arena.buffer)
+            assert all(torch.equal(t, expect.arena.int32[name]) for name, t in plan.arena.int32.items())
+            assert torch.equal(plan.conv_rows, expect.conv_rows)
+            host = ("candidate_lens", "question_of", "root_len", "question_lens", "leaf_lens", "padding_lens")
+            assert all(getattr(plan, name) == getattr(expect, name) for name in host)
 
 
 @pytest.mark.slow

@@ -10,6 +10,9 @@ for the layout); these tests pin its output so that a faster or restructured pla
 * digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
   bucket commit 2b0f72d's grid chose for each, pinned in `PINNED_BUCKETS`; the values at commit 2b0f72d, whose
   planner the vectorized one replaced);
+* one digest over every plan of 120 generated requests (tree, flat, `pad_lens`, bucketed: empty roots and question
+  nodes, interleaved questions, one-token leaves, chunk sizes 2, 16 and 64), pinned at commit 35ca3d3's planner (the
+  one before `_build` took fewer numpy calls);
 * `plan_tree(..., layout=...)` gives the plan it builds itself and refuses another request's layout;
   `smallest_bucket` (and the backbone's `GridIndex`) is the minimum by (rows, slots, sequences) of the fitting
   buckets, whatever the grid's order; one- and two-candidate requests take the buckets of their own candidate class.
@@ -166,6 +169,51 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
     "six options": ("76dba8a3a9cd7f4f", "56ffb534d0c9ba61", "95b4deee70b84b21", "6bccc6ca94e69144"),
     "three questions": ("68b9f67329754ed8", "e311e2232ada9c90", "0d84f371e7dc821b", "41d9256423bb638e"),
 }
+
+
+SWEEP_REQUESTS = 120
+SWEEP_DIGEST = "01197b00e64d1673"  # at commit 35ca3d3's planner (the one before fewer numpy calls per plan)
+
+
+def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple[int, ...]]:
+    """A request of the sweep: a state of 0-130 tokens (0: an empty root), 1-5 questions interleaved in candidate
+    order under sparse group ids, question texts of 0-20 tokens (0: empty question nodes), 1-8 options of 1-65 tokens
+    from a 3-token vocabulary (options that are prefixes of each other, one-token leaves); a chunk size and pad_lens."""
+    rng = random.Random(seed)
+    state = [rng.randrange(100, 150_000) for _ in range(rng.choice([0, 1, 5, 40, 130]))]
+    questions = rng.choice([1, 1, 2, 3, 5])
+    texts = [[rng.randrange(100, 150_000) for _ in range(rng.choice([0, 1, 3, 20]))] for _ in range(questions)]
+    candidates, groups = [], []
+    for r in range(questions):
+        for _ in range(rng.choice([1, 2, 4, 6, 8])):
+            option = [rng.randrange(1, 4) for _ in range(rng.choice([1, 1, 2, 5, 30, 65]))]
+            candidates.append(state + texts[r] + option)
+            groups.append(7 * r + 3)
+    order = list(range(len(candidates)))
+    rng.shuffle(order)
+    pad_lens = tuple(rng.randrange(1, 100) for _ in range(rng.randrange(1, 4)))
+    return [candidates[c] for c in order], [groups[c] for c in order], rng.choice([2, 16, 64]), pad_lens
+
+
+def test_plan_digests_on_generated_requests():
+    """The digests of every plan (tree, flat, `pad_lens`, bucketed at the smallest grid bucket) of 120 generated
+    requests, hashed together: the planner's output on many shapes (empty roots and question nodes, interleaved
+    questions, one-token leaves, three chunk sizes), pinned at the planner before the current one."""
+    grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
+    h = hashlib.sha256()
+    for seed in range(SWEEP_REQUESTS):
+        candidates, groups, chunk_size, pad_lens = generated_request(seed)
+        plans = [
+            plan_tree(candidates, groups, chunk_size=chunk_size),
+            plan_flat(candidates, groups, chunk_size=chunk_size),
+            plan_tree(candidates, groups, chunk_size=chunk_size, pad_lens=pad_lens),
+        ]
+        bucket = smallest_bucket(tree_layout(candidates, groups), grid)
+        if bucket is not None:
+            plans.append(plan_tree(candidates, groups, bucket=bucket))
+        for plan in plans:
+            h.update(digest(plan).encode())
+    assert h.hexdigest()[:16] == SWEEP_DIGEST
 
 
 @pytest.mark.parametrize("name", REQUESTS)
