@@ -53,7 +53,15 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyp
 from matplotlib.ticker import NullLocator  # noqa: E402
 
 from ablations import targets  # noqa: E402
-from ablations.records import STATUS_TEXT, has_timings, measured, ms, newest_records, read_record  # noqa: E402
+from ablations.records import (  # noqa: E402
+    STATUS_TEXT,
+    has_timings,
+    load_attempts,
+    measured,
+    ms,
+    newest_records,
+    read_record,
+)
 from paper import readme, serving, tables  # noqa: E402
 
 SUMMARY_SCHEMA = "jevlab-report-summary/1"
@@ -350,7 +358,7 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
     summary = {
         "schema": SUMMARY_SCHEMA,
         "plans": [plan_summary(record, path, root) for path, record in chosen],
-        "attempts": tables.attempt_table(records),
+        "attempts": tables.attempt_table(records, load_attempts()),
         "serving": serving.serving_summary(root),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),

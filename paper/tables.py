@@ -403,11 +403,12 @@ def method_table(record: dict) -> list[list[str]]:
     ]
 
 
-def attempt_table(records: list[dict]) -> list[list[str]]:
-    """Failed attempts (the attempts record copied into each run record) and registry stages marked failed."""
+def attempt_table(records: list[dict], current: list[dict] | None = None) -> list[list[str]]:
+    """Failed attempts (the attempts record copied into each run record, then `current`: the attempts record as it
+    stands, for attempts recorded after the newest run) and registry stages marked failed; each attempt id once."""
     table = [["attempt", "stage", "what", "outcome", "why", "numbers", "evidence", "date"]]
     seen = set()
-    for record in records:
+    for record in [*records, {"attempts": current or []}]:
         for a in record["attempts"]:
             if a["id"] not in seen:
                 seen.add(a["id"])

@@ -839,3 +839,13 @@ def test_overview_speedups_per_workload_class_exactness_and_what_is_missing(monk
     monkeypatch.setattr(targets, "NOT_YET_BUILT", ("fp8",))
     assert "stages not built yet: fp8" in tables.still_missing(record, targets.evaluate(record))
     assert any(m.startswith("probes (") for m in missing)
+
+
+def test_attempts_recorded_after_the_newest_run_reach_the_report_table(results, monkeypatch):
+    later = {"id": "grid-slot-factor-4", "stage": "graphs", "title": "slot factor 4", "outcome": "rejected",
+             "reason": "no gain", "numbers": {"ratio": 1.12}, "evidence": "runs/new.json",
+             "date": "2026-12-01"}  # fmt: skip
+    monkeypatch.setattr(figures, "load_attempts", lambda: [later])
+    figures.main(["--results", str(results)])
+    attempts = json.loads((results / "figures" / "summary.json").read_text())["attempts"]
+    assert ["grid-slot-factor-4", "graphs", "slot factor 4", "rejected"] in [row[:4] for row in attempts]
