@@ -122,6 +122,7 @@ from engine.plan import (
     plan_tree,
     prefix_summary,
     split_questions,
+    token_arrays,
     tree_layout,
 )
 from engine.tree import (
@@ -167,7 +168,7 @@ def _token_arrays(candidates: Sequence[Sequence[int]], groups: Sequence[int], vo
     """The candidates as int64 arrays, converted once per request (the planner's functions take int64 arrays without
     converting them again), checked as `check_candidates` checks them: one range check over all tokens, and
     `check_candidates` itself where anything fails (it raises the error of the first bad candidate); ids that are not
-    integers (floats, bools) are refused here."""
+    integers are refused as the planner refuses them (`engine.plan.token_arrays`)."""
     if len(candidates) == 0 or len(groups) != len(candidates):
         check_candidates(candidates, groups, vocab_size)
     try:
@@ -177,10 +178,7 @@ def _token_arrays(candidates: Sequence[Sequence[int]], groups: Sequence[int], vo
         raise
     if any(a.ndim != 1 or a.size == 0 for a in arrays):
         check_candidates(candidates, groups, vocab_size)
-    for c, a in enumerate(arrays):
-        if a.dtype.kind not in "iu":  # a float or bool id is refused, never truncated
-            raise ValueError(f"candidate {c} has token ids that are not 64-bit integers ({a.dtype})")
-    arrays = [a.astype(np.int64, copy=False) for a in arrays]
+    arrays = token_arrays(arrays)
     tokens = np.concatenate(arrays)
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         check_candidates(candidates, groups, vocab_size)

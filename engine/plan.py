@@ -724,6 +724,17 @@ def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int)
     return PrefixSummary(seqs[0], common, min(lens), ends, lens, tuple(question_of))
 
 
+def token_arrays(candidates: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Each candidate's tokens as an int64 array (an int64 array as it is, without a copy). ValueError naming the first
+    candidate whose ids are not integers: a float or bool id is refused, never truncated (an empty candidate is left
+    to the callers' checks)."""
+    arrays = [np.asarray(tokens) for tokens in candidates]
+    for c, arr in enumerate(arrays):
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"candidate {c} has token ids that are not 64-bit integers ({arr.dtype})")
+    return [arr.astype(np.int64, copy=False) for arr in arrays]
+
+
 def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
     """The candidates as int64 arrays (an int64 array is taken as it is, without a copy), each question numbered in
     order of first appearance; ValueError for the first bad candidate. One range check over all tokens: the
@@ -732,7 +743,7 @@ def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]
         raise ValueError("a plan needs at least one candidate")
     if len(groups) != len(candidates):
         raise ValueError(f"groups has {len(groups)} entries for {len(candidates)} candidates")
-    seqs = [np.asarray(tokens, dtype=np.int64) for tokens in candidates]
+    seqs = token_arrays(candidates)
     if any(arr.ndim != 1 or arr.size == 0 for arr in seqs) or np.concatenate(seqs).min() < 0:
         for c, arr in enumerate(seqs):
             if arr.ndim != 1 or arr.size == 0:

@@ -331,6 +331,8 @@ def test_plan_rejects_bad_input():
         plan_tree([[1], []], [0, 0])
     with pytest.raises(ValueError, match="negative token id"):
         plan_flat([[1, -3]], [0])
+    with pytest.raises(ValueError, match="candidate 1 has token ids that are not 64-bit integers"):
+        plan_tree([[1, 2], [1, 2.5]], [0, 0])  # refused, not truncated to 2
 
 
 def test_choose_gdn_mode():
