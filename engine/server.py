@@ -167,9 +167,9 @@ LINGER_S = 2.0
 DECIMAL = re.compile(r"[0-9]{1,19}")  # a Content-Length value (no sign, no spaces, no other digits)
 
 INFERENCE_FAILED = "model inference failed"
-# A forward takes at most this many queued requests: deciding how many costs the worker thread a layout per prefix of
-# the queue (`DecisionModel.batch_requests`, quadratic in the queue; its time at 1, 4, 8 and 16 queued JevBench
-# requests: `timing` in results/batching/batch-packing.json, from ablations/batch_packing.py).
+# A forward takes at most this many queued requests: deciding how many costs the worker thread a pass over the queue
+# as far as the batch reaches (`DecisionModel.batch_requests`, linear in the queue; its time at 1, 4, 8 and 16 queued
+# JevBench requests: `timing` in results/batching/batch-packing.json, from ablations/batch_packing.py).
 MAX_BATCH_REQUESTS = 16
 INLINE_COMPILE_BYTES = 64 * 1024  # bodies up to this size are compiled on the event loop (module docstring)
 WORKER_STOPPED = "the model worker stopped; see /health"
