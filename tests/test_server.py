@@ -34,7 +34,7 @@ import engine.server
 from ablations.amplification import amplification_body, many_candidates_body
 from ablations.fuzz_server import parse_answers
 from ablations.jevbench import request_body
-from ablations.overhead import MAX_RATIO_TO_FLOOR, TARGET_P50_MS, measure_overhead
+from ablations.overhead import MAX_TRANSPORT_RATIO, MAX_WORK_RATIO, TARGET_P50_MS, measure_overhead
 from engine.server import (
     MAX_BODY_BYTES,
     WORKER_STOPPED,
@@ -1033,10 +1033,12 @@ def test_soak_8_clients_50_requests_each_identical_to_alone(server):
 # ---------------------------------------------------------------- overhead and the command line
 
 
-def test_overhead_without_forward_stays_within_two_bare_exchanges():
-    """The wall-clock 2 ms target moves with the machine (ablations/overhead.py); its ratio to a bare loopback
-    exchange of the same bytes, timed interleaved in the same process, does not. The ratio of one measurement still
-    swings with the machine's moment (1.6-1.9 in twelve of them on the ASGI stack), so the median of five decides."""
+def test_overhead_without_forward_transport_and_work_within_bounds_in_bare_exchanges():
+    """The wall-clock 2 ms target moves with the machine (ablations/overhead.py); the server's cost in bare loopback
+    exchanges of the same bytes, timed interleaved in the same process, is bounded in its two parts: the transport
+    (HTTP framing, queue, worker hand-off) and the server's own work (decide), whose sum moves with the machine's
+    balance of CPU and system-call speed. One measurement swings with the machine's moment (transport 1.03-1.46 in
+    twelve), so the median of five decides; every part is printed on failure."""
     bodies = [request_body(task, "open-jev") for task in jevbench_tasks()[::5]]
     results = [measure_overhead(bodies, shapes=QWEN38_27B, rounds=3) for _ in range(5)]
     for result in results:
@@ -1044,8 +1046,11 @@ def test_overhead_without_forward_stays_within_two_bare_exchanges():
         assert 0 < result["decide"]["p50_ms"] < result["http"]["p50_ms"]
         assert 0 < result["floor"]["p50_ms"] < result["http"]["p50_ms"]
         assert result["meets_target"] == (result["http"]["p50_ms"] <= TARGET_P50_MS)
-    ratios = sorted(result["ratio_to_floor"] for result in results)
-    assert ratios[2] <= MAX_RATIO_TO_FLOOR, ratios
+        assert result["transport_ratio"] + result["work_ratio"] == pytest.approx(result["ratio_to_floor"], rel=1e-12)
+    keys = ("ratio_to_floor", "transport_ratio", "work_ratio")
+    parts = [{key: round(result[key], 3) for key in keys} for result in results]
+    assert sorted(part["transport_ratio"] for part in parts)[2] <= MAX_TRANSPORT_RATIO, parts
+    assert sorted(part["work_ratio"] for part in parts)[2] <= MAX_WORK_RATIO, parts
 
 
 @pytest.mark.slow
