@@ -57,8 +57,10 @@ thread pool above that, so that a large request does not hold up other connectio
 takes 15-30 ms on a loaded CPU core; refusing its 65,535 candidates then takes 0.1 ms, as they are counted before any
 question is validated). The forwards run on one `DecisionWorker` thread fed by a bounded FIFO of compiled requests,
 which the handler awaits without blocking the loop: the GPU thread does nothing but plan, run and read out forwards,
-back to back. (Off the loop is not off the GIL: while a large request parses and compiles, the worker's forwards and
-the loop share the interpreter with it; results/server/fuzz.json, "amplification", has what that costs the clients.)
+back to back (on the CPU with `CPU_WORKER_THREADS` torch intra-op threads: more cost a CPU worker 4-5x its forward
+time, see that constant). (Off the loop is not off the GIL: while a large request parses and compiles, the worker's
+forwards and the loop share the interpreter with it; results/server/fuzz.json, "amplification", has what that costs
+the clients.)
 
 Batching: each forward takes the oldest queued request and, of those queued behind it (at most 16 in all), as many as
 `DecisionModel.batch_requests` admits (in queue order, within the backbone's row budget: the grid's largest bucket on
@@ -173,6 +175,12 @@ INFERENCE_FAILED = "model inference failed"
 MAX_BATCH_REQUESTS = 16
 INLINE_COMPILE_BYTES = 64 * 1024  # bodies up to this size are compiled on the event loop (module docstring)
 WORKER_STOPPED = "the model worker stopped; see /health"
+# torch intra-op threads of the worker thread when the model runs on the CPU (`DecisionWorker`). Once the main thread
+# has run an OpenMP region (loading the model does), a second thread's parallel regions each cost about 0.1 ms more
+# (libgomp stops spinning when its threads outnumber the cores, so every region wakes a sleeping team): on the 2-core
+# development machine the tiny twin answered 335-437 ms per request through the server with two threads, 66-78 ms
+# with one, and 62-77 ms in-process on the main thread.
+CPU_WORKER_THREADS = 1
 
 
 class ServerBusy(Exception):
@@ -218,9 +226,11 @@ class ModelCalls:
     tokens: CPU only, off the worker thread: see the module docstring), `batch_requests(queued)` (how many queued
     requests one forward takes) and `answer_many(compiled)` (one forward for them, on the worker thread). Any other
     model needs only `decide(obj) -> dict`: it is then called once per request, on the worker thread, with the
-    parsed request."""
+    parsed request. `on_cpu`: whether the model's backbone runs on the CPU (False for a model without a backbone)."""
 
     def __init__(self, model: Any):
+        device = getattr(getattr(model, "backbone", None), "device", None)
+        self.on_cpu = isinstance(device, torch.device) and device.type == "cpu"
         if hasattr(model, "answer_many"):
             self.compile: Callable[[Any], Any] | None = model.compile
             self.batch_size: Callable[[Sequence[Any]], int] = model.batch_requests
@@ -247,6 +257,10 @@ class DecisionWorker:
     `batching=False`: each forward answers the oldest job alone (`calls.answer_many` of one request); the thread neither
     takes the jobs queued behind it nor calls `calls.batch_size`.
 
+    `intraop_threads`: when set, the thread first sets its torch intra-op thread count (`torch.set_num_threads`, which
+    also sets the count that threads started later begin with; a thread already running keeps its own). The server
+    sets `CPU_WORKER_THREADS` for a model on the CPU and leaves a CUDA model's worker alone.
+
     If the loop itself fails, `failure` holds the error, `on_failure(error)` is called once, and every queued and later
     job gets `WorkerStopped`.
     """
@@ -259,11 +273,15 @@ class DecisionWorker:
         on_failure: Callable[[BaseException], None],
         on_batch: Callable[[list[dict]], None] = lambda answers: None,
         batching: bool = True,
+        intraop_threads: int | None = None,
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if intraop_threads is not None and intraop_threads < 1:
+            raise ValueError(f"intraop_threads must be >= 1, got {intraop_threads}")
         self._calls = calls
         self.batching = batching
+        self.intraop_threads = intraop_threads
         self._next: list[_Job] = []  # taken from the queue, not yet answered (only the worker thread touches it)
         self._on_failure = on_failure
         self._on_batch = on_batch
@@ -355,6 +373,8 @@ class DecisionWorker:
 
     def _run(self) -> None:
         try:
+            if self.intraop_threads is not None:
+                torch.set_num_threads(self.intraop_threads)
             while not self._closed.is_set():
                 jobs = self._take() if self.batching else self._take_one()
                 if not jobs:
@@ -609,7 +629,12 @@ class DecisionApp:
         self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
         self.calls = ModelCalls(model)
         self.worker = DecisionWorker(
-            self.calls, queue_size, on_failure=self._worker_failed, on_batch=self.metrics.batch, batching=batching
+            self.calls,
+            queue_size,
+            on_failure=self._worker_failed,
+            on_batch=self.metrics.batch,
+            batching=batching,
+            intraop_threads=CPU_WORKER_THREADS if self.calls.on_cpu else None,
         )
 
     def check_host(self, values: list[str]) -> tuple[int, str] | None:

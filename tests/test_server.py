@@ -26,6 +26,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
@@ -36,6 +37,7 @@ from ablations.fuzz_server import parse_answers
 from ablations.jevbench import request_body
 from ablations.overhead import MAX_TRANSPORT_RATIO, MAX_WORK_RATIO, TARGET_P50_MS, measure_overhead
 from engine.server import (
+    CPU_WORKER_THREADS,
     MAX_BODY_BYTES,
     WORKER_STOPPED,
     AccessLog,
@@ -542,6 +544,53 @@ def test_a_worker_whose_loop_fails_says_so_and_answers_503():
             {"status": "stopped", "model": "failing", "method": "test", "error": "model worker stopped: Panic"},
         )
         assert "model worker stopped: Panic: queue broke at " in log.getvalue()  # written at once, not buffered
+
+
+class ThreadCountModel:
+    """A decide-only model that answers the torch intra-op thread count of the thread it runs on; `backbone_device`
+    None: a model without a backbone."""
+
+    weights = types.SimpleNamespace(model_id="threads", method="test")
+
+    def __init__(self, backbone_device: str | None):
+        if backbone_device is not None:
+            self.backbone = types.SimpleNamespace(device=torch.device(backbone_device))
+
+    def decide(self, request: dict) -> dict:
+        return {"threads": torch.get_num_threads()}
+
+
+def thread_count_of_a_new_thread() -> int:
+    counts = []
+    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    thread.start()
+    thread.join(TIMEOUT_S)
+    return counts[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", None])
+def test_a_cpu_model_s_worker_runs_one_intraop_thread_and_no_other_worker_is_touched(device):
+    """On the CPU the worker runs with CPU_WORKER_THREADS intra-op threads (engine/server.py says why); a CUDA model's
+    worker and a model without a backbone start with what any new thread starts with; the main thread keeps its own.
+    New threads are first made to start with CPU_WORKER_THREADS + 1 (a CPU worker started earlier in this process
+    left them at CPU_WORKER_THREADS), so the CPU case cannot pass by inheritance."""
+    main_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(CPU_WORKER_THREADS + 1)
+        assert thread_count_of_a_new_thread() == CPU_WORKER_THREADS + 1
+        with DecisionServer(ThreadCountModel(device), port=0, access_log=io.StringIO()) as running:
+            running.start()
+            status, _, answer = post(running, {"n": 1})
+        assert status == 200
+        assert answer == {"threads": CPU_WORKER_THREADS if device == "cpu" else CPU_WORKER_THREADS + 1}
+        assert torch.get_num_threads() == CPU_WORKER_THREADS + 1
+    finally:
+        torch.set_num_threads(main_threads)
+
+
+def test_worker_refuses_a_thread_count_below_one():
+    with pytest.raises(ValueError, match="intraop_threads must be >= 1, got 0"):
+        DecisionWorker(ModelCalls(ThreadCountModel(None)), on_failure=lambda error: None, intraop_threads=0)
 
 
 def test_worker_alert_goes_to_stderr_when_the_access_log_is_off(capsys):
