@@ -57,10 +57,10 @@ thread pool above that, so that a large request does not hold up other connectio
 takes 15-30 ms on a loaded CPU core; refusing its 65,535 candidates then takes 0.1 ms, as they are counted before any
 question is validated). The forwards run on one `DecisionWorker` thread fed by a bounded FIFO of compiled requests,
 which the handler awaits without blocking the loop: the GPU thread does nothing but plan, run and read out forwards,
-back to back (on the CPU with `CPU_WORKER_THREADS` torch intra-op threads: more cost a CPU worker 4-5x its forward
-time, see that constant). (Off the loop is not off the GIL: while a large request parses and compiles, the worker's
-forwards and the loop share the interpreter with it; results/server/fuzz.json, "amplification", has what that costs
-the clients.)
+back to back (on the CPU with `CPU_WORKER_THREADS` torch intra-op threads: on a thread other than the main one, more
+made the tiny twin's forwards 3-5x slower, see that constant). (Off the loop is not off the GIL: while a large request
+parses and compiles, the worker's forwards and the loop share the interpreter with it; results/server/fuzz.json,
+"amplification", has what that costs the clients.)
 
 Batching: each forward takes the oldest queued request and, of those queued behind it (at most 16 in all), as many as
 `DecisionModel.batch_requests` admits (in queue order, within the backbone's row budget: the grid's largest bucket on
@@ -176,10 +176,12 @@ MAX_BATCH_REQUESTS = 16
 INLINE_COMPILE_BYTES = 64 * 1024  # bodies up to this size are compiled on the event loop (module docstring)
 WORKER_STOPPED = "the model worker stopped; see /health"
 # torch intra-op threads of the worker thread when the model runs on the CPU (`DecisionWorker`). Once the main thread
-# has run an OpenMP region (loading the model does), a second thread's parallel regions each cost about 0.1 ms more
-# (libgomp stops spinning when its threads outnumber the cores, so every region wakes a sleeping team): on the 2-core
-# development machine the tiny twin answered 335-437 ms per request through the server with two threads, 66-78 ms
-# with one, and 62-77 ms in-process on the main thread.
+# has run an OpenMP region (loading the model does), a second thread's parallel regions cost about 0.1 ms more each
+# (an elementwise op of 64k floats: 10 us on the main thread, 120 us on another). Tiny twin, 2-core development
+# machine, per request: a one-question request through the server 278-437 ms with two threads, 66-78 ms with one
+# (62-77 ms in-process on the main thread); JevBench tasks 1.0-1.1 s on a second thread with two, 0.29 s with one
+# (0.20-0.27 s on the main thread with two, 0.31 s with one). Neither OMP_WAIT_POLICY=ACTIVE nor GOMP_SPINCOUNT
+# brought a second thread's two to the main thread's time (0.54-0.73 s).
 CPU_WORKER_THREADS = 1
 
 
