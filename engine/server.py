@@ -179,9 +179,10 @@ WORKER_STOPPED = "the model worker stopped; see /health"
 # has run an OpenMP region (loading the model does), a second thread's parallel regions cost about 0.1 ms more each
 # (an elementwise op of 64k floats: 10 us on the main thread, 120 us on another). Tiny twin, 2-core development
 # machine, per request: a one-question request through the server 278-437 ms with two threads, 66-78 ms with one
-# (62-77 ms in-process on the main thread); JevBench tasks 1.0-1.1 s on a second thread with two, 0.29 s with one
-# (0.20-0.27 s on the main thread with two, 0.31 s with one). Neither OMP_WAIT_POLICY=ACTIVE nor GOMP_SPINCOUNT
-# brought a second thread's two to the main thread's time (0.54-0.73 s).
+# (62-77 ms in-process on the main thread); JevBench tasks 0.67-1.15 s on a second thread with two, 0.29-0.41 s with
+# one (0.20-0.27 s on the main thread with two, 0.31 s with one). Neither OMP_WAIT_POLICY=ACTIVE nor GOMP_SPINCOUNT
+# brought a second thread's two to the main thread's time (0.54-0.73 s). The `tree` stage under the Triton
+# interpreter barely depends on it (9.1-9.7 s per JevBench task with one, 9.3-10.0 s with two).
 CPU_WORKER_THREADS = 1
 
 
