@@ -14,10 +14,12 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    on a GPU plan, `TRITON_INTERPRET=1` on the CPU; each node alone if that process stops on a usage error), and each
    node is judged from the junit report: green = at least one of its tests passed and none failed (all skipped,
    deselected or not found is red). A red stage is recorded `gate-red` with the failures and is not built or timed.
-3. Ceilings of this device (copy rate, bf16 matmul rate; ablations/timing.py), then the synthetic weights of the
+3. Ceilings of this device (streaming and bf16 rates, each the best of its probes, the model's GEMM shapes at the
+   largest bucket among them; ablations/timing.py), then the synthetic weights of the
    plan's shapes, then every workload planned once through `reference.service.DecisionModel.plan` (validation,
    prompts, chat template, token ids), so every stage sees the same tokens.
-4. Per stage: build once (a `graphs` stage on CUDA then captures its bucket grid: `graph_cache`, `capture_s`; the
+4. Per stage: build once (a `graphs` stage on CUDA then captures its bucket grid, or with `--capture workloads` only
+   the buckets the run's workloads take: `graph_cache`, `capture_s`; the
    `gemm` stage records its tuned kernels: `gemm_table`); per
    workload `prepare` (host work and copies; timed apart from the forward, `PREPARE_RUNS` times: `prepare_ms` is the
    first call, `prepare_median_ms` the median), one call whose outputs are kept
@@ -36,7 +38,8 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    `backbone.hidden_states`): the relative RMSE per state and the first state that is not bit-identical, so a record
    says where each path departs from the reference, not only how far it ends up.
 6. Floors per workload from the measured ceilings (weight streaming; compute for the rows the stage computes:
-   `backbone.rows_computed(prepared)` where the backbone has it, else the candidates' real tokens).
+   `backbone.rows_computed(prepared)` where the backbone has it, else the candidates' real tokens). A median under
+   its floor is flagged in `below_floor` (a ceiling was low) and printed as a finding; the run goes on.
 7. Per-kernel bit identity, when the plan includes the `fused` stage: right after the reference outputs exist and
    before any engine stage consumes the weights, the reference stage's HF model runs the headline workload with
    hooks on a few representative layers (the first GDN and attention layers; on a GPU plan also the last of each),
@@ -72,6 +75,8 @@ from ablations import envinfo, probes, records, timing
 from ablations.plans import Plan, load_plan, plan_names
 from ablations.workloads import Workload, resolve
 from engine.fla_configs import pin_fla_configs
+from engine.gemm_table import gemm_shapes
+from engine.graphs import ROWS_GRID
 from engine.stages import STAGE_LIST, BuildContext, Stage, build_backbone, get_stage, in_ladder_order, prepare_process
 from reference.readout import head_scores, record_probabilities
 
@@ -256,6 +261,7 @@ class Run:
             raise SystemExit("--warmup must be >= 1 (the first call gives the compared outputs)")
         self.nvtx_timing = args.nvtx and self.device == "cuda"
         self.gate_timeout = args.gate_timeout
+        self.capture = args.capture
         self.progress = not args.no_progress
         self.env = envinfo.collect(self.device)
         self.path = Path(args.results) / "runs" / f"{envinfo.record_stem(self.env)}.json"
@@ -284,6 +290,8 @@ class Run:
             "registry": [stage.describe() for stage in STAGE_LIST],
             "attempts": records.load_attempts(),
             "nvtx": {"timed_calls": self.nvtx_timing, "profiled_calls": self.device == "cuda"},
+            "capture": self.capture,
+            "timeline_s": {},  # seconds of the start: probes, gates, ceilings, weights (per stage: build, capture)
         }
 
     def _stage_entry(self, stage: Stage) -> dict[str, Any]:
@@ -313,7 +321,9 @@ class Run:
         nodes = [stage.gate_for(self.device) for stage in todo]
         if nodes and self.progress:
             print(f"gates: {len(nodes)} node(s) in one pytest process ({', '.join(nodes)})", file=sys.stderr)
+        start = time.perf_counter()
         gates = run_gates(nodes, self.device, self.gate_timeout)
+        self.record["timeline_s"]["gates"] = time.perf_counter() - start
         for stage in todo:
             entry = self.entry(stage.name)
             entry["gate"] = gates[stage.gate_for(self.device)]
@@ -327,11 +337,16 @@ class Run:
         from reference.weights import synthetic_weights
 
         ceilings = self.plan.ceilings
-        self.record["ceilings"] = timing.measure_ceilings(
-            self.device, copy_bytes=ceilings.copy_bytes, gemm_n=ceilings.gemm_n, runs=ceilings.runs
-        )
         shapes = get_shapes(self.plan.shapes)
+        start = time.perf_counter()
+        self.record["ceilings"] = timing.measure_ceilings(
+            self.device, copy_bytes=ceilings.copy_bytes, gemm_n=ceilings.gemm_n, runs=ceilings.runs,
+            gemm_shapes=gemm_shapes(shapes), shape_rows=max(ROWS_GRID),
+        )  # fmt: skip
+        self.record["timeline_s"]["ceilings"] = time.perf_counter() - start
+        start = time.perf_counter()
         self.weights = synthetic_weights(shapes, seed=self.plan.weights_seed, device=self.device)
+        self.record["timeline_s"]["weights"] = time.perf_counter() - start
         self.linear_params = shapes.linear_params()
         self.record["weights"] = {
             "synthetic": bool(self.weights.synthetic),
@@ -371,6 +386,15 @@ class Run:
         hidden = backbone.forward(prepared)  # [C, hidden] bf16
         scores = head_scores(hidden, self.head_weight, self.head_bias).cpu().tolist()
         return Outputs(hidden.float().cpu(), probabilities_of(decision_plan, scores, self.weights.temperature))
+
+    def workload_buckets(self, backbone: Any) -> set:
+        """`--capture workloads`: the grid buckets this run's workloads are padded to (host planning only)."""
+        return {
+            batch.plan.bucket
+            for plan in self.decision_plans.values()
+            for batch in backbone.prepare(plan.candidates, plan.groups).batches
+            if batch.plan.bucket is not None
+        }
 
     def measure(self, stage: Stage, backbone: Any, workload: Workload) -> tuple[dict[str, Any], Outputs]:
         decision_plan = self.decision_plans[workload.id]
@@ -423,6 +447,9 @@ class Run:
         ceilings, weight_format = self.record["ceilings"], stage.config.weight_format
         result |= timing.floors(weight_bytes, self.linear_params, rows, ceilings, weight_format)
         result["floor_multiple"] = result["median_ms"] / result["floor_ms"]
+        result["below_floor"] = timing.below_floor(result["median_ms"], result["floor_ms"], ceilings)
+        if result["below_floor"]:
+            print(f"finding: {stage.name} / {workload.id}: {result['below_floor']}", file=sys.stderr)
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
         result["probabilities"] = outputs.probabilities
         return result, outputs
@@ -589,7 +616,7 @@ class Run:
                 start = time.perf_counter()
                 entry["graph_cache"] = backbone.warm_up(partial(
                     tqdm, desc=f"{stage.name}: capture", disable=not self.progress, file=sys.stderr, dynamic_ncols=True
-                ))  # fmt: skip
+                ), buckets=self.workload_buckets(backbone) if self.capture == "workloads" else None)  # fmt: skip
                 entry["capture_s"] = time.perf_counter() - start
             for workload in self.workloads:
                 bar.set_postfix_str(f"{stage.name} / {workload.id}")
@@ -695,6 +722,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gate-timeout", type=float, default=900.0, help="seconds per gate test (default 900)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-probes", action="store_true", help="skip the probes (ablations/probes.py) of a CUDA plan")
+    parser.add_argument(
+        "--capture", choices=("grid", "workloads"), default="grid",
+        help="graphs stages on CUDA capture the whole grid (default: the server's start) or only the buckets of the "
+        "run's workloads (a shorter run; the record says which)",
+    )  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the plan's stages and workloads, then exit")
     return parser.parse_args(argv)
 
@@ -721,7 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(plan, stages, workloads, args)
     run.record["fla_configs"] = fla_pin  # each graphs stage's warm-up adds its autotuned keys (graph_cache)
     if plan.device == "cuda" and not args.no_probes:  # before the stages, on an empty GPU; written with the record
+        start = time.perf_counter()
         run.record["probes"] = probes.run_probes()
+        run.record["timeline_s"]["probes"] = time.perf_counter() - start
     path = run.run()
     print("\n".join(summary_lines(run.record)))
     print(f"\nrun record: {path}")

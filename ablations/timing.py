@@ -14,12 +14,21 @@ kernels are summed per family (`KERNEL_FAMILIES`: our fused kernels, GEMMs, the 
 rest), so a record says how much of a forward is the work the engine cannot avoid (GEMMs + GDN core + attention core:
 `core_ms`) and how much is everything else, launch gaps included (`median_ms / core_ms`, issue 4's target).
 
-Ceilings: the copy rate is bytes read + written by a device-to-device copy of `copy_bytes` random bytes per second;
-the bf16 rate is 2 n^3 flop per second of an n x n x n bf16 matmul on random inputs; both the median over `runs`
-after warm-up. Floors per workload: weight streaming = the GEMM weights' bytes / copy rate (the bytes every forward
-must read: the backbone's `gemm_weight_bytes()`, else 2 x shapes.linear_params() for bf16); compute = 2 x
-linear_params x rows / the matmul rate of the weights' format (rows the stage computes);
-the floor is the larger of the two.
+Ceilings are upper bounds of what the device did in this process, so that a floor computed from them is a floor:
+* streaming (`stream_tbps`): the larger of the read-only rate (`read_tbps`: bytes of a `copy_bytes` bf16 buffer read
+  by one reduction per second; a GEMM reads its weights, it does not copy them) and the copy rate (`copy_tbps`: bytes
+  read + written by a device-to-device copy of `copy_bytes` random bytes per second);
+* bf16 compute (`bf16_tflops`): the best of the n x n x n bf16 matmul on random inputs (`bf16_cube_tflops`) and the
+  model's own GEMM shapes (`gemm_shapes`: name -> (N, K)) at their largest row bucket (`bf16_shape_tflops`): on the
+  H200, cuBLAS ran gate_up at 1,024 rows faster than the 8192^3 cube's rate (775 TFLOP/s at 2f9c178), which made a
+  floor from the cube alone no floor.
+Each rate is the median over `runs` after 3 warm-up calls. A measured time under a floor from these ceilings is still
+possible (another shape or row count can run faster than the ones measured here): the runner and the GEMM tuner flag
+it (`below_floor`) and go on; it says the ceiling was low, never that the time is wrong.
+
+Floors per workload: weight streaming = the GEMM weights' bytes / streaming rate (the bytes every forward must read:
+the backbone's `gemm_weight_bytes()`, else 2 x shapes.linear_params() for bf16); compute = 2 x linear_params x rows /
+the matmul rate of the weights' format (rows the stage computes); the floor is the larger of the two.
 
 NVTX: `nvtx_range` marks stage / workload / phase on the GPU timeline; `layer_ranges` adds one range per decoder layer
 and per op family (the layer's direct children: attention or GDN mixer, MLP, norms) through module hooks, so an Nsight
@@ -213,24 +222,60 @@ def host_profile(fn: Callable[[], object], top: int = 15) -> dict:
     return {"profiled_ms": total_ms, "by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
-def measure_ceilings(device: str, *, copy_bytes: int, gemm_n: int, runs: int) -> dict:
-    """Copy rate (TB/s, bytes read + written) and bf16 matmul rate (TFLOP/s) of this device, median of `runs`."""
+def measure_ceilings(
+    device: str,
+    *,
+    copy_bytes: int,
+    gemm_n: int,
+    runs: int,
+    gemm_shapes: dict[str, tuple[int, int]] | None = None,
+    shape_rows: int = 0,
+) -> dict:
+    """Ceilings of this device (module docstring): streaming TB/s and bf16 TFLOP/s, each the best of its probes, with
+    every probe's rate and samples. `gemm_shapes` (name -> (N, K)) at `shape_rows` rows join the cube's rate."""
     generator = torch.Generator(device=device).manual_seed(0)
     source = torch.randint(0, 256, (copy_bytes,), dtype=torch.uint8, device=device, generator=generator)
     target = torch.empty_like(source)
     copy = time_calls(lambda: target.copy_(source), device=device, warmup=3, runs=runs)
+    values = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device=device, generator=generator)
+    read = time_calls(lambda: values.sum(dtype=torch.float32), device=device, warmup=3, runs=runs)
     a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device, generator=generator)
     b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device, generator=generator)
-    gemm = time_calls(lambda: torch.mm(a, b), device=device, warmup=3, runs=runs)
+    cube = time_calls(lambda: torch.mm(a, b), device=device, warmup=3, runs=runs)
+    shape_rates, shape_samples = {}, {}
+    for name, (n, k) in (gemm_shapes or {}).items():
+        x = torch.randn(shape_rows, k, dtype=torch.bfloat16, device=device, generator=generator)
+        w = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=generator) * k**-0.5).to(torch.bfloat16)
+        timed = time_calls(lambda x=x, w=w: torch.nn.functional.linear(x, w), device=device, warmup=3, runs=runs)
+        shape_rates[name] = 2 * n * k * shape_rows / (timed.median_ms * 1e-3) / 1e12
+        shape_samples[name] = timed.samples_ms
+        del x, w
+    copy_tbps = 2 * copy_bytes / (copy.median_ms * 1e-3) / 1e12
+    read_tbps = (copy_bytes // 2) * 2 / (read.median_ms * 1e-3) / 1e12
+    cube_tflops = 2 * gemm_n**3 / (cube.median_ms * 1e-3) / 1e12
     return {
-        "copy_tbps": 2 * copy_bytes / (copy.median_ms * 1e-3) / 1e12,
-        "bf16_tflops": 2 * gemm_n**3 / (gemm.median_ms * 1e-3) / 1e12,
+        "stream_tbps": max(copy_tbps, read_tbps),
+        "bf16_tflops": max([cube_tflops, *shape_rates.values()]),
+        "copy_tbps": copy_tbps,
+        "read_tbps": read_tbps,
+        "bf16_cube_tflops": cube_tflops,
+        "bf16_shape_tflops": shape_rates,
+        "shape_rows": shape_rows,
         "copy_bytes": copy_bytes,
         "copy_samples_ms": copy.samples_ms,
+        "read_samples_ms": read.samples_ms,
         "gemm_n": gemm_n,
-        "gemm_samples_ms": gemm.samples_ms,
-        "method": "median of runs after 3 warm-up calls; copy rate = 2 x bytes / time; bf16 rate = 2 n^3 / time",
+        "gemm_samples_ms": cube.samples_ms,
+        "shape_samples_ms": shape_samples,
+        "method": "median of runs after 3 warm-up calls; copy rate = 2 x bytes / time; read rate = bytes / time of "
+        "one bf16 sum; bf16 rate = 2 n k rows / time (cube: n = k = rows); stream_tbps and bf16_tflops are the best "
+        "of their probes",
     }
+
+
+def streaming_tbps(ceilings: dict) -> float:
+    """The streaming ceiling of a record: `stream_tbps`, or the copy rate in records from before it existed."""
+    return ceilings.get("stream_tbps", ceilings["copy_tbps"])
 
 
 COMPUTE_CEILINGS = {"bf16": "bf16_tflops"}  # the matmul rate that bounds a GEMM of each weight format
@@ -240,9 +285,19 @@ def floors(weight_bytes: int, linear_params: int, rows: int, ceilings: dict, wei
     """Weight-streaming and compute floors (ms) of one forward over `rows` rows; the floor is the larger.
 
     weight_bytes: the GEMM weights' real bytes (scales included); compute at the ceiling of their format."""
-    weight_ms = weight_bytes / (ceilings["copy_tbps"] * 1e12) * 1e3
+    weight_ms = weight_bytes / (streaming_tbps(ceilings) * 1e12) * 1e3
     compute_ms = 2 * linear_params * rows / (ceilings[COMPUTE_CEILINGS[weight_format]] * 1e12) * 1e3
     return {"floor_ms": max(weight_ms, compute_ms), "weight_floor_ms": weight_ms, "compute_floor_ms": compute_ms}
+
+
+def below_floor(time_ms: float, floor_ms: float, ceilings: dict) -> str | None:
+    """The finding a time under its floor is (the ceilings were low: module docstring), or None."""
+    if time_ms >= floor_ms:
+        return None
+    return (
+        f"{time_ms:.4g} ms is under its floor {floor_ms:.4g} ms: a ceiling was low (streaming "
+        f"{streaming_tbps(ceilings):.3g} TB/s, bf16 {ceilings['bf16_tflops']:.4g} TFLOP/s)"
+    )
 
 
 @contextmanager

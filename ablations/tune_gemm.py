@@ -27,8 +27,12 @@ on the bf16 output, `kernels.residual_rmsnorm_splitk` on the partials), since sp
 
 Timing: each candidate is one CUDA graph of `calls` back-to-back calls cycling over `WEIGHT_COPIES` distinct weights
 (the forward never reads one weight twice in a row), replayed `replays` times after a `FLUSH_BYTES` buffer write
-(cold L2); the time is the median replay / calls. Floor per (shape, rows) = max(weight bytes / copy rate,
-2 n k rows / bf16 rate), with the ceilings of `ablations.timing.measure_ceilings` measured at start in this process.
+(cold L2); the time is the median replay / calls. Floor per (shape, rows) = max(weight bytes / streaming rate,
+2 n k rows / bf16 rate) (`floors_us`), from ceilings that are upper bounds of what this run saw (`tuned_ceilings`):
+`ablations.timing.measure_ceilings` at start in this process (read-only and copy streaming; the 8192^3 cube and
+every tuned shape with `F.linear` at the largest bucket), raised to the best candidate's rate of each shape at the
+largest bucket. A candidate still under its floor (another row count ran at a higher rate) is a finding, listed in
+the candidates record's `below_floor`; it never keeps the table from being written.
 
 Checks per candidate: `bitwise_f_linear` (its bf16 output, or `splitk_delta` of its partials, equals `F.linear`'s at
 the same rows bit for bit) and `row_invariant` (its first `ROWS_GRID[0]` rows equal, bit for bit, what the same
@@ -45,14 +49,16 @@ must then be made bounded (engine/stages/gemm.md). Both tables and the decision 
 
 Outputs (through this tool only): results/gemm/<utc>-<gpu>-<commit>-candidates.json (environment, ceilings, every
 measurement, both tables, the decision) and, when every shape and bucket was measured, <...>-table.json (schema v1,
-engine/gemm_table.py). Runtime on the H200: not measured yet; engine/stages/gemm.md has the estimate and the
-per-shape split (`--shapes` in two device calls, then `--from-candidates`) that keeps each call under 10 minutes.
+engine/gemm_table.py). `--from-candidates` recomputes the floors from the records' ceilings and measurements, so
+records written before `tuned_ceilings` existed get the same floors as a new run. Runtime on the H200 at 2f9c178:
+41 s for gdn_in, attn_in, out and 40 s for gate_up, down (../shared/h200/2f9c178/logs/campaign.log).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import Counter
@@ -61,6 +67,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ablations.timing import streaming_tbps
 from engine.gemm_table import GEMM_SHAPES, SCHEMA_VERSION, SPLITK_SHAPES, load_gemm_table
 from engine.graphs import ROWS_GRID
 
@@ -136,6 +143,45 @@ def cublaslt_candidates(
         why = f"cuBLASLt's heuristic offered no algorithm without split-K at these rows; {covered}"
         skipped.append({"shape": shape, "rows": without, "query": "non-split", "why": why})
     return {rows: [json.loads(key) for key in sorted(set(by_key) | explicit)] for rows, by_key in offered.items()}
+
+
+def tuned_ceilings(ceilings: dict, measurements: Iterable[Measurement], rows_grid: tuple[int, ...]) -> dict:
+    """`ceilings` (a `measure_ceilings` dict) with the streaming and bf16 ceilings the floors use: `stream_tbps` (the
+    copy rate in records from before the read-only probe) and `bf16_tflops` raised to the best candidate's rate of
+    each measured shape at the largest bucket (`bf16_candidate_tflops`)."""
+    top = max(rows_grid)
+    fastest: dict[str, float] = {}
+    for m in measurements:
+        if m.rows == top:
+            fastest[m.shape] = min(fastest.get(m.shape, math.inf), m.time_us)
+    rates = {s: 2 * GEMM_SHAPES[s][0] * GEMM_SHAPES[s][1] * top / (t * 1e-6) / 1e12 for s, t in fastest.items()}
+    return ceilings | {
+        "stream_tbps": streaming_tbps(ceilings),
+        "bf16_tflops": max([ceilings["bf16_tflops"], *rates.values()]),
+        "bf16_candidate_tflops": rates,
+        "candidate_rows": top,
+    }
+
+
+def floors_us(ceilings: dict, shapes: Iterable[str], rows_grid: tuple[int, ...]) -> dict[tuple[str, int], float]:
+    """Floor (us) per (shape, rows): max(bf16 weight bytes / streaming rate, 2 n k rows / bf16 rate)."""
+    out = {}
+    for shape in shapes:
+        n, k = GEMM_SHAPES[shape]
+        for rows in rows_grid:
+            stream = 2 * n * k / (ceilings["stream_tbps"] * 1e12)
+            compute = 2 * n * k * rows / (ceilings["bf16_tflops"] * 1e12)
+            out[(shape, rows)] = 1e6 * max(stream, compute)
+    return out
+
+
+def below_floor(measurements: Iterable[Measurement], floors: dict[tuple[str, int], float]) -> list[dict]:
+    """Every measurement under its floor: a finding (the ceiling was low there), never a reason to drop the table."""
+    return [
+        {"shape": m.shape, "rows": m.rows, "kernel": m.kernel, "time_us": m.time_us,
+         "floor_us": round(floors[(m.shape, m.rows)], 3)}
+        for m in measurements if m.time_us < floors[(m.shape, m.rows)]
+    ]  # fmt: skip
 
 
 def select_table(
@@ -375,46 +421,44 @@ def environment(device: Any) -> dict[str, Any]:
 
 
 def write_outputs(
-    measurements: list[Measurement],
-    floors: dict[tuple[str, int], float],
-    env: dict,
-    ceilings: dict,
-    rows_grid: tuple[int, ...],
-    skipped: list[dict],
+    measurements: list[Measurement], env: dict, ceilings: dict, rows_grid: tuple[int, ...], skipped: list[dict]
 ) -> dict[str, Path]:
     """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
-    of the grid was measured."""
+    of the grid was measured. Floors come from `tuned_ceilings` of `ceilings` and the measurements; times under them
+    are the record's `below_floor` finding."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     shapes = sorted({m.shape for m in measurements})
+    ceilings = tuned_ceilings(ceilings, measurements, rows_grid)
+    floors = floors_us(ceilings, shapes, rows_grid)
     selection = select_table(measurements, floors, rows_grid)
     written = {}
+    below = below_floor(measurements, floors)
     record = {
         "env": env["env"], "versions": env["versions"], "ceilings": ceilings, "rows_grid": list(rows_grid),
         "floors_us": [[s, r, f] for (s, r), f in sorted(floors.items())],
         "measurements": [asdict(m) for m in measurements], "skipped": skipped, "selection": selection,
-        "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"], "commit": env["commit"],
+        "below_floor": below, "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"],
+        "commit": env["commit"],
     }  # fmt: skip
     complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) == ROWS_GRID
-    shipped = selection[selection["ship"]]
-    below = [(s, b["rows"]) for s in shipped for b in shipped[s] if b["time_us"] < b["floor_us"]]
-    if below:  # a time under its floor is a broken measurement (or ceiling): no table from it
-        record["table"] = f"not written: time below the floor at {below}"
-    elif complete:
+    if complete:
         path = RESULTS / f"{env['stem']}-table.json"
         path.write_text(json.dumps(table_document(selection[selection["ship"]], env), indent=1) + "\n")
         load_gemm_table(path, device_name=env["gpu"])  # the engine's loader accepts what the tuner wrote
         written["table"] = path
-    if not below:
-        record["table"] = str(written.get("table", "not written: a subset of shapes or buckets was measured"))
+    record["table"] = str(written.get("table", "not written: a subset of shapes or buckets was measured"))
     path = RESULTS / f"{env['stem']}-{'-'.join(shapes)}-candidates.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     written["candidates"] = path
+    if below:
+        print(f"finding: {len(below)} candidate(s) under their floor (the ceilings were low there): {path}",
+              file=sys.stderr)  # fmt: skip
     return written
 
 
 def from_candidates(paths: list[Path]) -> dict[str, Path]:
     """Merge candidates records of one GPU and commit (e.g. one device call per shape) and write the table."""
-    records = [json.loads(p.read_text()) for p in paths]
+    records = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["stem"])  # the stem: the first run's
     gpus = {r["gpu_name"] for r in records}
     if len(gpus) != 1:
         raise SystemExit(f"candidates of several GPUs {sorted(gpus)}: a table is tuned on one")
@@ -426,13 +470,16 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
     twice = sorted({shape for (shape, _, _), count in seen.items() if count > 1})
     if twice:
         raise SystemExit(f"shapes {twice} measured in more than one record: merge one record per shape")
-    floors = {(s, r): f for rec in records for s, r, f in rec["floors_us"]}
     first = records[0]
     env = {"gpu": first["gpu_name"], "capability": first["capability"], "versions": first["versions"],
            "commit": first["commit"], "utc": first["env"]["utc"], "env": first["env"],
            "stem": first["stem"]}  # fmt: skip
     skipped = [s for r in records for s in r["skipped"]]
-    return write_outputs(measurements, floors, env, first["ceilings"], tuple(first["rows_grid"]), skipped)
+    ceilings = first["ceilings"] | {  # the best of every merged process: each measured its own
+        "stream_tbps": max(streaming_tbps(r["ceilings"]) for r in records),
+        "bf16_tflops": max(r["ceilings"]["bf16_tflops"] for r in records),
+    }
+    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,20 +514,17 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device)
     if env["commit"] == "unknown":
         parser.error("a table records the commit it was tuned on: run from a git checkout or set JEVLAB_GIT_COMMIT")
-    ceilings = timing.measure_ceilings("cuda", copy_bytes=2**30, gemm_n=8192, runs=20)
-    floors = {
-        (shape, rows): 1e6 * max(
-            2 * n * k / (ceilings["copy_tbps"] * 1e12), 2 * n * k * rows / (ceilings["bf16_tflops"] * 1e12)
-        )
-        for shape, (n, k) in GEMM_SHAPES.items() if shape in shapes for rows in rows_grid
-    }  # fmt: skip
+    ceilings = timing.measure_ceilings(
+        "cuda", copy_bytes=2**30, gemm_n=8192, runs=20,
+        gemm_shapes={s: GEMM_SHAPES[s] for s in shapes}, shape_rows=max(rows_grid),
+    )  # fmt: skip
     measurements: list[Measurement] = []
     skipped: list[dict] = []
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
             measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped)
-    written = write_outputs(measurements, floors, env, ceilings, rows_grid, skipped)
+    written = write_outputs(measurements, env, ceilings, rows_grid, skipped)
     print(json.dumps({k: str(v) for k, v in written.items()}))
     return 0
 

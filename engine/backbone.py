@@ -568,15 +568,15 @@ class EngineBackbone:
             return batch
         return dataclasses.replace(batch, plan=batch.plan.to(self.device))
 
-    def warm_up(self, progress=None) -> dict:
+    def warm_up(self, progress=None, buckets=None) -> dict:
         """`graphs` on CUDA: compile the eager paths (`EAGER_WARM_REQUESTS`: hand-off with one and with several
         questions, more candidates than any bucket holds, more rows than the largest bucket; each at two lengths of
         opposite 16-alignment, since Triton specializes integer arguments on it), then capture every bucket of the
-        grid (a progress bar through `progress`, e.g. tqdm). Returns the cache's description (graphs, capture seconds,
-        pool bytes, `eager_warm_s`) and `fla_configs`: whether FLA's configs were pinned (`engine.fla_configs`, set
-        before fla was imported) and how many of the FLA autotune keys the warm-up reached were not loaded from the
-        pinned files (`autotuned_keys`, listed in `autotuned`; 0 when the pinned set covers the start); also kept as
-        `self.fla_configs` for the server's `/health`. Does nothing elsewhere (returns {})."""
+        grid, or only `buckets` (a progress bar through `progress`, e.g. tqdm). Returns the cache's description
+        (graphs, capture seconds, pool bytes, `eager_warm_s`) and `fla_configs`: whether FLA's configs were pinned
+        (`engine.fla_configs`, set before fla was imported) and how many of the FLA autotune keys the warm-up reached
+        were not loaded from the pinned files (`autotuned_keys`, listed in `autotuned`; 0 when the pinned set covers
+        the start); also kept as `self.fla_configs` for the server's `/health`. Does nothing elsewhere (returns {})."""
         if self.graphs is None:
             return {}
         start = time.perf_counter()
@@ -585,7 +585,7 @@ class EngineBackbone:
         torch.cuda.synchronize(self.device)
         eager_s = time.perf_counter() - start
         self.graphs.stats.misses.clear()  # the warm-up's eager batches are not requests
-        self.graphs.capture_grid(progress)
+        self.graphs.capture_grid(progress, buckets)
         from engine.fla_configs import autotune_report  # imports no fla of its own: it reports what was imported
 
         self.fla_configs = autotune_report()

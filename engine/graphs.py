@@ -338,9 +338,16 @@ class GraphCache:
         self.stats.capture_seconds += time.perf_counter() - start
         return entry
 
-    def capture_grid(self, progress: Callable[[Iterable], Iterable] | None = None) -> None:
-        """Capture every bucket of the grid, largest first (the pool takes its size from the first)."""
-        order = sorted(self.grid, key=lambda b: (b.rows, b.slots), reverse=True)[: self.max_graphs]
+    def capture_grid(
+        self, progress: Callable[[Iterable], Iterable] | None = None, buckets: Iterable[Bucket] | None = None
+    ) -> None:
+        """Capture every bucket of the grid (or only `buckets`, a subset of it: a run or test that knows the buckets
+        its requests take), largest first (the pool takes its size from the first)."""
+        chosen = self.grid if buckets is None else tuple(set(buckets))
+        outside = [b.name for b in chosen if b not in self.grid]
+        if outside:
+            raise ValueError(f"buckets {outside} are not in the grid")
+        order = sorted(chosen, key=lambda b: (b.rows, b.slots), reverse=True)[: self.max_graphs]
         for bucket in progress(order) if progress else order:
             self.capture(bucket)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,25 @@ def test_committed_tables_match_the_declared_exactness():
         table = load_gemm_table(path, device_name=data["gpu"]["name"])
         bitwise = all(c.kernel.split == 1 and c.bitwise_f_linear for s in table.shapes for c in s.choices)
         assert bitwise or level == "bounded", f"{path.name} has split-K or non-bitwise choices; the stage says {level}"
+
+
+GEMM_CODE = ("engine/gemm.py", "engine/weights.py")  # what decides how each GEMM of a forward is called
+
+
+def test_committed_tables_were_tuned_on_todays_gemm_code():
+    """A table holds for code whose GEMM calls are those it was tuned with: the seam that runs each choice
+    (engine/gemm.py) and the merged weights it runs them on (engine/weights.py) must be unchanged since the table's
+    commit (the tree here against it, uncommitted edits included). A change there means tuning again on the GPU
+    (engine/stages/gemm.md, "Validity"). Shapes are checked by the loader."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout (a device copy): the commit check runs in CI")
+    tables = sorted(gemm.TABLE_DIR.glob("*-table.json"))
+    assert tables, "no tuning table committed under results/gemm/"
+    for path in tables:
+        commit = json.loads(path.read_text())["commit"]
+        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo, capture_output=True)
+        assert known.returncode == 0, f"{path.name}: commit {commit} is not in this clone's history"
+        diff = subprocess.run(["git", "diff", "--stat", commit, "--", *GEMM_CODE], cwd=repo, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        assert diff.stdout == "", f"{path.name} was tuned at {commit[:7]}; the GEMM code changed since:\n{diff.stdout}"

@@ -7,6 +7,7 @@ merged into one table."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, load_gemm_ta
 
 GRID = (64, 128, 256)
 CUBLAS = {"family": "cublas"}
+CEILINGS = {"copy_tbps": 4.0, "bf16_tflops": 1e9}  # floors far under the made-up times
 
 
 def lt(algo_id: int, splitk: int = 1) -> dict:
@@ -210,8 +212,7 @@ def test_the_written_table_is_what_the_engine_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune_gemm, "RESULTS", tmp_path)
     measured = full_measurements()
-    all_floors = {(s, r): 5.0 + r / 100 for s in GEMM_SHAPES for r in ROWS_GRID}
-    written = tune_gemm.write_outputs(measured, all_floors, env(), {"copy_tbps": 4.0}, ROWS_GRID, [])
+    written = tune_gemm.write_outputs(measured, env(), CEILINGS, ROWS_GRID, [])
     table = load_gemm_table(written["table"], device_name="NVIDIA H200")
     assert table.shape("out").split == 3  # far faster, not bitwise: the best (split-K) table ships
     record = json.loads(written["candidates"].read_text())
@@ -225,12 +226,10 @@ def test_subsets_write_candidates_only_and_merge_into_one_table(tmp_path, monkey
 
     monkeypatch.setattr(tune_gemm, "RESULTS", tmp_path)
     measured = full_measurements()
-    all_floors = {(s, r): 5.0 for s in GEMM_SHAPES for r in ROWS_GRID}
     paths = []
     for part in (["gdn_in", "attn_in"], ["out", "gate_up", "down"]):
         ms = [x for x in measured if x.shape in part]
-        fl = {key: value for key, value in all_floors.items() if key[0] in part}
-        written = tune_gemm.write_outputs(ms, fl, env(), {"copy_tbps": 4.0}, ROWS_GRID, [])
+        written = tune_gemm.write_outputs(ms, env(), CEILINGS, ROWS_GRID, [])
         assert set(written) == {"candidates"}
         paths.append(written["candidates"])
     with pytest.raises(SystemExit, match="measured in more than one record"):
@@ -241,14 +240,61 @@ def test_subsets_write_candidates_only_and_merge_into_one_table(tmp_path, monkey
     )
 
 
-def test_a_time_below_its_floor_writes_no_table(tmp_path, monkeypatch):
+def test_a_time_below_its_floor_is_a_finding_and_the_table_is_written(tmp_path, monkeypatch):
+    """Ceilings far too low for the measurements: the floors come out above the times (except at the largest bucket,
+    where the candidates' own rate raises the bf16 ceiling); the table is written all the same and the record lists
+    every measurement under its floor."""
     from engine.graphs import ROWS_GRID
 
     monkeypatch.setattr(tune_gemm, "RESULTS", tmp_path)
-    all_floors = {(s, r): 1e6 for s in GEMM_SHAPES for r in ROWS_GRID}
-    written = tune_gemm.write_outputs(full_measurements(), all_floors, env(), {}, ROWS_GRID, [])
-    assert set(written) == {"candidates"}
-    assert json.loads(written["candidates"].read_text())["table"].startswith("not written: time below the floor")
+    slow = {"copy_tbps": 1e-6, "bf16_tflops": 1e-6}
+    written = tune_gemm.write_outputs(full_measurements(), env(), slow, ROWS_GRID, [])
+    load_gemm_table(written["table"], device_name="NVIDIA H200")
+    record = json.loads(written["candidates"].read_text())
+    assert record["table"] == str(written["table"])
+    assert len(record["below_floor"]) == len(full_measurements())  # streaming at 1e-6 TB/s: every time is under it
+    assert all(b["time_us"] < b["floor_us"] for b in record["below_floor"])
+
+
+def test_the_bf16_ceiling_is_raised_to_the_shapes_own_rate_at_the_largest_bucket():
+    """As on the H200: a shape at its largest bucket runs faster than the cube's rate; the ceiling takes that rate, and
+    the fastest candidate there sits exactly on its floor instead of under it."""
+    top = 1280
+    n, k = GEMM_SHAPES["gate_up"]
+    fast_us = 2 * n * k * top / (900e12) * 1e6  # 900 TFLOP/s, above the cube's 775
+    ms = [m("gate_up", top, CUBLAS, fast_us * 1.1), m("gate_up", top, lt(7), fast_us)]
+    ceilings = tune_gemm.tuned_ceilings({"copy_tbps": 4.0, "bf16_tflops": 775.0}, ms, (64, top))
+    assert ceilings["bf16_tflops"] == pytest.approx(900.0) and ceilings["stream_tbps"] == 4.0
+    floor = tune_gemm.floors_us(ceilings, ["gate_up"], (64, top))
+    assert floor[("gate_up", top)] == pytest.approx(fast_us)
+    assert tune_gemm.below_floor(ms, floor) == []
+    with_read = tune_gemm.tuned_ceilings({"copy_tbps": 4.0, "stream_tbps": 4.4, "bf16_tflops": 1000.0}, ms, (64, top))
+    assert with_read["bf16_tflops"] == 1000.0 and with_read["stream_tbps"] == 4.4
+
+
+SHARED_CANDIDATES = sorted((Path(__file__).resolve().parents[1] / "results" / "gemm").glob("*-down-gate_up-*.json"))
+
+
+@pytest.mark.skipif(not SHARED_CANDIDATES, reason="no committed H200 candidates record under results/gemm/")
+def test_the_h200_candidates_give_a_table_with_findings_instead_of_none(tmp_path, monkeypatch):
+    """The 2f9c178 H200 candidates (committed under results/gemm/): with the old floors (copy rate, 8192^3 cube) 32
+    (shape, rows) pairs were under their floor and no table was written; with `tuned_ceilings` the table is written,
+    the engine's loader takes it, and what is still under a floor is listed."""
+    monkeypatch.setattr(tune_gemm, "RESULTS", tmp_path)
+    gemm_dir = SHARED_CANDIDATES[0].parent
+    merged_name = "-".join(sorted(GEMM_SHAPES))
+    parts = [p for p in gemm_dir.glob("*2f9c178*-candidates.json") if merged_name not in p.name]  # the two device calls
+    assert len(parts) == 2, [p.name for p in parts]
+    written = tune_gemm.from_candidates(parts)
+    table = load_gemm_table(written["table"], device_name="NVIDIA H200")
+    record = json.loads(written["candidates"].read_text())
+    old = {tuple(x[:2]): x[2] for p in parts for x in json.loads(p.read_text())["floors_us"]}
+    new = {tuple(x[:2]): x[2] for x in record["floors_us"]}
+    assert all(new[key] <= old[key] * (1 + 1e-9) for key in old)  # the ceilings only went up or stayed
+    assert record["ceilings"]["bf16_tflops"] > 775.0  # the 2f9c178 cube's rate: its own shapes ran faster
+    assert record["below_floor"] == []  # measured: every candidate is at or over its floor with these ceilings
+    assert record["selection"]["ship"] == "bitwise"  # the bitwise table is the best one at every bucket
+    assert {s.name for s in table.shapes} == set(GEMM_SHAPES)
 
 
 def test_the_command_line_refuses_unknown_shapes_and_buckets():

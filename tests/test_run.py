@@ -29,7 +29,7 @@ from ablations.run import (
 from ablations.workloads import (
     resolve,
 )
-from engine.stages import BuildContext, build_backbone, in_ladder_order
+from engine.stages import BuildContext, build_backbone, get_stage, in_ladder_order
 from tests.cases import bit_identity_result, first_stage, first_timed, small_record
 
 
@@ -291,3 +291,32 @@ def test_a_stage_is_compared_with_the_stage_it_builds_on():
     assert moved["bitwise"] is False and moved["argmax_flips"] == 1 and moved["max_abs_dp"] == pytest.approx(0.2)
     padded = compare_with_base(Outputs(torch.randn(5, 8, generator=generator), [[0.5, 0.5]]), base, "hf_fla")
     assert padded == {"stage": "hf_fla", "bitwise": None}
+
+
+def test_a_median_under_its_floor_is_flagged_and_the_run_goes_on(tmp_path):
+    """Ceilings far too low (1e-9 TB/s streaming): every floor is above the measured median; the workload's result
+    says so in `below_floor` and is still recorded with its times (a finding, not a refusal)."""
+    from reference.service import DecisionModel
+
+    run = _bit_identity_run(tmp_path, ["merged"])
+    backbone = build_backbone("merged", run.ctx)
+    run.decision_plans["drone"] = DecisionModel(backbone, run.weights).plan(resolve(["drone"])[0].request)
+    run.record["ceilings"] = {"copy_tbps": 1e-9, "stream_tbps": 1e-9, "bf16_tflops": 1e-9}
+    run.head_weight, run.head_bias = run.weights.head_weight, run.weights.head_bias
+    run.linear_params = run.weights.shapes.linear_params()
+    stage = get_stage("merged")
+    result, _ = run.measure(stage, backbone, resolve(["drone"])[0])
+    assert result["median_ms"] < result["floor_ms"] and len(result["samples_ms"]) == run.runs
+    assert result["below_floor"].startswith(f"{result['median_ms']:.4g} ms is under its floor")
+    run.record["ceilings"] = {"copy_tbps": 1e9, "stream_tbps": 1e9, "bf16_tflops": 1e9}
+    result, _ = run.measure(stage, backbone, resolve(["drone"])[0])
+    assert result["below_floor"] is None
+
+
+def test_capture_workloads_takes_only_the_buckets_of_the_runs_workloads(tmp_path):
+    """`--capture workloads`: the buckets the workloads are padded to, all in the grid, fewer than the grid."""
+    from engine.graphs import default_grid
+
+    run = _bit_identity_run(tmp_path, ["graphs"])
+    buckets = run.workload_buckets(build_backbone("graphs", run.ctx))
+    assert buckets and buckets <= set(default_grid()) and len(buckets) < len(default_grid())

@@ -124,8 +124,26 @@ def test_floors_are_the_larger_of_streaming_and_compute():
 
 def test_ceilings_on_the_cpu_are_positive_rates():
     ceilings = timing.measure_ceilings("cpu", copy_bytes=1 << 20, gemm_n=256, runs=3)
-    assert ceilings["copy_tbps"] > 0 and ceilings["bf16_tflops"] > 0
-    assert len(ceilings["copy_samples_ms"]) == len(ceilings["gemm_samples_ms"]) == 3
+    assert ceilings["copy_tbps"] > 0 and ceilings["bf16_tflops"] > 0 and ceilings["read_tbps"] > 0
+    assert len(ceilings["copy_samples_ms"]) == len(ceilings["gemm_samples_ms"]) == len(ceilings["read_samples_ms"]) == 3
+
+
+def test_ceilings_are_the_best_of_their_probes():
+    """Streaming: the larger of the read-only and the copy rate; bf16: the best of the cube and the model's shapes."""
+    shapes = {"wide": (512, 64), "deep": (64, 512)}
+    ceilings = timing.measure_ceilings("cpu", copy_bytes=1 << 20, gemm_n=64, runs=3, gemm_shapes=shapes, shape_rows=96)
+    assert ceilings["stream_tbps"] == max(ceilings["copy_tbps"], ceilings["read_tbps"])
+    assert set(ceilings["bf16_shape_tflops"]) == set(shapes) and ceilings["shape_rows"] == 96
+    assert ceilings["bf16_tflops"] == max(ceilings["bf16_cube_tflops"], *ceilings["bf16_shape_tflops"].values())
+    assert timing.streaming_tbps({"copy_tbps": 2.0}) == 2.0  # a record from before the read-only probe
+
+
+def test_a_time_under_its_floor_is_a_finding():
+    ceilings = {"copy_tbps": 2.0, "stream_tbps": 2.5, "bf16_tflops": 1000.0}
+    assert timing.below_floor(1.0, 1.0, ceilings) is None
+    finding = timing.below_floor(0.9, 1.0, ceilings)
+    assert finding.startswith("0.9 ms is under its floor 1 ms") and "2.5 TB/s" in finding
+    assert timing.floors(2 * 10**9, 10**9, rows=1, ceilings=ceilings)["weight_floor_ms"] == pytest.approx(0.8)
 
 
 def test_layer_ranges_find_layers_and_their_op_families():
