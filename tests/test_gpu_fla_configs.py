@@ -1,11 +1,11 @@
 """H200: pinned FLA configs make a second process choose the first one's kernels without autotuning any of them.
 
-Process one (FLA autotuning on) builds and warms up the `graphs` backbone on the 27B shapes
-(`engine.fla_configs.build_warm_backbone`), dumps its FLA configs into a temporary root, and saves its chosen configs
+Process one (FLA autotuning on) builds the `graphs` backbone on the 27B shapes, warms it up capturing only the drone
+workload's buckets (the eager warm-up requests and those captures reach the FLA keys the test needs; the whole grid
+would cost each process two more minutes), dumps its FLA configs into a temporary root, and saves its chosen configs
 and the drone workload's forward. Process two pins that root before fla is imported, warms up the same backbone and
 must report zero autotuned keys, hold the same chosen configs, and give the first forward bit for bit. Each process
-is a fresh `python -c` (FLA reads its cache mode once per process); each warm-up costs what the server's start does
-(README, "Serving")."""
+is a fresh `python -c` (FLA reads its cache mode once per process)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def build_graphs_backbone():
+    """`graphs` on the 27B shapes with the runner's synthetic weights (seed 0), not yet warmed up."""
+    from engine.stages import BuildContext, build_backbone, prepare_process
+    from reference.shapes import QWEN38_27B
+    from reference.weights import synthetic_weights
+
+    prepare_process(["graphs"], "cuda")
+    weights = synthetic_weights(QWEN38_27B, seed=0, device=torch.device("cuda"))
+    return build_backbone("graphs", BuildContext(weights)), weights
+
+
 def run_process(root: str, out: str, pin: bool) -> None:
     """One process: (pin), build and warm up `graphs`, (dump), save the chosen configs, the report and the forward."""
     from engine import fla_configs
@@ -28,14 +39,16 @@ def run_process(root: str, out: str, pin: bool) -> None:
     if pin:
         state = fla_configs.pin_fla_configs(root)
         assert state["pinned"], state
-    backbone, weights, warm = fla_configs.build_warm_backbone("graphs")
-    if not pin:
-        fla_configs.dump_fla_configs(root, commit=None)
+    backbone, weights = build_graphs_backbone()
     from ablations.workloads import resolve
     from reference.service import DecisionModel
 
     plan = DecisionModel(backbone, weights).plan(resolve(["drone"])[0].request)
-    hidden = backbone.forward(backbone.prepare(plan.candidates, plan.groups))
+    prepared = backbone.prepare(plan.candidates, plan.groups)
+    warm = backbone.warm_up(buckets={batch.plan.bucket for batch in prepared.batches})  # drone's buckets only
+    if not pin:
+        fla_configs.dump_fla_configs(root, commit=None)
+    hidden = backbone.forward(prepared)
     torch.save(hidden.cpu(), Path(out) / "hidden.pt")
     (Path(out) / "configs.json").write_text(
         json.dumps({"chosen": fla_configs.chosen_configs(), "report": warm["fla_configs"]})
