@@ -143,23 +143,6 @@ MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA S
 GATE_ROW_ALIGN = 32  # merged gates: rows padded so that rows x Hv is a multiple of torch's widest CPU vector (32 bf16)
 
 
-def _name_of(config: EngineConfig, device: torch.device) -> str:
-    """The name of the nearest engine stage (fewest differing fields, in its form on this config's device), with the
-    differences in brackets: `tree`, or `tree[elementwise=torch]`. `gdn_mode` and `max_batch_rows` (ablation and
-    batching switches) are not part of the name."""
-    from engine.stages import STAGE_LIST
-
-    plain = config.replace(gdn_mode="cost", max_batch_rows=EngineConfig.max_batch_rows)
-    best = None
-    for stage in STAGE_LIST:
-        if stage.consumes_weights:
-            delta = plain.delta(stage.config.on(device.type))
-            if best is None or len(delta) < len(best[1]):
-                best = (stage.name, delta)
-    name, delta = best
-    return name + ("[" + ",".join(f"{k}={v}" for k, v in delta.items()) + "]" if delta else "")
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Layout
 
@@ -427,6 +410,7 @@ class EngineBackbone:
         *,
         nvtx_ranges: bool = False,
         gemm_table: GemmTable | str | Path | None = None,
+        name: str = "engine",
     ):
         if config.backbone != "engine":
             raise ValueError(f"EngineBackbone runs backbone='engine' configs, got {config.backbone!r}")
@@ -452,7 +436,7 @@ class EngineBackbone:
         self.gdn_mode = None if config.gdn_mode == "cost" else config.gdn_mode
         self.gdn_core = config.gdn_core
         self.max_batch_rows = config.max_batch_rows
-        self.name = _name_of(config, self.device)
+        self.name = name  # the registry's name of the config (`engine.stages.stage_name`)
         self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
             self.gdn_core
         ]()

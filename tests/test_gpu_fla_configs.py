@@ -1,11 +1,11 @@
 """H200: pinned FLA configs make a second process choose the first one's kernels without autotuning any of them.
 
 Process one (FLA autotuning on) builds and warms up the `graphs` backbone on the 27B shapes
-(`engine.fla_configs.build_warm_backbone`), dumps its FLA configs into a temporary root, and saves its chosen configs
-and the drone workload's forward. Process two pins that root before fla is imported, warms up the same backbone and
-must report zero autotuned keys, hold the same chosen configs, and give the first forward bit for bit. Each process
-is a fresh `python -c` (FLA reads its cache mode once per process); each warm-up costs what the server's start does
-(README, "Serving")."""
+(`ablations.dump_fla_configs.build_warm_backbone`), dumps its FLA configs into a temporary root, and saves its chosen
+configs and the drone workload's forward. Process two pins that root before fla is imported, warms up the same
+backbone and must report zero autotuned keys, hold the same chosen configs, and give the first forward bit for bit.
+Each process is a fresh `python -c` (FLA reads its cache mode once per process); each warm-up costs what the
+server's start does (README, "Serving")."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_process(root: str, out: str, pin: bool) -> None:
     """One process: (pin), build and warm up `graphs`, (dump), save the chosen configs, the report and the forward."""
+    from ablations.dump_fla_configs import build_warm_backbone
     from engine import fla_configs
 
     if pin:
         state = fla_configs.pin_fla_configs(root)
         assert state["pinned"], state
-    backbone, weights, warm = fla_configs.build_warm_backbone("graphs")
+    backbone, weights, warm = build_warm_backbone("graphs")
     if not pin:
         fla_configs.dump_fla_configs(root, commit=None)
     from ablations.workloads import resolve

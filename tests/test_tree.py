@@ -601,6 +601,8 @@ def test_layer_functions_reject_bad_shapes():
         tree_attention(qa, ka, va, tree, 0.125, mode="dense")
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_attention(qa, ka, va, tree, 0.125, backend="eager")
+    with pytest.raises(ValueError, match="mode 'nodes' takes the node core"):
+        tree_attention(qa, ka, va, tree, 0.125, mode="nodes")
 
 
 # ------------------------------------------------------------------------------------- two-layer composition (tiny)
