@@ -195,6 +195,12 @@ class EngineRows:
         return sum(b.plan.num_rows for b in self.batches)
 
     @property
+    def token_rows(self) -> int:
+        """Rows of all batches that hold a candidate's token (the computed rows less the padding rows of a bucket or
+        `pad_lens`): each shared token counted once; at most `logical_tokens`."""
+        return sum(b.plan.token_rows for b in self.batches)
+
+    @property
     def logical_tokens(self) -> int:
         """Tokens of all candidates (the rows of the unshared layout)."""
         return sum(b.plan.logical_tokens for b in self.batches)
@@ -669,7 +675,10 @@ class EngineBackbone:
         return None if bucket is None else bucket.rows
 
     def prefix_cache_metadata(self, prepared: EngineRows) -> dict:
-        """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7)."""
+        """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7).
+        `processed_input_tokens` are the token rows computed (each shared token once), `reused_input_tokens` the
+        logical tokens not computed again (never negative); `padding_rows`, this engine's own key, the dummy rows a
+        bucket added (computed, but no input token)."""
         if not self.tree:
             return {"enabled": False, "mode": "independent_candidates"}
         plans = [b.plan for b in prepared.batches]
@@ -677,8 +686,9 @@ class EngineBackbone:
             "enabled": True,
             "mode": "prefix_tree",
             "logical_input_tokens": prepared.logical_tokens,
-            "processed_input_tokens": prepared.rows_computed,
-            "reused_input_tokens": prepared.logical_tokens - prepared.rows_computed,
+            "processed_input_tokens": prepared.token_rows,
+            "reused_input_tokens": prepared.logical_tokens - prepared.token_rows,
+            "padding_rows": prepared.rows_computed - prepared.token_rows,
             "shared_prefix_tokens": sum(p.root_len for p in plans),
             "question_prefix_tokens": sum(sum(p.question_lens) for p in plans),
             "candidate_sequences": prepared.num_candidates,

@@ -565,6 +565,11 @@ class TreePlan:
         return self.num_rows
 
     @property
+    def token_rows(self) -> int:
+        """Rows that hold a candidate's token: the packed rows less the dummy rows (`padding_lens`)."""
+        return self.num_rows - sum(self.padding_lens)
+
+    @property
     def logical_tokens(self) -> int:
         """Tokens of all candidates together: the rows of the flat layout."""
         return sum(self.candidate_lens)

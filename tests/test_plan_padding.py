@@ -283,6 +283,25 @@ def test_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     assert meta["bucket"] == prepared.batches[0].plan.bucket.name and meta["hit"] is False
 
 
+def test_prefix_cache_counts_no_padding_row_as_a_token(merged_weights):
+    """A bucket's dummy rows are computed but are no input tokens: `graphs` reports the token counts of `tree` (a
+    request of little sharing, where the bucket pads more rows than the tree shares: the reused count was negative),
+    and the padding on its own (the GDN core's tokens, a count of computed slots, include the bucket's dummy paths)."""
+    rng = random.Random(11)
+    root = [rng.randrange(100, 150_000) for _ in range(5)]
+    candidates = [root + [rng.randrange(100, 150_000) for _ in range(9 + o)] for o in range(3)]
+    tree, graphs = build_engine(merged_weights, "tree"), build_engine(merged_weights, "graphs")
+    want, prepared = tree.prepare(candidates, [0] * 3), graphs.prepare(candidates, [0] * 3)
+    meta, tree_meta = graphs.prefix_cache_metadata(prepared), tree.prefix_cache_metadata(want)
+    padding = prepared.rows_computed - want.rows_computed
+    assert prepared.batches[0].plan.bucket is not None and padding > meta["logical_input_tokens"] - want.rows_computed
+    assert meta["gdn_core_tokens"] > tree_meta["gdn_core_tokens"]
+    same = {key: meta[key] for key in tree_meta if key != "gdn_core_tokens"}
+    assert same == {key: tree_meta[key] for key in same} | {"padding_rows": padding} and tree_meta["padding_rows"] == 0
+    assert meta["processed_input_tokens"] == want.rows_computed
+    assert meta["reused_input_tokens"] == 3 * 5 - 5 >= 0  # the root's tokens, computed once for three candidates
+
+
 def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):
     graphs = build_engine(merged_weights, "graphs")
     many = [[3, 4, c + 10] for c in range(40)]  # 40 candidates: more than any bucket holds
