@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
-from engine.backbone import EngineRows, _row_batch  # noqa: E402
 from engine.graphs import (  # noqa: E402
     ROWS_GRID,
     candidate_classes,
@@ -37,9 +36,10 @@ from engine.graphs import (  # noqa: E402
     slot_factors,
     smallest_bucket,
 )
-from engine.plan import PAD_TOKEN_ID, Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
+from engine.plan import Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
+from engine.plan_arrays import PAD_TOKEN_ID  # noqa: E402
+from engine.planner import GDN_CALL_COST_CHUNKS, EngineRows, gdn_mode_costs, row_batch  # noqa: E402  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
-from engine.tree import GDN_CALL_COST_CHUNKS, gdn_mode_costs  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
 from reference.weights import synthetic_weights  # noqa: E402
@@ -70,8 +70,7 @@ def requests(draw):
 
 def rows_of(engine, plan) -> EngineRows:
     """The plan as one batch of the engine (what `prepare` builds for an unpadded plan)."""
-    gdn_mode = engine.gdn_mode
-    batch = _row_batch(plan, range(plan.num_candidates), engine.shapes, gdn_mode, engine.attention)
+    batch = row_batch(plan, range(plan.num_candidates), engine.gdn_mode, engine.attention)
     return EngineRows([batch], plan.num_candidates, None)
 
 
