@@ -1,11 +1,16 @@
 """Sessions of the lab. `nox -l` lists them; options after `--` pass through to the command each one runs.
 
-Sessions that install the same dependency groups share one venv: `.nox/lab` (the project alone: answer, serve,
-jevbench), `.nox/lab-dev` (tests, gpu_tests, ablate), `.nox/lab-report`, `.nox/lab-notebooks`, `.nox/lab-replicas`;
-each holds one copy of torch (about 2.5 GB). nox itself gives every session a venv of its own and has no option to
-share one (wntrblm/nox#167), so these sessions are declared without one (`python=False`) and build theirs in
-`_lab_python`. A shared venv is created on first use and updated by pip on every run; delete its folder to rebuild
-it. `lint` needs only ruff and keeps nox's own venv, `.nox/lint`.
+Every session that needs torch shares one venv, `.nox/lab` (the project with the CPU torch wheel and the `dev`,
+`report` and `notebooks` groups: tests, gpu_tests, tune_gemm, answer, ablate, report, notebooks, serve, jevbench),
+so one copy of torch (about 2.5 GB) is on disk. `replicas` keeps its own, `.nox/lab-replicas` (Ray Serve 2.58 and
+its dependencies beside the server's pinned stack are not installed into the shared venv). nox itself gives every
+session a venv of its own and has no option to share one (wntrblm/nox#167), so these sessions are declared without one
+(`python=False`) and build theirs in `_lab_python`. A venv is created on first use and updated by pip on every run;
+delete its folder to rebuild it. `lint` needs only ruff and keeps nox's own venv, `.nox/lint`.
+
+The lab's caches stay inside the checkout, in the ignored `.cache/`: every session runs with `TRITON_CACHE_DIR`
+(Triton's compiled kernels) and `MPLCONFIGDIR` (matplotlib's font cache) there (`LAB_ENV`; tests/conftest.py sets the
+same defaults for a plain `pytest`).
 
 Every session also works with `--no-venv` (nox's passthrough mode): it then runs in the current interpreter and
 installs nothing. That is how the sessions run on the H200, whose image already has torch, triton and cupy and
@@ -24,16 +29,22 @@ nox.options.sessions = ["tests", "lint"]
 nox.options.reuse_venv = "yes"
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
+CACHE = Path(__file__).resolve().parent / ".cache"
+LAB_ENV = {"TRITON_CACHE_DIR": str(CACHE / "triton"), "MPLCONFIGDIR": str(CACHE / "matplotlib")}
+LAB_GROUPS = ("dev", "notebooks")  # dev includes report
 
 
 def _lab_python(session: nox.Session, *groups: str) -> str:
-    """The interpreter to run a session's commands with: the venv shared by every session that installs `groups`,
-    created if missing and brought up to date (the project in editable mode, the CPU torch wheel, the groups), or the
-    current interpreter, untouched, when nox runs with `--no-venv` / `--force-venv-backend none`."""
+    """The interpreter to run a session's commands with: the shared venv `.nox/lab` (no `groups`: `LAB_GROUPS`) or,
+    for other groups, `.nox/lab-<groups>`, created if missing and brought up to date (the project in editable mode,
+    the CPU torch wheel, the groups), or the current interpreter, untouched, when nox runs with `--no-venv` /
+    `--force-venv-backend none`. Sets `LAB_ENV` for the session's commands either way."""
+    session.env.update(LAB_ENV)
     # From nox's configuration: these sessions declare no venv, so `session.virtualenv` is a passthrough either way.
     if session._runner.global_config.force_venv_backend == "none":
         return "python"
     venv = session.env_dir.parent / "-".join(("lab", *groups))
+    groups = groups or LAB_GROUPS
     python = str(venv / "bin" / "python")
     if not Path(python).exists():
         session.run_install(sys.executable, "-m", "venv", str(venv))
@@ -47,14 +58,14 @@ def _lab_python(session: nox.Session, *groups: str) -> str:
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
     """The CPU suite (what CI runs): every test not marked `gpu`, Triton kernels under TRITON_INTERPRET=1."""
-    python = _lab_python(session, "dev")
+    python = _lab_python(session)
     session.run(python, "-m", "pytest", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=False)
 def gpu_tests(session: nox.Session) -> None:
     """The GPU suite (`-m gpu`) on a CUDA machine, 27B shapes. On the H200: `nox --no-venv -s gpu_tests`."""
-    python = _lab_python(session, "dev")
+    python = _lab_python(session)
     session.run(python, "-m", "pytest", "-m", "gpu", *session.posargs)
 
 
@@ -62,7 +73,7 @@ def gpu_tests(session: nox.Session) -> None:
 def tune_gemm(session: nox.Session) -> None:
     """The GEMM tuner of stage `gemm` on a CUDA GPU: candidates record and table under results/gemm/. On the H200:
     `nox --no-venv -s tune_gemm -- --shapes gdn_in,attn_in` (options: `python -m ablations.tune_gemm --help`)."""
-    python = _lab_python(session, "dev")
+    python = _lab_python(session)
     session.run(python, "-m", "ablations.tune_gemm", *session.posargs)
 
 
@@ -89,7 +100,7 @@ def ablate(session: nox.Session) -> None:
     27B plan where CUDA is present, the tiny plan on the CPU otherwise. Options: `-- --plan gpu-27b --stages ...
     --workloads ...` (see `python -m ablations.run --help`).
     """
-    python = _lab_python(session, "dev")
+    python = _lab_python(session)
     session.run(python, "-m", "ablations.run", *session.posargs)
     session.run(python, "-m", "paper.figures")
 
@@ -97,7 +108,7 @@ def ablate(session: nox.Session) -> None:
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
     """Build results/report.pdf from results/ alone (figures, then typst). Needs no GPU."""
-    python = _lab_python(session, "report")
+    python = _lab_python(session)
     session.run(python, "-m", "paper.figures", *session.posargs)
     session.run(python, "-m", "paper.build")
 
@@ -108,7 +119,7 @@ def notebooks(session: nox.Session) -> None:
 
     The kernel runs in notebooks/ and defines no `__file__`, as when a user runs `jupytext --execute` on a fresh clone.
     """
-    python = _lab_python(session, "notebooks")
+    python = _lab_python(session)
     out = Path(session.create_tmp())
     for path in sorted(Path("notebooks").glob("*.py")):
         session.run(python, "-m", "jupytext", "--execute", "--to", "ipynb", "-o", str(out / f"{path.stem}.ipynb"), path)

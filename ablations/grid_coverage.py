@@ -5,7 +5,7 @@
 Workload sets: the public JevBench tiers (every task), the six Open-Jev requests, our two synthetic workloads, and
 60 generated requests (seeded: 1-16 questions of 2-64 options over states of 0-16k tokens). Each request is
 tokenized as the server does (`reference.service.request_candidates`) and split into batches as the `tree` stage
-splits it (`engine.plan.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and
+splits it (`engine.planner.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and
 a replicated batch is held when some bucket fits it. Per set and grid: plans, replicated plans, plans in the grid,
 and padded / real of every capacity over the plans held (rows, path slots, sequences, GDN chunks, attention nodes
 and keys, read rows: sum of the buckets' over sum of the requests'). Two grids: `default_grid()` and the grid it
@@ -27,8 +27,8 @@ from ablations import envinfo
 from ablations.workloads import _count_state_tokens, resolve, synthetic_state
 from engine.config import EngineConfig
 from engine.graphs import ROWS_GRID, GridIndex, candidate_capacity, default_grid, grid_bucket
-from engine.plan import CHUNK_SIZE, Bucket, TreeLayout, split_questions, tree_layout
-from engine.tree import GDN_CALL_COST_CHUNKS, cheaper_gdn_mode
+from engine.plan import CHUNK_SIZE, Bucket, TreeLayout, tree_layout
+from engine.planner import GDN_CALL_COST_CHUNKS, cheaper_gdn_mode, split_questions
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B
 

@@ -227,7 +227,8 @@ def gdn_handoff() -> dict[str, Any]:
 
     from ablations import timing
     from engine.plan import SolveWorkspace, plan_tree
-    from engine.tree import choose_gdn_mode, tree_gdn_core
+    from engine.planner import choose_gdn_mode
+    from engine.tree import tree_gdn_core
     from kernels.gdn_core import FlaForwardCore
 
     core = FlaForwardCore()

@@ -1,15 +1,14 @@
 """The engine backbone: the Qwen3.5 hybrid over packed rows with merged weights (stages `merged`, `fused`, `tree`).
 
-Layout. `prepare` lays every batch of candidates out as a row plan (engine/plan.py): `plan_flat` (candidates back to
-back, no padding) for `merged` and `fused`, `plan_tree` (shared prefixes packed once: root | question nodes | leaves)
-for `tree`. Every row-wise op (embedding, GEMMs, norms, MLP, gates) runs once per packed row; what reads other rows
-(the GDN conv and core, attention) follows the plan's index tensors, so one forward serves both layouts and the flat
-plan is exactly the unshared run of the same kernels. Positions are each row's position in its candidate (RoPE, GDN
-chunk grid). Batches: `merged`/`fused` take consecutive candidates up to `max_batch_rows` rows (a candidate is never
-split); `tree` takes whole questions (`engine.plan.split_questions`) while the batch's tree holds at most
-`max_batch_rows` rows. Each batch is its own plan.
+Plans. `prepare` hands the request to the planner (`engine.planner.Planner.plan`: batches, tree layout, GDN mode,
+bucket, arena fill, mask) and the backbone runs the batches it gets: `plan_flat` layouts (candidates back to back, no
+padding) for `merged` and `fused`, `plan_tree` (shared prefixes packed once: root | question nodes | leaves) for
+`tree`, bucketed tree plans for `graphs`. Every row-wise op (embedding, GEMMs, norms, MLP, gates) runs once per
+packed row; what reads other rows (the GDN conv and core, attention) follows the plan's index tensors, so one forward
+serves both layouts and the flat plan is exactly the unshared run of the same kernels. Positions are each row's
+position in its candidate (RoPE, GDN chunk grid).
 
-Forward, per batch (`N` packed rows; RoPE tables, masks and index tensors are built in `prepare`):
+Forward, per batch (`N` packed rows; masks and index tensors come with the plan, RoPE tables are computed inside):
 ```
 x = embed[ids]                                         [N, H]
 residual, normed = x, rmsnorm_1p(x)                    (input norm of layer 0)
@@ -24,7 +23,7 @@ per layer:
 return normed[read rows]                               [C, H]
 ```
 
-GDN layer over a plan, by the batch's GDN mode (`engine.tree.choose_gdn_mode`, or forced with `gdn_mode`):
+GDN layer over a plan, by the batch's GDN mode (the planner's cost rule, or forced with `gdn_mode`):
 * `replicated`: the conv input is every candidate's path (`plan.conv_paths`: for `fused` the prep kernel reads the
   projection through the paths' row index, no gather; identity for a flat plan), the core runs once over all paths
   (one varlen call, the plan's `replicated` schedule), and each packed row takes its representative path's output
@@ -61,8 +60,8 @@ Attention (`attention`):
   CPU: `engine.tree.blockwise_node_core` (fp32, fixed 64-key blocks). Both are prefix-invariant (a row's result
   depends only on its path up to itself), which is what makes `tree` bitwise against `fused`.
 * `"mask"` (default of `merged`): one `scaled_dot_product_attention` call over all rows of a batch with an additive
-  bf16 mask (0 where the plan lets a row see a key, -inf elsewhere; block-diagonal causal for a flat plan; built once in
-  `prepare`, rows 16-byte aligned) and k/v repeated to the query heads, as HF's `repeat_kv` does when it passes a
+  bf16 mask (0 where the plan lets a row see a key, -inf elsewhere; block-diagonal causal for a flat plan; built once by
+  the planner, rows 16-byte aligned) and k/v repeated to the query heads, as HF's `repeat_kv` does when it passes a
   mask. Exact in real arithmetic; the kernel tiles keys differently from HF's padded batch, so it can depart from HF by
   a few bf16 ulps on some rows (tests/test_engine.py). Visits all N x N key tiles.
 
@@ -97,13 +96,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -112,129 +108,16 @@ import kernels
 from engine import gemm
 from engine.config import EngineConfig
 from engine.gemm_table import GemmTable
-from engine.graphs import GraphCache, GridIndex, capture_forward, default_grid
-from engine.plan import (
-    ConvInput,
-    JoinedLayout,
-    TreeLayout,
-    TreePlan,
-    plan_flat,
-    plan_tree,
-    prefix_summary,
-    split_questions,
-    token_arrays,
-    tree_layout,
-)
-from engine.tree import (
-    GDN_CALL_COST_CHUNKS,
-    cheaper_gdn_mode,
-    choose_gdn_mode,
-    default_node_core,
-    torch_chunk_core,
-    tree_gdn_core,
-)
+from engine.graphs import GraphCache, capture_forward
+from engine.plan import ConvInput, TreePlan
+from engine.planner import EngineRows, Planner, RowBatch
+from engine.tree import default_node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
-from reference.backbone import check_candidates
 from reference.shapes import ModelShapes
 
-MASK_ALIGN = 8  # attention-mask rows padded to 8 bf16 (16 bytes), as the CUDA SDPA kernels want
 GATE_ROW_ALIGN = 32  # merged gates: rows padded so that rows x Hv is a multiple of torch's widest CPU vector (32 bf16)
-
-
-def _name_of(config: EngineConfig, device: torch.device) -> str:
-    """The name of the nearest engine stage (fewest differing fields, in its form on this config's device), with the
-    differences in brackets: `tree`, or `tree[elementwise=torch]`. `gdn_mode` and `max_batch_rows` (ablation and
-    batching switches) are not part of the name."""
-    from engine.stages import STAGE_LIST
-
-    plain = config.replace(gdn_mode="cost", max_batch_rows=EngineConfig.max_batch_rows)
-    best = None
-    for stage in STAGE_LIST:
-        if stage.consumes_weights:
-            delta = plain.delta(stage.config.on(device.type))
-            if best is None or len(delta) < len(best[1]):
-                best = (stage.name, delta)
-    name, delta = best
-    return name + ("[" + ",".join(f"{k}={v}" for k, v in delta.items()) + "]" if delta else "")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Layout
-
-
-def _token_arrays(candidates: Sequence[Sequence[int]], groups: Sequence[int], vocab_size: int) -> list[np.ndarray]:
-    """The candidates as int64 arrays, converted once per request (the planner's functions take int64 arrays without
-    converting them again), checked as `check_candidates` checks them: one range check over all tokens, and
-    `check_candidates` itself where anything fails (it raises the error of the first bad candidate); ids that are not
-    integers are refused as the planner refuses them (`engine.plan.token_arrays`)."""
-    if len(candidates) == 0 or len(groups) != len(candidates):
-        check_candidates(candidates, groups, vocab_size)
-    try:
-        arrays = [np.asarray(ids) for ids in candidates]
-    except (TypeError, ValueError, OverflowError):  # not token ids: the reference check's error
-        check_candidates(candidates, groups, vocab_size)
-        raise
-    if any(a.ndim != 1 or a.size == 0 for a in arrays):
-        check_candidates(candidates, groups, vocab_size)
-    arrays = token_arrays(arrays)
-    tokens = np.concatenate(arrays)
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        check_candidates(candidates, groups, vocab_size)
-    return arrays
-
-
-@dataclass
-class RowBatch:
-    """One batch: its row plan and what the forward reads besides it, all on the device (host fields marked; a
-    `graphs` batch laid out at a bucket keeps its plan on the host: `EngineBackbone._bucketed_batch`)."""
-
-    plan: TreePlan
-    candidates: tuple[int, ...]  # host: the request index of each of the plan's candidates
-    gdn_mode: str  # host: "replicated" or "handoff"
-    attn_mask: Tensor | None  # [1, 1, N, N] bf16 additive (0 / -inf), 16-byte aligned rows; attention "mask" only
-    eager_reason: str | None = None  # host, `graphs` only: why the batch has no bucket ("handoff", "outside grid")
-    graph_hit: bool | None = None  # host, `graphs` only: whether the last forward replayed a graph
-
-
-@dataclass
-class EngineRows:
-    """A request's candidates laid out in batches: what `prepare` returns and `forward` reads."""
-
-    batches: list[RowBatch]
-    num_candidates: int
-    order: Tensor | None  # [C] int64: row of the batches' concatenated outputs holding candidate c; None: identity
-
-    @property
-    def rows_computed(self) -> int:
-        """Packed rows of all batches: the rows every row-wise op (GEMMs, norms, MLP) runs over."""
-        return sum(b.plan.num_rows for b in self.batches)
-
-    @property
-    def logical_tokens(self) -> int:
-        """Tokens of all candidates (the rows of the unshared layout)."""
-        return sum(b.plan.logical_tokens for b in self.batches)
-
-
-def _row_batch(
-    plan: TreePlan, candidates: Sequence[int], shapes: ModelShapes, gdn_mode: str | None, attention: str
-) -> RowBatch:
-    """A plan's batch with (attention "mask") its additive mask, on the plan's device."""
-    mask = None
-    if attention == "mask":
-        n = plan.num_rows
-        padded = math.ceil(n / MASK_ALIGN) * MASK_ALIGN
-        mask = torch.full((n, padded), float("-inf"), dtype=torch.bfloat16, device=plan.device)
-        rows = torch.arange(n, device=plan.device)
-        mask[:, :n].masked_fill_(plan.visible(rows[:, None], rows[None, :]), 0.0)
-        mask = mask[:, :n][None, None]
-    return RowBatch(
-        plan=plan,
-        candidates=tuple(candidates),
-        gdn_mode=gdn_mode or choose_gdn_mode(plan),
-        attn_mask=mask,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -427,6 +310,7 @@ class EngineBackbone:
         *,
         nvtx_ranges: bool = False,
         gemm_table: GemmTable | str | Path | None = None,
+        name: str = "engine",
     ):
         if config.backbone != "engine":
             raise ValueError(f"EngineBackbone runs backbone='engine' configs, got {config.backbone!r}")
@@ -452,7 +336,7 @@ class EngineBackbone:
         self.gdn_mode = None if config.gdn_mode == "cost" else config.gdn_mode
         self.gdn_core = config.gdn_core
         self.max_batch_rows = config.max_batch_rows
-        self.name = _name_of(config, self.device)
+        self.name = name  # the registry's name of the config (`engine.stages.stage_name`)
         self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
             self.gdn_core
         ]()
@@ -462,12 +346,12 @@ class EngineBackbone:
         self._range = _Ranges(nvtx_ranges)
         # RoPE inverse frequencies on the device once: the tables are computed inside the forward (capturable)
         self._inv_freq = ops.rope_inv_freq(self.shapes.rotary_dim, self.shapes.rope_theta).to(self.device)
-        self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`; the grid pads batches on any device
-        self.grid = ()
-        if config.graphs:
-            self.grid = GridIndex(default_grid())
-            if self.device.type == "cuda":
-                self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
+        self.planner = Planner(config, self.device, self.shapes.vocab_size)  # every decision about a request's rows
+        self.grid = self.planner.grid  # `graphs`: the buckets the planner pads batches to, on any device
+        self.batch_max_rows = self.planner.batch_max_rows  # rows of one batched forward (`batch_rows`)
+        self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`
+        if config.graphs and self.device.type == "cuda":
+            self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
         # Batching of requests (reference.service.DecisionModel.answer_many): a row's bits must not depend on the rows
         # beside it. Varlen attention and every other op are row- and prefix-invariant; the GEMMs are row-count
         # invariant on the CPU and, on CUDA, only without a cuBLAS workspace. The masked SDPA (`merged`) is not
@@ -475,8 +359,6 @@ class EngineBackbone:
         self.batch_invariant = config.attention == "varlen" and (
             self.device.type == "cpu" or gemm.needs_row_invariant(config)
         )
-        grid_rows = max((bucket.rows for bucket in self.grid), default=config.max_batch_rows)
-        self.batch_max_rows = min(config.max_batch_rows, grid_rows)  # rows of one batched forward (`batch_rows`)
 
     def gemm_weight_bytes(self) -> int:
         """Bytes of every GEMM weight (the weight-streaming floor's numerator)."""
@@ -490,59 +372,9 @@ class EngineBackbone:
     # -- Backbone protocol ---------------------------------------------------------------------------------------------
 
     def prepare(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> EngineRows:
-        """Lay candidates out in batches (each one plan) and copy everything the forward reads to the device."""
-        candidates = _token_arrays(candidates, groups, self.shapes.vocab_size)
-        if self.tree:
-            index_batches, layouts = self._question_batches(candidates, groups)
-        else:
-            index_batches = _consecutive_batches([len(ids) for ids in candidates], self.max_batch_rows)
-            layouts = [None] * len(index_batches)
-        batches = []
-        for index, layout in zip(index_batches, layouts):
-            own, own_groups = [candidates[c] for c in index], [groups[c] for c in index]
-            if self.config.graphs:
-                batches.append(self._bucketed_batch(own, own_groups, index, layout))
-                continue
-            if self.tree:
-                plan = plan_tree(own, own_groups, device=self.device, layout=layout)
-            else:
-                plan = plan_flat(own, own_groups, device=self.device)
-            batches.append(_row_batch(plan, index, self.shapes, self.gdn_mode, self.attention))
-        flat_order = [c for index in index_batches for c in index]
-        order = None
-        if flat_order != list(range(len(candidates))):
-            position = {c: i for i, c in enumerate(flat_order)}
-            order = torch.tensor([position[c] for c in range(len(candidates))], device=self.device)
-        return EngineRows(batches, len(candidates), order)
-
-    def _question_batches(self, candidates: list, groups: Sequence[int]) -> tuple[list[list[int]], list]:
-        """`split_questions`' batches, each with its `tree_layout` where it is already known (else None). A request
-        whose whole tree holds at most `max_batch_rows` rows (or that has one question) is one batch, since a batch's
-        rows grow with every question added (`split_questions`): its layout, computed to see that, is the batch's."""
-        whole = tree_layout(candidates, groups)
-        if whole.rows <= self.max_batch_rows or len(whole.question_lens) == 1:
-            return [list(range(len(candidates)))], [whole]
-        index_batches = split_questions(candidates, groups, self.max_batch_rows)
-        return index_batches, [None] * len(index_batches)
-
-    def _bucketed_batch(
-        self, candidates: list, groups: list, index: Sequence[int], layout: TreeLayout | None = None
-    ) -> RowBatch:
-        """`graphs`: the batch laid out at its bucket (replicated GDN mode) when the cost rule picks `replicated` and
-        the grid holds it; otherwise the plain tree plan, run eagerly, with the reason. A bucketed plan is built on the
-        host (its arena is its host buffer, no device copy): a replay copies it into the captured arena
-        (`engine.graphs.CapturedGraph.run`), and `_run_batch` moves it to the device only where it runs eagerly.
-        `layout`: the batch's `tree_layout` where the caller has it."""
-        if layout is None:
-            layout = tree_layout(candidates, groups)
-        mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
-        bucket = self.grid.smallest(layout) if mode == "replicated" else None
-        if bucket is None:
-            plan = plan_tree(candidates, groups, device=self.device, layout=layout)
-            reason = "handoff" if mode == "handoff" else "outside grid"
-            return RowBatch(plan, tuple(index), mode, None, eager_reason=reason)
-        plan = plan_tree(candidates, groups, device="cpu", bucket=bucket, layout=layout)
-        return RowBatch(plan, tuple(index), "replicated", None)
+        """The request's batches, planned once (`engine.planner.Planner.plan`: batches, layout, GDN mode, bucket,
+        arena fill, mask)."""
+        return self.planner.plan(candidates, groups)
 
     def _forward_plan(self, plan: TreePlan) -> Tensor:
         """The eager forward of one bucketed plan: what `engine.graphs.GraphCache` captures. [bucket candidates, H]."""
@@ -595,13 +427,12 @@ class EngineBackbone:
         """The yardstick of the `graphs` targets: the request's own unpadded tree plan captured as one CUDA graph
         (no bucket, no padding); returns a function that replays it and returns its [C, hidden] output (static:
         overwritten by the next replay). None when the request takes several batches or the device is not CUDA."""
-        if self.device.type != "cuda" or len(split_questions(candidates, groups, self.max_batch_rows)) > 1:
+        batch = self.planner.exact_batch(candidates, groups) if self.device.type == "cuda" else None
+        if batch is None:
             return None
-        plan = plan_tree(candidates, groups, device=self.device)
-        batch = _row_batch(plan, range(len(candidates)), self.shapes, self.gdn_mode, self.attention)
-        graph, output = capture_forward(lambda: self._forward_batch(batch, None), plan.arena, self.device)
+        graph, output = capture_forward(lambda: self._forward_batch(batch, None), batch.plan.arena, self.device)
 
-        def replay(plan=plan) -> Tensor:  # holds the plan: the graph reads its arena (freed memory would be reused)
+        def replay(plan=batch.plan) -> Tensor:  # holds the plan: the graph reads its arena (freed memory is reused)
             graph.replay()
             return output
 
@@ -649,43 +480,20 @@ class EngineBackbone:
         return prepared.rows_computed
 
     def batch_rows(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> int | None:
-        """The rows one forward over these candidates computes, from the host-only layout (no plan is built): the
-        prefix tree's packed rows (`tree`), the tokens (flat layouts), or the rows of the smallest bucket that holds
-        the batch (`graphs`; None where the cost rule picks hand-off or no bucket holds it: the batch would run
-        eagerly). What `DecisionModel.batch_requests` weighs a batch of requests by."""
-        if not self.tree:
-            return sum(len(ids) for ids in candidates)
-        return self._layout_rows(tree_layout(candidates, groups))
+        """The rows one forward over these candidates computes (`engine.planner.Planner.batch_rows`)."""
+        return self.planner.batch_rows(candidates, groups)
 
     def queue_rows(
         self, requests: Iterable[tuple[Sequence[Sequence[int]], Sequence[int]]]
     ) -> Iterator[tuple[int | None, int | None]]:
-        """For each (candidates, groups) of a queue, in order: its `batch_rows` alone, and the `batch_rows` of the
-        queue up to it answered as one batch (`reference.service.batch_inputs` order). Lazy and linear in the queue:
-        each request's tokens are read once (`engine.plan.prefix_summary`) and each prefix's layout is joined from the
-        summaries (`engine.plan.JoinedLayout`), where calling `batch_rows` per prefix reads every token of the
-        prefix again. Equal to those calls: tests/test_batching.py."""
-        if not self.tree:
-            total = 0
-            for candidates, _ in requests:
-                own = sum(len(ids) for ids in candidates)
-                total += own
-                yield own, total
-            return
-        joined = JoinedLayout()
-        for candidates, groups in requests:
-            summary = prefix_summary(candidates, groups)
-            yield self._layout_rows(summary.layout()), self._layout_rows(joined.add(summary))
-
-    def _layout_rows(self, layout: TreeLayout) -> int | None:
-        if not self.config.graphs:
-            return layout.rows
-        mode = self.gdn_mode or cheaper_gdn_mode(layout.gdn_mode_costs(GDN_CALL_COST_CHUNKS))
-        bucket = self.grid.smallest(layout) if mode == "replicated" else None
-        return None if bucket is None else bucket.rows
+        """Each queued request's `batch_rows` alone and with the queue before it (`Planner.queue_rows`)."""
+        return self.planner.queue_rows(requests)
 
     def prefix_cache_metadata(self, prepared: EngineRows) -> dict:
-        """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7)."""
+        """The response's `metadata.prefix_cache`: Open-Jev's key names where they apply (contract §7).
+        `processed_input_tokens` are the token rows computed (each shared token once), `reused_input_tokens` the
+        logical tokens not computed again (never negative); `padding_rows`, this engine's own key, the dummy rows a
+        bucket added (computed, but no input token)."""
         if not self.tree:
             return {"enabled": False, "mode": "independent_candidates"}
         plans = [b.plan for b in prepared.batches]
@@ -693,8 +501,9 @@ class EngineBackbone:
             "enabled": True,
             "mode": "prefix_tree",
             "logical_input_tokens": prepared.logical_tokens,
-            "processed_input_tokens": prepared.rows_computed,
-            "reused_input_tokens": prepared.logical_tokens - prepared.rows_computed,
+            "processed_input_tokens": prepared.token_rows,
+            "reused_input_tokens": prepared.logical_tokens - prepared.token_rows,
+            "padding_rows": prepared.rows_computed - prepared.token_rows,
             "shared_prefix_tokens": sum(p.root_len for p in plans),
             "question_prefix_tokens": sum(sum(p.question_lens) for p in plans),
             "candidate_sequences": prepared.num_candidates,
@@ -821,19 +630,6 @@ def eager_warm_requests() -> list[tuple[list[list[int]], list[int]]]:
         requests.append(([context + [o + 1, o + 2] for o in range(40)], [0] * 40))
         requests.append(([tokens(1600 + extra)], [0]))  # more rows than the largest bucket
     return requests
-
-
-def _consecutive_batches(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
-    """Consecutive candidates per batch while the batch holds at most `max_rows` rows (one candidate may exceed it)."""
-    batches: list[list[int]] = [[]]
-    rows = 0
-    for c, n in enumerate(lengths):
-        if batches[-1] and rows + n > max_rows:
-            batches.append([])
-            rows = 0
-        batches[-1].append(c)
-        rows += n
-    return batches
 
 
 def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -27,10 +27,9 @@ first imported, so the pin must come before any import of fla (`reference.model`
   `graph_cache` and the server's `/health` show it. Plain `triton.autotune` kernels of FLA cannot be pinned; their
   keys always count as autotuned.
 
-    python -m engine.fla_configs dump results/fla-configs   # on the GPU: build `graphs` (27B, synthetic), warm up, dump
-
-The dump command builds the backbone as the runner does (plan `gpu-27b`'s shapes and weight seed, `prepare_process`)
-with autotuning forced on, so it tunes afresh. The committed sets live in `results/fla-configs/<GPU>/`.
+The command that writes a set is a lab tool, `python -m ablations.dump_fla_configs results/fla-configs` (on the GPU:
+build `graphs` on the 27B shapes with synthetic weights as the runner does, autotune afresh, warm up, dump). The
+committed sets live in `results/fla-configs/<GPU>/`.
 
 Tests: tests/test_fla_configs.py (CPU: the files round-trip through FLA's loader in a strict-mode subprocess, the
 report counts loaded and autotuned keys, the pin's refusal and its no-set and no-CUDA paths, the GPU-name
@@ -40,7 +39,6 @@ nothing, chooses the same configs and gives the first process's forward bit for 
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import logging
@@ -92,7 +90,7 @@ def pin_fla_configs(root: str | os.PathLike = PINNED_ROOT, *, gpu_name: str | No
     if not has_set:
         reason = f"no pinned FLA configs for {gpu_name} ({directory / MANIFEST} missing): FLA autotunes"
         if not _told_unpinned:
-            LOG.warning("%s; write them with `python -m engine.fla_configs dump %s`", reason, root)
+            LOG.warning("%s; write them with `python -m ablations.dump_fla_configs %s`", reason, root)
             _told_unpinned = True
         return {"pinned": False, "dir": str(directory), "reason": reason}
     os.environ["FLA_CACHE_MODE"] = "strict"
@@ -254,58 +252,3 @@ def chosen_configs(modules: Iterable[ModuleType] | None = None) -> dict[str, dic
         for key, config in tuner.cache.items():
             chosen.setdefault(kernel_name(tuner), {})[AutotuneKey.key_hash(key)] = config_entry(config)
     return chosen
-
-
-def build_warm_backbone(stage: str = "graphs"):
-    """`stage` built on CUDA as the runner builds it (plan `gpu-27b`'s shapes and weight seed, `prepare_process`) and
-    warmed up; returns (backbone, weights, warm-up dict). Used by the dump command and tests/test_gpu_fla_configs.py.
-    Imports `ablations` (the plan, as the runner reads it): a tool's entry point, not the engine's code path."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("needs a CUDA device (FLA's kernels tune on the GPU)")
-    from tqdm import tqdm
-
-    from ablations.plans import load_plan
-    from engine.stages import BuildContext, build_backbone, prepare_process
-    from reference.shapes import get_shapes
-    from reference.weights import synthetic_weights
-
-    plan = load_plan("gpu-27b")
-    prepare_process([stage], "cuda")
-    weights = synthetic_weights(get_shapes(plan.shapes), seed=plan.weights_seed, device=torch.device("cuda"))
-    backbone = build_backbone(stage, BuildContext(weights))
-    warm = backbone.warm_up(lambda items: tqdm(items, desc=f"{stage}: capture", unit="graph", file=sys.stderr))
-    if not warm:
-        raise RuntimeError(f"stage {stage} has no warm-up (use a graphs stage)")
-    return backbone, weights, warm
-
-
-def _dump_command(root: Path, stage: str) -> dict:
-    """Autotune afresh (whatever the environment pinned), warm `stage` up and dump its FLA configs under `root`."""
-    if FLA_CACHE_MODULE in sys.modules:
-        raise RuntimeError("dump: FLA was imported before the dump could switch autotuning on")
-    os.environ["FLA_CACHE_MODE"] = "disabled"
-    os.environ.pop("FLA_CONFIG_DIR", None)
-    from ablations.envinfo import git_state  # the lab's commit, as the run records state it
-
-    build_warm_backbone(stage)
-    return dump_fla_configs(root, commit=git_state())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.fla_configs", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    dump = commands.add_parser("dump", help="on CUDA: warm up the graphs backbone and write its FLA configs")
-    dump.add_argument("root", type=Path, help="folder of pinned sets, one sub-folder per GPU (results/fla-configs)")
-    dump.add_argument("--stage", default="graphs", help="the registry stage to warm up (default graphs)")
-    args = parser.parse_args(argv)
-    try:
-        manifest = _dump_command(args.root, args.stage)
-    except RuntimeError as error:  # no CUDA, fla imported too early, a stage without a warm-up: say why
-        print(f"engine.fla_configs: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(manifest, indent=1, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -57,15 +57,12 @@ out at exactly b's sizes, replicated GDN mode only (no `handoff` schedule, no no
 and it depends on the bucket alone (no contiguous-range shortcuts, which depend on the request: tested against the
 capture placeholder).
 
-`split_questions` groups a request's questions into batches of whole questions under a row budget (one plan each).
-
 Host cost. A plan's arrays hold a few hundred to a few thousand entries, so building them costs per numpy or torch
-call, not per row, and `_build` keeps the calls few: the node table from Python lists in one array, each node's tokens
-a slice of its candidate, the paths a slice of the attention keys (a leaf's keys are its path), no gather by an
-arange. Nothing is cached between requests: a bucket's padding depends on the request's rows, chunks, slots, keys and
-candidates, not on the bucket alone. `graphs`-stage `prepare` on the 2-core development CPU: 0.64-1.17 ms per
-JevBench-sized request, `plan_tree` 0.57-1.04 ms of it (results/graphs/prepare-time.json; engine/stages/graphs.md,
-"`prepare` in fewer host calls").
+call, not per row; `engine.plan_arrays.host_arrays` builds them in a few vectorized calls per array (its docstring
+lists the steps), and this module lays them into an arena and views. Nothing is cached between requests: a bucket's
+padding depends on the request's rows, chunks, slots, keys and candidates, not on the bucket alone. Which plans a
+request gets (batches, GDN mode, bucket) is the planner's decision (engine/planner.py); measured host time of
+`prepare`: engine/stages/graphs.md, "`prepare` in fewer host calls".
 """
 
 from __future__ import annotations
@@ -79,10 +76,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from engine.plan_arrays import HostArrays, host_arrays
 from reference.ops import GDN_CHUNK_SIZE as CHUNK_SIZE
 
-CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
-PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
 INT32_ARRAYS = ("conv_paths.cu_seqlens", "conv_segments.cu_seqlens", "attention.cu_seqlens_q", "attention.cu_seqlens_k")
 
 
@@ -311,7 +307,7 @@ class TreeLayout:
         return max(self.candidate_lens)
 
     def gdn_mode_costs(self, call_cost_chunks: float) -> dict[str, float]:
-        """The cost rule of `engine.tree.gdn_mode_costs` (chunks of work plus a fixed cost per call) from the sizes
+        """The cost rule of `engine.planner.gdn_mode_costs` (chunks of work plus a fixed cost per call) from the sizes
         alone, without building either schedule (equal to it: tests/test_plan_padding.py)."""
         size, root, q_lens = self.chunk_size, self.root_len, self.question_lens
         a0 = 0 if len(q_lens) == 1 else root // size * size
@@ -354,7 +350,7 @@ class PrefixSummary:
 
 def prefix_summary(candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> PrefixSummary:
     """The request's `PrefixSummary` (inputs checked as `plan_tree` checks them)."""
-    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    seqs, question_of, num_questions = check_inputs(candidates, groups)
     return _summary(seqs, question_of, num_questions)
 
 
@@ -379,7 +375,7 @@ class JoinedLayout:
         if self._first is None:
             self._first, self._common, self._shortest = summary.first, summary.common, summary.shortest
         else:
-            self._common = min(self._common, _common_prefix_len([self._first, summary.first]), summary.common)
+            self._common = min(self._common, common_prefix_len([self._first, summary.first]), summary.common)
             self._shortest = min(self._shortest, summary.shortest)
         self._question_of += [len(self._ends) + q for q in summary.question_of]
         self._ends += summary.question_ends
@@ -565,6 +561,11 @@ class TreePlan:
         return self.num_rows
 
     @property
+    def token_rows(self) -> int:
+        """Rows that hold a candidate's token: the packed rows less the dummy rows (`padding_lens`)."""
+        return self.num_rows - sum(self.padding_lens)
+
+    @property
     def logical_tokens(self) -> int:
         """Tokens of all candidates together: the rows of the flat layout."""
         return sum(self.candidate_lens)
@@ -628,7 +629,7 @@ def plan_tree(
     the plan's), or a function of the plan's shape that returns the arena to fill (or None for a new one); `layout`:
     the request's `tree_layout` where the caller has it, so that the split is not recomputed (ValueError where its
     candidate lengths, questions or chunk size are not the request's)."""
-    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    seqs, question_of, num_questions = check_inputs(candidates, groups)
     if layout is None:
         layout = _summary(seqs, question_of, num_questions).layout(chunk_size)
     elif (layout.candidate_lens, layout.question_of, layout.chunk_size) != (
@@ -662,52 +663,8 @@ def plan_flat(
     arena: PlanArena | None = None,
 ) -> TreePlan:
     """The unshared layout (candidates back to back) in the same structure: empty root and question nodes."""
-    seqs, question_of, num_questions = _check_inputs(candidates, groups)
+    seqs, question_of, num_questions = check_inputs(candidates, groups)
     return _build("flat", seqs, question_of, 0, [0] * num_questions, device, chunk_size, pad_lens, arena, None, None)
-
-
-def split_questions(candidates: Sequence[Sequence[int]], groups: Sequence[int], max_rows: int) -> list[list[int]]:
-    """Batches of whole questions: candidate indices per batch (ascending), each batch to be planned on its own.
-
-    Questions are taken in order of first appearance and added to the current batch while its prefix tree would hold
-    at most `max_rows` packed rows; a question whose own tree is larger forms a batch alone (never split). The rows of
-    a tree over questions r with n_r candidates: root + sum_r (E_r - root) + sum_c (len_c - E_r(c)), where E_r is the
-    end of question r's node (min(lcp of its candidates, its shortest - 1)) and root = min(lcp of all, shortest - 1),
-    so it is updated per question from the lcp of the new question's first candidate with the batch's first.
-    Adding question q to a set S of questions (root -> root' <= root) adds (root - root')(|S| - 1) + (E_q - root') +
-    sum_{c in q} (len_c - E_q) >= 1 rows (E_q >= root', each leaf holds a row): rows grow with every question, so a
-    request whose whole tree holds at most `max_rows` rows is one batch of every candidate (what
-    `EngineBackbone.prepare` reads from the request's `tree_layout` without splitting).
-    """
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    seqs, question_of, num_questions = _check_inputs(candidates, groups)
-    if num_questions == 1:  # one batch, whatever its rows
-        return [list(range(len(seqs)))]
-    members: list[list[int]] = [[] for _ in range(num_questions)]
-    for c, r in enumerate(question_of):
-        members[r].append(c)
-    batches: list[list[int]] = []
-    state = None  # (anchor, lcp of all, shortest, questions, sum_r E_r (1 - n_r), sum of lengths) of the open batch
-    for own in members:
-        own_seqs = [seqs[c] for c in own]
-        shortest = min(len(q) for q in own_seqs)
-        own_lcp = _common_prefix_len(own_seqs)
-        end = min(own_lcp, shortest - 1)
-        own_terms = (end * (1 - len(own)), sum(len(q) for q in own_seqs))
-        if state is not None:
-            anchor, lcp_all, short_all, count, ends, lengths = state
-            lcp_new = min(lcp_all, own_lcp, _common_prefix_len([anchor, own_seqs[0]]))
-            short_new = min(short_all, shortest)
-            root = min(lcp_new, short_new - 1)
-            rows = root * (1 - count - 1) + ends + own_terms[0] + lengths + own_terms[1]
-            if rows <= max_rows:
-                batches[-1] += own
-                state = (anchor, lcp_new, short_new, count + 1, ends + own_terms[0], lengths + own_terms[1])
-                continue
-        batches.append(list(own))
-        state = (own_seqs[0], own_lcp, shortest, 1, *own_terms)
-    return [sorted(batch) for batch in batches]
 
 
 def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int) -> PrefixSummary:
@@ -715,11 +672,11 @@ def _summary(seqs: list[np.ndarray], question_of: list[int], num_questions: int)
     members: list[list[np.ndarray]] = [[] for _ in range(num_questions)]
     for c, r in enumerate(question_of):
         members[r].append(seqs[c])
-    question_common = [_common_prefix_len(m) for m in members]
+    question_common = [common_prefix_len(m) for m in members]
     ends = tuple(min(common, min(len(q) for q in m) - 1) for common, m in zip(question_common, members))
     # P(all) = min(P(each question), P(the questions' first candidates)): each candidate agrees with its question's
     # first on P(its question) tokens (the identity `JoinedLayout` joins requests by); one question: P(all) = P(it).
-    common = min(*question_common, _common_prefix_len([m[0] for m in members]))
+    common = min(*question_common, common_prefix_len([m[0] for m in members]))
     lens = tuple(len(q) for q in seqs)
     return PrefixSummary(seqs[0], common, min(lens), ends, lens, tuple(question_of))
 
@@ -735,7 +692,7 @@ def token_arrays(candidates: Sequence[Sequence[int]]) -> list[np.ndarray]:
     return [arr.astype(np.int64, copy=False) for arr in arrays]
 
 
-def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
+def check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]:
     """The candidates as int64 arrays (an int64 array is taken as it is, without a copy), each question numbered in
     order of first appearance; ValueError for the first bad candidate. One range check over all tokens: the
     per-candidate checks run only to name the one that failed."""
@@ -755,7 +712,7 @@ def _check_inputs(candidates, groups) -> tuple[list[np.ndarray], list[int], int]
     return seqs, question_of, len(index)
 
 
-def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
+def common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
     first = seqs[0]
     common = len(first)
     for s in seqs[1:]:
@@ -765,423 +722,137 @@ def _common_prefix_len(seqs: Sequence[np.ndarray]) -> int:
     return common
 
 
-def _is_arange(indices: np.ndarray, n: int) -> bool:
-    """indices == arange(n) (the length is compared first: most index arrays are longer or shorter)."""
-    return len(indices) == n and bool((indices == np.arange(n)).all())
-
-
-def _range_start(indices: np.ndarray) -> int | None:
-    """indices[0] if indices == arange(indices[0], indices[0] + len), else None."""
-    if len(indices) == 0 or not (indices[1:] - indices[:-1] == 1).all():
-        return None
-    return int(indices[0])
-
-
-def _chunk_layout(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """FLA's varlen chunk layout of sequences with bounds `cu_seqlens`: the chunk indices [sum ceil(len / chunk_size),
-    2] ((sequence index, chunk index within it), as FLA's prepare_chunk_indices) and the chunk offsets [S + 1] (first
-    chunk of each sequence)."""
-    offsets = _bounds(-(-(cu_seqlens[1:] - cu_seqlens[:-1]) // chunk_size))
-    num_chunks = int(offsets[-1])
-    indices = np.empty((num_chunks, 2), dtype=np.int64)
-    indices[:, 0] = np.repeat(np.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
-    indices[:, 1] = np.arange(num_chunks) - offsets[indices[:, 0]]
-    return indices, offsets
-
-
-def _bounds(lens: np.ndarray) -> np.ndarray:
-    """[0, cumsum(lens)...] (int64): the bounds of sequences of these lengths back to back."""
-    bounds = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=bounds[1:])
-    return bounds
-
-
 def _build(
     kind, seqs, question_of, root_len, question_lens, device, chunk_size, pad_lens, arena, bucket, padding
 ) -> TreePlan:
+    """The plan of checked candidates split at `root_len` / `question_lens`: its host arrays
+    (`engine.plan_arrays.host_arrays`), its shape, an arena filled with the arrays, and the views over it."""
     device = torch.device(device)
     if padding is not None:
-        pad_lens = (padding.dummy_rows,)  # the dummy node; its path and the further dummy paths are set below
+        pad_lens = (padding.dummy_rows,)  # the dummy node; its path and the further dummy paths are a bucket's
     pad = np.array(pad_lens, dtype=np.int64).reshape(-1).tolist()
     if min(pad, default=1) < 1:
         raise ValueError(f"padding sequences need at least one row each, got {pad}")
-    num_cands, num_questions, num_pad = len(seqs), len(question_lens), len(pad)
-    lens = [len(s) for s in seqs]
-    leaf_lens = [n - root_len - question_lens[r] for n, r in zip(lens, question_of)]
-    assert min(leaf_lens) >= 1 and min(question_lens) >= 0 and root_len >= 0
-
-    # The node table, by node id (module docstring); packed rows are the nodes' rows in id order:
-    # [root | question nodes | leaves | dummy sequences]. Per node: its rows, its first row's original position, its
-    # representative path (the first path holding its rows, where each row sits at its position: the candidate whose
-    # tokens it holds, the first member for a question node), its grandparent and parent (-1 where none) and its id.
-    # One row per field, one column per node: the root's value, then the questions', the leaves', the dummies'.
-    num_nodes = 1 + num_questions + num_cands + num_pad
-    first_member = [question_of.index(r) for r in range(num_questions)]
-    rows_of_node = [root_len, *question_lens, *leaf_lens, *pad]
-    leaf_first_pos = [root_len + question_lens[r] for r in question_of]
-    first_pos_of_node = [0, *[root_len] * num_questions, *leaf_first_pos, *[0] * num_pad]
-    path_of_node = [0, *first_member, *range(num_cands + num_pad)]
-    node_table = np.array(
-        [
-            rows_of_node,
-            first_pos_of_node,
-            path_of_node,
-            [-1, *[-1] * num_questions, *[0] * num_cands, *[-1] * num_pad],
-            [-1, *[0] * num_questions, *(1 + r for r in question_of), *[-1] * num_pad],
-            range(num_nodes),
-        ],
-        dtype=np.int64,
-    )
-    node_lens, node_first_pos, node_path, node_grandparent, node_parent, node_ids = node_table
-    leaf_ids = node_ids[1 + num_questions : 1 + num_questions + num_cands]
-    node_end = np.cumsum(node_lens)
-    node_start = node_end - node_lens
-    num_rows = int(node_end[-1])
-    pad_base = num_rows - sum(pad)
-    # A node's keys (its path up to its last row): its grandparent's rows, its parent's, its own; a missing ancestor
-    # (-1) reads the zero length appended after the last node.
-    key_nodes = node_table[3:].T
-    key_lens = np.append(node_lens, 0)[key_nodes]
-    key_starts = node_start[key_nodes]
-
-    def keys_of(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The key rows of `nodes` back to back, and each node's count."""
-        return _concat_ranges(key_starts[nodes].ravel(), key_lens[nodes].ravel()), key_lens[nodes].sum(axis=1)
-
-    row_node = np.repeat(node_ids, node_lens)
-    positions = node_first_pos[row_node] + np.arange(num_rows) - node_start[row_node]
-    row_parent = node_parent[row_node]
-    row_grandparent = node_grandparent[row_node]
-    # Each real node's tokens are a slice of its representative candidate (at its positions); dummy rows pad.
-    real = slice(0, num_nodes - num_pad)
-    real_nodes = zip(rows_of_node[real], first_pos_of_node[real], path_of_node[real])
-    real_tokens = [seqs[path][first : first + rows] for rows, first, path in real_nodes]
-    token_ids = np.concatenate([*real_tokens, np.full(sum(pad), PAD_TOKEN_ID, dtype=np.int64)])
-
-    # Attention: one sequence per non-empty node (packed order), its own rows as queries, its keys.
-    attn_nodes = np.flatnonzero(node_lens)
-    q_counts = node_lens[attn_nodes]
-    key_rows, k_counts = keys_of(attn_nodes)
-
-    # Paths: each candidate's, then the dummy sequences' (a bucket's: module docstring). The attention's nodes end
-    # with every leaf, then every dummy node (none is empty), whose keys are their paths: the paths are the keys after
-    # the root's and the non-empty questions' (root_len + q_r each).
-    num_inner = len(attn_nodes) - num_cands - num_pad
-    first_path_key = root_len * num_inner + sum(question_lens)
-    if padding is None:
-        num_paths, path_slots = num_cands + num_pad, sum(lens) + sum(pad)
-    else:  # a bucket's dummy paths are laid out below
-        num_paths, path_slots = num_cands, sum(lens)
-    path_lens = k_counts[num_inner : num_inner + num_paths]
-    path_rows = key_rows[first_path_key : first_path_key + path_slots]
-    last_row = num_rows - 1  # where a bucket's trailing slots, keys and read rows point (a dummy row)
-    read_rows = node_end[leaf_ids] - 1
-    if padding is not None:
-        # The dummy node's path (its rows, then its last row repeated), then paths cycling through its rows.
-        dummy_lens = np.array(padding.path_lens, dtype=np.int64)
-        dummy_slot = _concat_ranges(np.zeros_like(dummy_lens), dummy_lens)  # slot in its dummy path
-        dummy_row = dummy_slot % padding.dummy_rows
-        dummy_row[: dummy_lens[0]] = np.minimum(dummy_slot[: dummy_lens[0]], padding.dummy_rows - 1)
-        trailing = np.full(padding.trailing_slots, last_row, dtype=np.int64)
-        path_rows = np.concatenate([path_rows, pad_base + dummy_row, trailing])
-        path_lens = np.concatenate([path_lens, dummy_lens])
-        read_rows = np.concatenate([read_rows, np.full(padding.extra_reads, last_row, dtype=np.int64)])
-    path_cu = _bounds(path_lens)
-
-    # Representative slot of each packed row: its first occurrence in the concatenated paths, which is its position
-    # in its node's representative path. So the replicated call, which produces each row from its representative
-    # slot, produces every packed row exactly once, in order.
-    row_slot = path_cu[node_path[row_node]] + positions
-    if not _is_arange(path_rows[row_slot], num_rows):
-        raise AssertionError("a representative slot does not hold its row")
-
-    # Conv window of each row, read from its representative path: rows at positions p-3..p (num_rows = zero row).
-    back = np.arange(CONV_WIDTH - 1, -1, -1)
-    window = path_rows[np.maximum(row_slot[:, None] - back, 0)]
-    conv_rows = np.where(positions[:, None] >= back, window, num_rows)
-
-    conv_layouts = {"conv_paths": _conv_input(path_rows, path_lens)}
-    if padding is None:  # a bucketed plan runs the replicated mode only: no node segments, no hand-off schedule
-        # Conv segments: each non-empty node's rows after its history (the rows at positions p0-W+1..p0-1 of its
-        # representative path, where any), which is one slice of that path.
-        first_slot = row_slot[node_start[attn_nodes]]
-        history = np.minimum(node_first_pos[attn_nodes], CONV_WIDTH - 1)
-        segment_lens = history + q_counts
-        segment_rows = path_rows[_concat_ranges(first_slot - history, segment_lens)]
-        segment_keep = _concat_ranges(np.cumsum(segment_lens) - segment_lens + history, q_counts)
-        conv_layouts["conv_segments"] = _conv_input(segment_rows, segment_lens, segment_keep)
-    attn_max = (int(q_counts.max()), int(k_counts.max()))
-    if padding is not None:
-        q_counts = np.concatenate([q_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
-        k_counts = np.concatenate([k_counts, np.zeros(padding.empty_nodes, dtype=np.int64)])
-        key_rows = np.concatenate([key_rows, np.full(padding.trailing_keys, last_row, dtype=np.int64)])
-        attn_max = (bucket.max_q, bucket.max_k)
-    attn_cu_q = _bounds(q_counts)
-    attn_cu_k = _bounds(k_counts)
-
-    schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
-    if padding is None:
-        paths = [path_rows[path_cu[c] : path_cu[c + 1]] for c in range(len(path_lens))]
-        lens_array, q_of, q_lens = (np.array(x, dtype=np.int64) for x in (lens, question_of, question_lens))
-        handoff = _handoff_calls(paths[:num_cands], lens_array, q_of, root_len, q_lens, chunk_size, paths[num_cands:])
-        produced = np.concatenate([call["out_rows"] for call in handoff])
-        if not np.array_equal(np.sort(produced), np.arange(num_rows)):
-            raise AssertionError("handoff GDN schedule does not produce every packed row exactly once")
-        schedules["handoff"] = handoff
-
-    arrays = {
-        "token_ids": token_ids,
-        "positions": positions,
-        "row_node": row_node,
-        "row_parent": row_parent,
-        "row_grandparent": row_grandparent,
-        "row_slot": row_slot,
-        "path_rows": path_rows,
-        "path_cu_seqlens": path_cu,
-        "read_rows": read_rows,
-        "attention.key_rows": key_rows,
-        "attention.cu_seqlens_q": attn_cu_q,
-        "attention.cu_seqlens_k": attn_cu_k,
-    }
-    for name, layout in conv_layouts.items():
-        for field in ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep"):
-            arrays[f"{name}.{field}"] = layout[field]
-    call_shapes = {}
-    for mode, calls in schedules.items():
-        call_shapes[mode] = []
-        for i, call in enumerate(calls):
-            call["chunk_indices"], call["chunk_offsets"] = _chunk_layout(call["cu_seqlens"], chunk_size)
-            names = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows")
-            for name in names:
-                if call[name] is not None:
-                    arrays[f"{mode}.{i}.{name}"] = call[name]
-            rows_start = out_start = None  # a bucket's shape must not depend on the request: always gather
-            if padding is None:
-                rows_start = _range_start(call["rows"])
-                out_slots, out_rows = _range_start(call["out_slots"]), _range_start(call["out_rows"])
-                out_start = None if out_slots is None or out_rows is None else (out_slots, out_rows)
-            call_shapes[mode].append(
-                GdnCallShape(
-                    keep_final=call["keep_final"],
-                    has_init_state=call["init_state"] is not None,
-                    rows_start=rows_start,
-                    out_start=out_start,
-                )
-            )
-    shape = PlanShape(
-        kind=kind,
-        chunk_size=chunk_size,
-        num_rows=num_rows,
-        num_candidates=len(read_rows),
-        num_padding=len(pad),
-        arrays=tuple((name, a.shape) for name, a in arrays.items()),
-        gdn=tuple((mode, tuple(shapes)) for mode, shapes in call_shapes.items()),
-        conv_flags=tuple(
-            (
-                name,
-                (
-                    _is_arange(layout["rows"], num_rows),
-                    _is_arange(layout["keep"], len(layout["rows"])),
-                    _is_arange(layout["keep_rows"], num_rows),
-                ),
-            )
-            for name, layout in conv_layouts.items()
-        ),
-        attention_max=attn_max,
-        keys_are_rows=_is_arange(key_rows, num_rows),
-    )
-    if callable(arena):
-        arena = arena(shape)
-    if arena is None and device.type == "cpu":
-        arena = PlanArena(shape, device, host=_host_buffer(arrays))  # no copy: the arena is the host buffer
-    elif arena is None:
-        arena = PlanArena(shape, device)
-        arena.fill(arrays)
-    elif arena.shape != shape:
-        raise ValueError("the plan's shape differs from the arena's (another bucket: pad it, or use another arena)")
-    else:
-        arena.fill(arrays)
-    dev, i32 = arena.views, arena.int32
-
-    gdn = {}
-    for mode, calls in schedules.items():
-        built = []
-        for i, (call, call_shape) in enumerate(zip(calls, call_shapes[mode])):
-            key = f"{mode}.{i}."
-            built.append(
-                GdnCall(
-                    rows=dev[key + "rows"],
-                    cu_seqlens=dev[key + "cu_seqlens"],
-                    cu_seqlens_cpu=torch.from_numpy(call["cu_seqlens"]),
-                    chunk_indices=dev[key + "chunk_indices"],
-                    chunk_offsets=dev[key + "chunk_offsets"],
-                    init_state=dev.get(key + "init_state"),
-                    keep_final=call_shape.keep_final,
-                    out_slots=dev[key + "out_slots"],
-                    out_rows=dev[key + "out_rows"],
-                    start_positions=tuple(call["start_positions"].tolist()),
-                    chunks=len(call["chunk_indices"]),
-                    rows_start=call_shape.rows_start,
-                    out_start=call_shape.out_start,
-                )
-            )
-        gdn[mode] = GdnSchedule(mode=mode, calls=tuple(built))
-
-    flags = dict(shape.conv_flags)
-    conv_inputs = {
-        name: ConvInput(
-            rows=dev[f"{name}.rows"],
-            cu_seqlens=dev[f"{name}.cu_seqlens"],
-            cu_seqlens_i32=i32[f"{name}.cu_seqlens"],
-            cu_seqlens_cpu=torch.from_numpy(layout["cu_seqlens"]),
-            keep=dev[f"{name}.keep"],
-            keep_rows=dev[f"{name}.keep_rows"],
-            keep_rows_are_packed=flags[name][2],
-            spaced=dev[f"{name}.spaced"],
-            spaced_keep=dev[f"{name}.spaced_keep"],
-            rows_are_packed=flags[name][0],
-            keep_all=flags[name][1],
-        )
-        for name, layout in conv_layouts.items()
-    }
-    attention = NodeAttention(
-        key_rows=dev["attention.key_rows"],
-        cu_seqlens_q=i32["attention.cu_seqlens_q"],
-        cu_seqlens_k=i32["attention.cu_seqlens_k"],
-        cu_seqlens_q_cpu=torch.from_numpy(attn_cu_q),
-        cu_seqlens_k_cpu=torch.from_numpy(attn_cu_k),
-        max_q=shape.attention_max[0],
-        max_k=shape.attention_max[1],
-        keys_are_rows=shape.keys_are_rows,
-    )
-
+    host = host_arrays(seqs, question_of, root_len, question_lens, chunk_size, pad, padding, bucket)
+    shape = _plan_shape(kind, chunk_size, host, len(pad))
+    arena = _filled_arena(shape, host.arrays, device, arena)
+    views, int32 = arena.views, arena.int32
+    conv_inputs = {name: _conv_view(name, host, views, int32) for name in host.conv_bounds}
     return TreePlan(
         kind=kind,
         device=device,
         shape=shape,
         arena=arena,
-        candidate_lens=tuple(lens),
+        candidate_lens=tuple(len(s) for s in seqs),
         question_of=tuple(question_of),
         root_len=int(root_len),
         question_lens=tuple(int(n) for n in question_lens),
-        leaf_lens=tuple(int(n) for n in leaf_lens),
+        leaf_lens=host.leaf_lens,
         padding_lens=tuple(pad),
         chunk_size=chunk_size,
-        conv_rows=torch.from_numpy(conv_rows),
-        path_cu_seqlens_cpu=torch.from_numpy(path_cu),
-        token_ids=dev["token_ids"],
-        positions=dev["positions"],
-        row_node=dev["row_node"],
-        row_parent=dev["row_parent"],
-        row_grandparent=dev["row_grandparent"],
-        row_slot=dev["row_slot"],
-        path_rows=dev["path_rows"],
-        path_cu_seqlens=dev["path_cu_seqlens"],
-        read_rows=dev["read_rows"],
-        gdn=gdn,
+        conv_rows=torch.from_numpy(host.conv_rows),
+        path_cu_seqlens_cpu=torch.from_numpy(host.path_cu),
+        token_ids=views["token_ids"],
+        positions=views["positions"],
+        row_node=views["row_node"],
+        row_parent=views["row_parent"],
+        row_grandparent=views["row_grandparent"],
+        row_slot=views["row_slot"],
+        path_rows=views["path_rows"],
+        path_cu_seqlens=views["path_cu_seqlens"],
+        read_rows=views["read_rows"],
+        gdn={mode: _schedule_view(mode, host, views) for mode in host.calls},
         conv_paths=conv_inputs["conv_paths"],
         conv_segments=conv_inputs.get("conv_segments"),
         bucket=bucket,
-        attention=attention,
+        attention=NodeAttention(
+            key_rows=views["attention.key_rows"],
+            cu_seqlens_q=int32["attention.cu_seqlens_q"],
+            cu_seqlens_k=int32["attention.cu_seqlens_k"],
+            cu_seqlens_q_cpu=torch.from_numpy(host.attention_bounds[0]),
+            cu_seqlens_k_cpu=torch.from_numpy(host.attention_bounds[1]),
+            max_q=shape.attention_max[0],
+            max_k=shape.attention_max[1],
+            keys_are_rows=shape.keys_are_rows,
+        ),
     )
 
 
-def _concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """arange(starts[i], starts[i] + lens[i]) for every i, back to back (int64)."""
-    lens = np.asarray(lens, dtype=np.int64)
-    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
-
-
-def _conv_input(rows: np.ndarray, lens: np.ndarray, keep: np.ndarray | None = None) -> dict:
-    """Host arrays of a `ConvInput`: sequences of `lens` rows back to back in `rows` (packed row ids), then any rows
-    after the last sequence (a bucket's trailing slots: in no sequence; `spaced` reads them as such), keeping slots
-    `keep` (None: every slot, in order, so `keep_rows` is `rows` and `spaced_keep` every slot's position)."""
-    history = CONV_WIDTH - 1
-    trailing = len(rows) - int(lens.sum())
-    # In `spaced`, W-1 zero rows precede each sequence: a slot moves by W-1 per sequence up to its own (a trailing
-    # slot by W-1 per sequence).
-    shift = np.repeat(np.append(np.arange(1, len(lens) + 1), len(lens)), np.append(lens, trailing))
-    spaced_slot = np.arange(len(rows)) + history * shift
-    spaced = np.zeros(len(rows) + history * len(lens), dtype=np.int64)
-    spaced[spaced_slot] = rows + 1
-    if keep is None:
-        keep, keep_rows, spaced_keep = np.arange(len(rows)), rows, spaced_slot
-    else:
-        keep, keep_rows, spaced_keep = keep.astype(np.int64), rows[keep], spaced_slot[keep]
-    return {
-        "rows": rows,
-        "cu_seqlens": _bounds(lens),
-        "keep": keep,
-        "keep_rows": keep_rows,
-        "spaced": spaced,
-        "spaced_keep": spaced_keep,
+def _plan_shape(kind: str, chunk_size: int, host: HostArrays, num_padding: int) -> PlanShape:
+    calls = {
+        mode: tuple(GdnCallShape(c.keep_final, c.has_init_state, c.rows_start, c.out_start) for c in facts)
+        for mode, facts in host.calls.items()
     }
+    return PlanShape(
+        kind=kind,
+        chunk_size=chunk_size,
+        num_rows=host.num_rows,
+        num_candidates=host.num_reads,
+        num_padding=num_padding,
+        arrays=tuple((name, a.shape) for name, a in host.arrays.items()),
+        gdn=tuple(calls.items()),
+        conv_flags=tuple(host.conv_flags.items()),
+        attention_max=host.attention_max,
+        keys_are_rows=host.keys_are_rows,
+    )
 
 
-def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.ndarray) -> dict:
-    """Every path from position 0; each packed row is produced by its representative slot (so the rows produced,
-    `path_rows[row_slot]`, are the packed rows in order: checked where `row_slot` is built)."""
-    return {
-        "rows": path_rows,
-        "cu_seqlens": path_cu,
-        "init_state": None,
-        "keep_final": False,
-        "out_slots": row_slot,
-        "out_rows": np.arange(len(row_slot)),
-        "start_positions": np.zeros(len(path_cu) - 1, dtype=np.int64),
-    }
+def _filled_arena(
+    shape: PlanShape,
+    arrays: dict[str, np.ndarray],
+    device: torch.device,
+    arena: PlanArena | Callable[[PlanShape], PlanArena | None] | None,
+) -> PlanArena:
+    """The caller's arena (or the one its function returns for `shape`) refilled, or a new one: on the CPU over the
+    host buffer itself (no copy), elsewhere filled by one copy."""
+    if callable(arena):
+        arena = arena(shape)
+    if arena is None and device.type == "cpu":
+        return PlanArena(shape, device, host=_host_buffer(arrays))
+    if arena is None:
+        arena = PlanArena(shape, device)
+    elif arena.shape != shape:
+        raise ValueError("the plan's shape differs from the arena's (another bucket: pad it, or use another arena)")
+    arena.fill(arrays)
+    return arena
 
 
-def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths) -> list[dict]:
-    """Root to A0, questions from A0 to A_r, leaves from A_r (all multiples of chunk_size); see GdnSchedule. One
-    question: no root call (A0 = 0), its node runs from position 0. Dummy sequences run whole in the leaves' call,
-    from the zero state."""
-    a0 = 0 if len(q_lens) == 1 else root_len // chunk_size * chunk_size
-    q_end = (root_len + q_lens) // chunk_size * chunk_size  # A_r per question
+def _schedule_view(mode: str, host: HostArrays, views: dict[str, torch.Tensor]) -> GdnSchedule:
     calls = []
-    bank_size = 1  # entry 0: the zero state
-    root_state = 0
-    if a0 > 0:
-        calls.append(_call([(paths[0], 0, a0, 0)], keep_final=True))
-        root_state, bank_size = bank_size, bank_size + 1
-    q_state = np.full(len(q_lens), root_state, dtype=np.int64)
-    q_from = np.full(len(q_lens), a0, dtype=np.int64)
-    crossing = [r for r in range(len(q_lens)) if q_end[r] > a0]
-    if crossing:
-        first_member = {r: int(np.flatnonzero(q_of == r)[0]) for r in crossing}
-        calls.append(_call([(paths[first_member[r]], a0, q_end[r], root_state) for r in crossing], keep_final=True))
-        for i, r in enumerate(crossing):
-            q_state[r], q_from[r] = bank_size + i, q_end[r]
-        bank_size += len(crossing)
-    leaves = [(paths[c], q_from[q_of[c]], lens[c], q_state[q_of[c]]) for c in range(len(paths))]
-    leaves += [(path, 0, len(path), 0) for path in dummy_paths]
-    calls.append(_call(leaves, keep_final=False))
-
-    # Each packed row is produced by the first slot (in call order) that holds it.
-    all_rows = np.concatenate([call["rows"] for call in calls])
-    _, first = np.unique(all_rows, return_index=True)
-    is_first = np.zeros(len(all_rows), dtype=bool)
-    is_first[first] = True
-    offset = 0
-    for call in calls:
-        n = len(call["rows"])
-        call["out_slots"] = np.flatnonzero(is_first[offset : offset + n]).astype(np.int64)
-        call["out_rows"] = call["rows"][call["out_slots"]]
-        offset += n
-    return calls
+    for i, facts in enumerate(host.calls[mode]):
+        key = f"{mode}.{i}."
+        calls.append(
+            GdnCall(
+                rows=views[key + "rows"],
+                cu_seqlens=views[key + "cu_seqlens"],
+                cu_seqlens_cpu=torch.from_numpy(facts.cu_seqlens),
+                chunk_indices=views[key + "chunk_indices"],
+                chunk_offsets=views[key + "chunk_offsets"],
+                init_state=views.get(key + "init_state"),
+                keep_final=facts.keep_final,
+                out_slots=views[key + "out_slots"],
+                out_rows=views[key + "out_rows"],
+                start_positions=facts.start_positions,
+                chunks=facts.chunks,
+                rows_start=facts.rows_start,
+                out_start=facts.out_start,
+            )
+        )
+    return GdnSchedule(mode=mode, calls=tuple(calls))
 
 
-def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -> dict:
-    """pieces: (path, start position, end position, state bank index) per sequence."""
-    rows = np.concatenate([path[start:end] for path, start, end, _ in pieces]).astype(np.int64)
-    seq_lens = np.array([end - start for _, start, end, _ in pieces], dtype=np.int64)
-    assert (seq_lens > 0).all()
-    starts = np.array([start for _, start, _, _ in pieces], dtype=np.int64)
-    states = np.array([state for _, _, _, state in pieces], dtype=np.int64)
-    return {
-        "rows": rows,
-        "cu_seqlens": _bounds(seq_lens),
-        "init_state": None if (starts == 0).all() else states,
-        "keep_final": keep_final,
-        "start_positions": starts,
-    }
+def _conv_view(name: str, host: HostArrays, views: dict, int32: dict) -> ConvInput:
+    rows_are_packed, keep_all, keep_rows_are_packed = host.conv_flags[name]
+    return ConvInput(
+        rows=views[f"{name}.rows"],
+        cu_seqlens=views[f"{name}.cu_seqlens"],
+        cu_seqlens_i32=int32[f"{name}.cu_seqlens"],
+        cu_seqlens_cpu=torch.from_numpy(host.conv_bounds[name]),
+        keep=views[f"{name}.keep"],
+        keep_rows=views[f"{name}.keep_rows"],
+        keep_rows_are_packed=keep_rows_are_packed,
+        spaced=views[f"{name}.spaced"],
+        spaced_keep=views[f"{name}.spaced_keep"],
+        rows_are_packed=rows_are_packed,
+        keep_all=keep_all,
+    )

@@ -39,11 +39,6 @@ import torch.nn.functional as F
 from engine.plan import NodeAttention, TreePlan
 from reference import ops
 
-# Fixed cost of one GDN core call in units of 64-token chunks of one sequence (launch latency of FLA's ~6 kernels
-# against their per-chunk work). 32 makes the two extra calls of `handoff` pay once replication would cost more
-# than ~4096 extra tokens, the threshold open-jev-fast uses for its state path; calibrate with tests/test_gpu_tree.py.
-GDN_CALL_COST_CHUNKS = 32
-
 
 def tree_gdn_core(
     q: torch.Tensor,
@@ -105,22 +100,6 @@ def tree_gdn_core(
         else:
             out.index_copy_(0, call.out_rows, o_call[0].index_select(0, call.out_slots))
     return out
-
-
-def gdn_mode_costs(plan: TreePlan, call_cost_chunks: float = GDN_CALL_COST_CHUNKS) -> dict[str, float]:
-    """Estimated GDN core cost per mode: chunks of work plus a fixed cost per call."""
-    return {mode: s.chunks + call_cost_chunks * len(s.calls) for mode, s in plan.gdn.items()}
-
-
-def cheaper_gdn_mode(costs: dict[str, float]) -> str:
-    """The cost rule: `handoff` where it is estimated cheaper than `replicated` (long shared prefixes, several
-    branches). `costs` from `gdn_mode_costs` (a plan) or `engine.plan.TreeLayout.gdn_mode_costs` (its sizes alone)."""
-    return "handoff" if costs["handoff"] < costs["replicated"] else "replicated"
-
-
-def choose_gdn_mode(plan: TreePlan, call_cost_chunks: float = GDN_CALL_COST_CHUNKS) -> str:
-    """The cost rule (`cheaper_gdn_mode`) on a plan's two schedules."""
-    return cheaper_gdn_mode(gdn_mode_costs(plan, call_cost_chunks))
 
 
 def torch_chunk_core(

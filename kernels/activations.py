@@ -13,18 +13,14 @@ of a chain is one bf16↓ here, at the same place, and nothing else is rounded:
   silu(x)    = bf16↓( x / (1 + exp(-x)) )      (torch's CUDA silu kernel; its CPU kernel computes the same formula)
   sigmoid(x) = bf16↓( 1 / (1 + exp(-x)) )      (torch's CUDA sigmoid kernel, opmath; CPU likewise)
   a · b      = bf16↓( fp32(a) · fp32(b) )
-Exactness: bitwise against the reference on the same device (tests/test_kernels.py on CPU, measured 100 %;
-tests/test_gpu_kernels.py on the H200).
+Exactness: bitwise against the reference on the same device (tests/test_kernels.py on CPU, tests/test_gpu_kernels.py
+on the H200).
 
 The torch-opmath helpers these kernels call (bf16 rounding by bits, exp/sigmoid/silu as torch evaluates them, launch
 options and tensor checks) live in `kernels/numerics.py`, with how each reproduces torch.
 
-Version history:
-* v1 (this file): silu_mul and attention_gate as 2-D tiles (rows x columns) of `tile_elements` elements. On the
-  H200 at the 27B width, silu_mul takes 45.7 us for 971 rows (54% of the copy rate); nine other tile shapes (8-32
-  rows, 512-4096 columns, 4 or 8 warps) were all slower, 46.6-68.1 us (attempt `fused-kernel-tile-retune`,
-  results/gpu/20261130T134352Z-nvidia-h200-be9cff4-kernel-tiles.json).
-* v0 probes that failed (the opmath helpers, now in `kernels/numerics.py`): see its version history.
+Versions (history: engine/stages/fused.md, "Kernel history"):
+* v1 (this file): silu_mul and attention_gate as 2-D tiles (rows x columns) of `tile_elements` elements.
 """
 
 from __future__ import annotations

@@ -14,13 +14,9 @@ with none (unaligned views, odd strides). Integers equal to 1 are specialised to
 Nothing runs.
 
 Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
-fail to compile on the GPU. That happened to gdn_prep v2 under Triton 3.6 (the H200's): with a row index and 9 to 128
-packed sequences TritonGPURemoveLayoutConversions failed ("'tt.load' op failed to verify that mask type matches ptr
-type"), in the H200 ladder run at commit e0c0b5d (tree, context-512-choice-8). This check reproduces it on a CPU-only
-machine with Triton 3.6.0: v2 fails at 9, 17, 33 and 65 sequences (binary-search depths 4 to 7) with aligned pointers
-and compiles at every other launch here; Triton 3.9 compiles all of v2; v3 compiles everywhere with both. A failure that
-only one Triton version shows needs that version. Must run without TRITON_INTERPRET (the kernels must be JITFunctions):
-tests run it in a subprocess (tests/test_kernels.py).
+fail to compile on the GPU (gdn_prep v2 under Triton 3.6: engine/stages/fused.md, "Kernel history"); a failure that
+only one Triton version shows needs that version. Must run without TRITON_INTERPRET (the kernels must be
+JITFunctions): tests run it in a subprocess (tests/test_kernels.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ Against `reference.ops.l2norm_fla` (torch: IEEE sqrt and division, torch's own s
 ulp off, rarely. With `qk_l2norm=False` q and k are the conv outputs, for FLA to normalise
 (`use_qk_l2norm_in_kernel=True`): equal to the HF+FLA path by construction. beta and g follow torch's CUDA kernels
 (libdevice `expf`/`log1pf`, IEEE division, helpers of `kernels.numerics`): bitwise on GPU. Under the CPU
-interpreter g (fp32, never rounded) is 93-100 % bit-identical to torch's CPU result, at most 2 ulp off.
+interpreter g (fp32, never rounded) may differ from torch's CPU result in the last fp32 bits, bounded in ulps by
+tests/test_kernels.py.
 
 Unsupported on purpose (clear errors): conv weights other than bf16 (HF then convolves in fp32 with one rounding),
 K or V above 256. Not provided: conv history from a cache or a shared prefix (every sequence starts from zeros).
@@ -39,26 +40,12 @@ K or V above 256. Not provided: conv history from a cache or a shared prefix (ev
 Batch invariance: BLOCK_T is fixed (16 rows on GPU, 256 interpreted), never derived from the row count; a packed call
 equals per-sequence calls bit for bit (tested).
 
-Version history:
-* v1: grid (row block of BLOCK_T rows, head slot); head slots are the Hk q heads, the Hk k heads, the
-  Hv v heads and one slot for all of beta/g. Each row finds its sequence start by a binary search in cu_seqlens
-  (log2(N) loads, no host sync), and loads its W taps directly from proj (masked before the sequence start).
-  On the H200, 971 rows at the 27B widths: 33.8 us (29% of the copy rate); 8-64 rows per block with 4 or 8 warps
-  were all slower, 35.1-50.7 us (attempt `fused-kernel-tile-retune`).
-* v3 (this file): the row-index load is masked by the row's validity alone, at a clamped index, instead of by the
-  tap's `source_ok` (which comes from the binary search): the loaded index is still used only where `source_ok`
-  holds, so the bits are v2's. v2's mask made Triton 3.6 fail to compile the row-indexed kernel when the search takes
-  4 to 7 steps (9 to 128 packed sequences): in the H200 ladder at commit e0c0b5d, `tree` errored on
-  context-512-choice-8 (10 node segments) and ran on the 16 other workloads. Reproduced and checked without a GPU by
-  `python -m kernels.compile_check` (tests/test_kernels.py runs it).
-* v2: v1 plus an optional row index (`rows`): the prefix tree's candidate paths are read through it instead of being
-  gathered by a separate index_select first (one launch and one [paths, proj width] copy less per GDN layer). In the
-  H200 ladder at e0c0b5d the tree forward launched 839 kernels per drone request (952 with the gathers, run 89aea6c).
-  tests/test_kernels.py checks it bitwise against the gathered call under the interpreter, tests/test_gpu_kernels.py
-  on the H200.
-* v0 reused names (`x`, `out_offset`) with other shapes in the conv and the gate branch of the runtime `if`: the
-  interpreter ran it, the sm_90 compile failed ("Mismatched type for out_offset between then block and else
-  block"); Triton merges same-named variables across runtime branches.
+Versions (history: engine/stages/fused.md, "Kernel history"):
+* v0 (dropped): same-named variables of other shapes in the two branches of a runtime `if` (sm_90 compile failed).
+* v1: grid (row block, head slot); each row finds its sequence start by a binary search in cu_seqlens.
+* v2: v1 plus an optional row index (`rows`): the tree's candidate paths read through it, no gather first;
+  bitwise against the gathered call (tests/test_kernels.py, tests/test_gpu_kernels.py).
+* v3 (this file): the row-index load masked by the row's validity at a clamped index (v2's bits; compiles on 3.6).
 """
 
 from __future__ import annotations

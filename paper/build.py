@@ -28,15 +28,9 @@ def build(results: Path, output: Path | None = None) -> Path:
     if not summary_path.is_file():
         raise FileNotFoundError(f"{summary_path} not found: run `python -m paper.figures` first")
     newest = json.loads(summary_path.read_text())["newest_utc"]
-    timestamp = None
-    if newest is not None:
-        timestamp = int(dt.datetime.strptime(newest, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp())
-    pdf = typst.compile(
-        REPORT_SOURCE.read_bytes(),
-        root=str(results.resolve()),
-        sys_inputs={"summary": "/" + SUMMARY},
-        timestamp=timestamp,
-    )
+    when = None if newest is None else dt.datetime.strptime(newest, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    pdf = typst.compile(REPORT_SOURCE.read_bytes(), root=str(results.resolve()), sys_inputs={"summary": "/" + SUMMARY},
+                        timestamp=None if when is None else int(when.timestamp()))  # fmt: skip
     output = output or results / "report.pdf"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(pdf)
@@ -48,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", help="results folder (default: $JEVLAB_RESULTS or results/)")
     parser.add_argument("--output", help="PDF path (default: <results>/report.pdf)")
     args = parser.parse_args(argv)
-    path = build(results_dir(args.results), Path(args.output) if args.output else None)
-    print(f"report: {path}")
+    print(f"report: {build(results_dir(args.results), Path(args.output) if args.output else None)}")
     return 0
 
 

@@ -1,40 +1,20 @@
 """Figures and the report summary from run records alone (results/runs/*.json); no GPU, no model code. The tables
-come from paper/tables.py, the README block from paper/readme.py.
+come from paper/tables.py, the README block from paper/readme.py, the serving figure from paper/serving.py.
 
     python -m paper.figures [--results DIR] [--plan NAME] [--record PATH ...] [--svg]
 
-Picks, per plan, the newest complete record and, when a partial record (`complete: false`: the run stopped or is
-still running) is newer than it, that partial record too (or the records named with `--record`, or only `--plan`).
-A partial record is labelled as such wherever it appears (figure titles, summary, README block, report), with what
-it holds, and its figure files end in `-partial`. For each record it writes, under `<results>/figures/`:
-
-* `ladder-<plan>.png`: one bar per stage on the plan's headline workload, median ms with the p10-p90 range, the
-  speed-up over the plan's baseline stage written on each bar, and the floor of each stage (the larger of the
-  weight-streaming and compute floors for the rows that stage computes) drawn as a line across its bar;
-  stages that were not timed appear as empty slots naming their status (a partial record's stage that was still
-  pending draws its bar where the headline was timed, else "not reached (run stopped)").
-* `workloads-<plan>.png`: median ms of every stage on every workload (grouped bars, log scale).
-* `kernels-<plan>.png`: kernels per forward and GPU-busy ms against wall ms per stage on the headline workload.
-* `time-<plan>.png`: where the time of one headline forward goes, per stage: summed kernel ms per family (GEMM, GDN
-  core, attention core, our kernels, other) stacked, the rest of the median as GPU idle, and the host's launch time
-  marked (records without per-family kernel times get a figure that says so).
-* `states-<plan>.png`: where each path departs from the plan's reference on the headline workload: the relative
-  RMSE of every residual state (embedding, the output of each layer, the final norm) per stage, log scale, with
-  bit-identical states on a labelled floor band and each stage's first departing state starred; full-attention
-  layers shaded (records older than the per-state comparison get a figure that says so).
-* `serving-<gpu|cpu>.png`: the newest concurrency run per device (results/serving/, `python -m
-  ablations.concurrency`): requests/s and client P50/P95 against concurrent clients (paper/serving.py).
-* `summary.json`: every number and table the report shows, already formatted, so `paper/report.typ` only lays
-  them out (it reads this file and the PNGs, nothing else); among them a one-page overview, the targets of issues 4
-  and 5 (ablations/targets.py) each met, missed or not measured, and the tables of the record's probes
-  (ablations/probes.py), or that the runner has not measured them yet.
-
-When the results folder is the checkout's own, the ladder table of each plan is also written into README.md between
-the `<!-- results:ladder -->` and `<!-- /results:ladder -->` markers, so the README never carries a hand-typed figure.
-
-`--results` defaults to `$JEVLAB_RESULTS` or `results/` of the checkout. Every figure names its plan and machine,
-and the CPU plan is labelled as such; probabilities appear only in the correctness table, beside the
-synthetic-weights statement of the record.
+Per plan: the newest complete record and, when a newer partial record (`complete: false`) exists, that one too,
+labelled as partial wherever it appears and drawn into `-partial` files (or the records named with `--record`).
+Per record, under `<results>/figures/`: `ladder-<plan>.png` (median ms and p10-p90 per stage on the headline, the
+speed-up over the baseline and each stage's floor; untimed stages as empty slots naming their status),
+`workloads-<plan>.png` (every stage on every workload, log scale), `kernels-<plan>.png` (kernels per forward, GPU
+busy against wall ms), `time-<plan>.png` (kernel ms per family stacked, GPU idle, host launch time),
+`states-<plan>.png` (relative RMSE of every residual state against the reference, bit-identical states on a floor
+band, first departures starred, full-attention layers shaded); `serving-<gpu|cpu>.png`; and `summary.json`, every
+number and table the report shows, already formatted (`paper/report.typ` reads it and the PNGs, nothing else). A
+figure that has nothing to draw says why. When the results folder is the checkout's own, the ladder block of
+README.md (between `<!-- results:ladder -->` markers) is rewritten too, so it never carries a hand-typed figure.
+`--results` defaults to `$JEVLAB_RESULTS` or `results/`.
 """
 
 from __future__ import annotations

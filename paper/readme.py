@@ -16,25 +16,17 @@ def ladder(plans: list[dict[str, Any]]) -> str:
     workload), and on GPU plans the targets table."""
     parts = []
     for plan in plans:
-        parts.append(
-            f"**{plan['label']}**, workload `{plan['headline']}` (record `{plan['record']}`, "
-            f"{plan['completeness']}; synthetic weights):\n"
-        )
-        parts.append(f"![ladder](results{plan['figures']['ladder']})\n")
-        parts += [_markdown_table(plan["ladder"]), ""]
+        parts += [f"**{plan['label']}**, workload `{plan['headline']}` (record `{plan['record']}`, "
+                  f"{plan['completeness']}; synthetic weights):\n", f"![ladder](results{plan['figures']['ladder']})\n",
+                  _markdown_table(plan["ladder"]), ""]  # fmt: skip
         for later in plan.get("later_ladders", []):
             stages = ", ".join(f"`{name}`" for name in later["stages"])
-            parts.append(
-                f"{stages} timed in a later run of the plan (record `{later['record']}`, its own workloads and "
-                "baseline: compare within its table):\n"
-            )
-            parts += [_markdown_table(later["table"]), ""]
+            parts += [f"{stages} timed in a later run of the plan (record `{later['record']}`, its own workloads and "
+                      "baseline: compare within its table):\n", _markdown_table(later["table"]), ""]  # fmt: skip
         if not plan["is_cpu"]:
             issues = sorted({row[0] for row in plan["targets"]["table"][1:]}, key=int)
-            parts.append(
-                f"Targets of issues {', '.join(issues)} (synthetic weights: |dp| is fidelity, not accuracy):\n"
-            )
-            parts += [_markdown_table(plan["targets"]["table"]), ""]
+            parts += [f"Targets of issues {', '.join(issues)} (synthetic weights: |dp| is fidelity, not accuracy):\n",
+                      _markdown_table(plan["targets"]["table"]), ""]  # fmt: skip
     return "\n".join(parts) if parts else "No run record yet.\n"
 
 

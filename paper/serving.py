@@ -43,18 +43,11 @@ def clients_table(summary: dict) -> list[list[str]]:
     table = [HEADER]
     for clients, row in sorted(rows.items(), key=lambda item: int(item[0])):
         ratio = row["requests_per_s"] / one["requests_per_s"] if one else None
-        per_forward = row.get("mean_requests_per_forward")
-        table.append([
-            clients,
-            str(row["requests"]),
-            tables.number(row["requests_per_s"], ".1f"),
-            tables.number(ratio, ".2f", "x"),
-            tables.number(row["latency"]["p50_ms"], ".1f"),
-            tables.number(row["latency"]["p95_ms"], ".1f"),
-            str(row["errors"]),
-            f"{row['identical_to_alone']}/{row['requests']}",
-            tables.number(per_forward, ".2f"),
-        ])  # fmt: skip
+        table.append([clients, str(row["requests"]), tables.number(row["requests_per_s"], ".1f"),
+                      tables.number(ratio, ".2f", "x"), tables.number(row["latency"]["p50_ms"], ".1f"),
+                      tables.number(row["latency"]["p95_ms"], ".1f"), str(row["errors"]),
+                      f"{row['identical_to_alone']}/{row['requests']}",
+                      tables.number(row.get("mean_requests_per_forward"), ".2f")])  # fmt: skip
     return table
 
 
@@ -96,15 +89,9 @@ def serving_summary(root: Path) -> list[dict[str, Any]]:
     for path, summary in newest_runs(root):
         figure = root / "figures" / f"serving-{device_of(summary)}.png"
         serving_figure(summary, figure)
-        cpu = device_of(summary) == "cpu"
-        out.append({
-            "label": f"{summary['run']['label']} on {tables.machine(summary['environment'])}"
-            + (" [CPU: the tiny twin, says nothing about GPU throughput]" if cpu else ""),
-            "record": tables.relative_path(path.parent, root),
-            "utc": summary["environment"]["utc"],
-            "table": clients_table(summary),
-            "targets": targets_text(summary),
-            "figure": "/" + tables.relative_path(figure, root),
-            "note": summary.get("note", ""),
-        })  # fmt: skip
+        cpu = " [CPU: the tiny twin, says nothing about GPU throughput]" if device_of(summary) == "cpu" else ""
+        out.append({"label": f"{summary['run']['label']} on {tables.machine(summary['environment'])}{cpu}",
+                    "record": tables.relative_path(path.parent, root), "utc": summary["environment"]["utc"],
+                    "table": clients_table(summary), "targets": targets_text(summary),
+                    "figure": "/" + tables.relative_path(figure, root), "note": summary.get("note", "")})  # fmt: skip
     return out

@@ -13,6 +13,7 @@ from ablations.records import DASH, STATUS_TEXT, all_records, has_timings, measu
 from reference.shapes import get_shapes  # dataclasses only: no torch
 
 REPO = Path(__file__).resolve().parents[1]
+Table = list[list[str]]
 
 
 def results_dir(value: str | None) -> Path:
@@ -24,9 +25,9 @@ def machine(env: dict) -> str:
 
 
 def plan_label(record: dict) -> str:
-    plan = record["plan"]
-    label = f"{plan['name']} on {machine(record['env'])}"
-    return label + " [CPU plan: tiny shapes, says nothing about GPU latency]" if plan["device"] == "cpu" else label
+    label = f"{record['plan']['name']} on {machine(record['env'])}"
+    cpu = record["plan"]["device"] == "cpu"
+    return label + " [CPU plan: tiny shapes, says nothing about GPU latency]" if cpu else label
 
 
 def completeness(record: dict) -> str:
@@ -35,19 +36,15 @@ def completeness(record: dict) -> str:
     without = f" (without {', '.join(omitted)}: not requested)" if omitted else ""
     if record["complete"]:
         return "complete run" + without
-    total = len(record["workloads"])
     parts = ["partial run: stopped before completion" + without]
-    for stage in record["stages"]:
-        if stage["status"] == "pending":
-            done = len(stage["workloads"])
-            parts.append(
-                f"{stage['name']} timed on {done} of {total} workloads" if done else f"{stage['name']} not reached"
-            )
+    for stage in (s for s in record["stages"] if s["status"] == "pending"):
+        done = len(stage["workloads"])
+        parts.append(f"{stage['name']} timed on {done} of {len(record['workloads'])} workloads" if done
+                     else f"{stage['name']} not reached")  # fmt: skip
     return "; ".join(parts)
 
 
 def record_label(record: dict) -> str:
-    """The plan label, marked when the record is partial."""
     return plan_label(record) if record["complete"] else f"{plan_label(record)} — partial run"
 
 
@@ -61,9 +58,8 @@ def stage_heading(stage: dict, record: dict) -> str:
 def status_text(stage: dict, record: dict) -> str:
     if stage["status"] != "pending":
         return stage["status"]
-    if not stage["workloads"]:
-        return STATUS_TEXT["pending"]
-    return f"pending: timed on {len(stage['workloads'])} of {len(record['workloads'])} workloads"
+    done = len(stage["workloads"])
+    return f"pending: timed on {done} of {len(record['workloads'])} workloads" if done else STATUS_TEXT["pending"]
 
 
 def number(value: float | None, spec: str, unit: str = "") -> str:
@@ -71,37 +67,29 @@ def number(value: float | None, spec: str, unit: str = "") -> str:
     return DASH if value is None else f"{value:{spec}}{unit}"
 
 
-# What the ladder takes from each stage's headline measurement (None where the stage was not timed on it).
-LADDER_FIELDS = ("rows", "median_ms", "p10_ms", "p90_ms", "floor_ms", "kernels_per_forward", "gpu_busy_ms")
-
-
 def ladder_rows(record: dict) -> list[dict[str, Any]]:
-    """One row per stage on the headline workload: its `LADDER_FIELDS`, the speed-up over the baseline stage where both
-    ran and the median's multiple of the floor."""
+    """One row per stage on the headline workload: its measurement's fields, the speed-up over the baseline stage
+    where both ran and the median's multiple of the floor (None where the stage was not timed on it)."""
     headline = record["plan"]["headline"]
     baseline_stage = stage_by_name(record, record["plan"]["baseline"])
     baseline = measured(baseline_stage, headline) if baseline_stage else None
+    fields = ("rows", "median_ms", "p10_ms", "p90_ms", "floor_ms", "kernels_per_forward", "gpu_busy_ms")
     rows = []
     for stage in record["stages"]:
         w = measured(stage, headline)  # None where not timed: only ok and pending stages have workloads
-        row = {
-            "stage": stage["name"],
-            "status": stage["status"],
-            "status_text": status_text(stage, record),
+        rows.append({
+            "stage": stage["name"], "status": stage["status"], "status_text": status_text(stage, record),
             "heading": stage_heading(stage, record) if w else stage["name"],
-            "gate": stage["gate"]["outcome"] if stage["gate"] else DASH,
-            **{field: w[field] if w else None for field in LADDER_FIELDS},
-        }
-        row["speedup"] = baseline["median_ms"] / w["median_ms"] if w and baseline else None
-        row["floor_multiple"] = w["median_ms"] / w["floor_ms"] if w else None
-        rows.append(row)
+            "gate": stage["gate"]["outcome"] if stage["gate"] else DASH, **{f: w[f] if w else None for f in fields},
+            "speedup": baseline["median_ms"] / w["median_ms"] if w and baseline else None,
+            "floor_multiple": w["median_ms"] / w["floor_ms"] if w else None,
+        })  # fmt: skip
     return rows
 
 
-def ladder_table(record: dict) -> list[list[str]]:
-    header = ["stage", "status", "gate", "rows", "median ms", "p10–p90 ms", f"× vs {record['plan']['baseline']}",
-              "floor ms", "× floor", "kernels", "GPU busy ms"]  # fmt: skip
-    table = [header]
+def ladder_table(record: dict) -> Table:
+    table = [["stage", "status", "gate", "rows", "median ms", "p10–p90 ms", f"× vs {record['plan']['baseline']}",
+              "floor ms", "× floor", "kernels", "GPU busy ms"]]  # fmt: skip
     for r in ladder_rows(record):
         spread = f"{ms(r['p10_ms'])}–{ms(r['p90_ms'])}" if r["median_ms"] is not None else DASH
         table.append([r["stage"], r["status_text"], r["gate"], number(r["rows"], ","), ms(r["median_ms"]), spread,
@@ -110,38 +98,31 @@ def ladder_table(record: dict) -> list[list[str]]:
     return table
 
 
-def workload_table(record: dict) -> list[list[str]]:
+def workload_table(record: dict) -> Table:
     """Median ms (p10–p90) per workload (rows) and stage (columns); a stage cut short by a partial run says so."""
     timed = [s for s in record["stages"] if has_timings(s)]
     table = [["workload", "candidates", "tokens", *(stage_heading(s, record) for s in timed)]]
     for workload in record["workloads"]:
-        cells = []
-        for stage in timed:
-            w = measured(stage, workload["id"])
-            cells.append(DASH if w is None else f"{ms(w['median_ms'])} ({ms(w['p10_ms'])}–{ms(w['p90_ms'])})")
+        cells = [measured(stage, workload["id"]) for stage in timed]
+        cells = [DASH if w is None else f"{ms(w['median_ms'])} ({ms(w['p10_ms'])}–{ms(w['p90_ms'])})" for w in cells]
         table.append([workload["id"], str(workload["candidates"]), f"{workload['tokens']:,}", *cells])
     return table
 
 
-def correctness_table(record: dict) -> list[list[str]]:
-    reference = record["plan"]["reference"]
-    table = [["stage", "workload", f"max |dp| vs {reference}", "hidden rel RMSE", "argmax flips"]]
+def correctness_table(record: dict) -> Table:
+    table = [["stage", "workload", f"max |dp| vs {record['plan']['reference']}", "hidden rel RMSE", "argmax flips"]]
     for stage in record["stages"]:
-        for w in stage["workloads"]:
-            table.append([stage_heading(stage, record), w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]),
-                          number(w.get("argmax_flips"), "")])  # fmt: skip
+        table += [[stage_heading(stage, record), w["id"], sci(w["max_abs_dp"]), sci(w["hidden_rel_rmse"]),
+                   number(w.get("argmax_flips"), "")] for w in stage["workloads"]]  # fmt: skip
     return table
 
 
 NOT_MEASURED = "Not measured in this record"
-LAYER_KIND = {"linear_attention": "GDN", "full_attention": "attention"}
 
 
 def share_text(identical: int, elements: int) -> str:
     """Percent bit-identical, never rounded up to 100 % unless every element is identical."""
-    if identical == elements:
-        return "100 %"
-    return f"{int(1_000_000 * identical / max(1, elements)) / 10_000:.4f} %"
+    return "100 %" if identical == elements else f"{int(1_000_000 * identical / max(1, elements)) / 10_000:.4f} %"
 
 
 def bit_identity_summary(record: dict) -> dict[str, Any]:
@@ -153,14 +134,14 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
         return {"measured": False, "text": text, "table": []}
     if result["error"]:
         return {"measured": False, "text": f"{NOT_MEASURED}: the step failed ({result['error']}).", "table": []}
-    layers = ", ".join(f"{one['index']} ({LAYER_KIND.get(one['type'], one['type'])})" for one in result["layers"])
+    kinds = {"linear_attention": "GDN", "full_attention": "attention"}
+    layers = ", ".join(f"{one['index']} ({kinds.get(one['type'], one['type'])})" for one in result["layers"])
     rows = result["rows"]
-    as_expected = sum(1 for r in rows if r["as_expected"])
     text = (
         f"Inputs captured from the {result['reference']} forward of the {result['workload']} request "
         f"({result.get('candidates')} candidates, {result.get('tokens')} real tokens) at layers {layers}; each kernel "
         f"wrote NaN-poisoned outputs and was compared with its reference composition (reference/ops.py) on the same "
-        f"inputs. {as_expected} of {len(rows)} outputs meet their declared exactness."
+        f"inputs. {sum(1 for r in rows if r['as_expected'])} of {len(rows)} outputs meet their declared exactness."
     )
     missed = [f"layer {r['layer']} {r['kernel']}.{r['output']}" for r in rows if not r["as_expected"]]
     if missed:
@@ -171,10 +152,10 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
               "expected", "met"]]  # fmt: skip
     for r in rows:
         diff = "NaN left" if r["max_abs_diff"] is None else sci(r["max_abs_diff"])
-        unexplained = number(r.get("unexplained"), ",")  # flip-model outputs only
         table.append([str(r["layer"]), r["kernel"], r["output"], f"{r['elements']:,}",
-                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff, unexplained,
-                      r["expected"], "yes" if r["as_expected"] else "NO"])  # fmt: skip
+                      share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff,
+                      number(r.get("unexplained"), ","), r["expected"],
+                      "yes" if r["as_expected"] else "NO"])  # fmt: skip
     return {"measured": True, "text": text, "table": table}
 
 
@@ -187,16 +168,13 @@ NO_STATES = (
 def state_name(index: int, count: int) -> str:
     """Residual state `index` of `count` (num_layers + 2): "embedding", "layer k" (the stream after the k-th layer,
     counted from 1) or "final norm"."""
-    if index == 0:
-        return "embedding"
-    return "final norm" if index == count - 1 else f"layer {index}"
+    return "embedding" if index == 0 else "final norm" if index == count - 1 else f"layer {index}"
 
 
 def layer_types_of(record: dict) -> list[str] | None:
     """The record's layer pattern from reference/shapes.py (its shapes name), or None for shapes not known here."""
-    name = record["weights"].get("shapes") or record["plan"]["shapes"]
     try:
-        return get_shapes(name).layer_types
+        return get_shapes(record["weights"].get("shapes") or record["plan"]["shapes"]).layer_types
     except ValueError:
         return None
 
@@ -204,23 +182,13 @@ def layer_types_of(record: dict) -> list[str] | None:
 def departure_rows(record: dict) -> list[dict[str, Any]]:
     """Per stage other than the reference, on the headline: the relative RMSE of every residual state and the first
     state that is not bit-identical (`states` None when the record does not carry them), and why when not timed."""
-    headline, reference = record["plan"]["headline"], record["plan"]["reference"]
     rows = []
-    for stage in record["stages"]:
-        if stage["name"] == reference:
-            continue
-        w = measured(stage, headline) or {}
-        rows.append(
-            {
-                "stage": stage["name"],
-                "heading": stage_heading(stage, record) if w else stage["name"],
-                "timed": bool(w),
-                "status_text": STATUS_TEXT.get(stage["status"], stage["status"]),
-                "states": w.get("state_rel_rmse"),
-                "first": w.get("first_departing_state"),
-                "max_abs_dp": w.get("max_abs_dp"),
-            }
-        )
+    for stage in (s for s in record["stages"] if s["name"] != record["plan"]["reference"]):
+        w = measured(stage, record["plan"]["headline"]) or {}
+        rows.append({"stage": stage["name"], "heading": stage_heading(stage, record) if w else stage["name"],
+                     "timed": bool(w), "status_text": STATUS_TEXT.get(stage["status"], stage["status"]),
+                     "states": w.get("state_rel_rmse"), "first": w.get("first_departing_state"),
+                     "max_abs_dp": w.get("max_abs_dp")})  # fmt: skip
     return rows
 
 
@@ -230,9 +198,7 @@ def departure_text(row: dict[str, Any]) -> str:
         return f"not timed: {row['status_text']}"
     if row["states"] is None:
         return "not measured"
-    if row["first"] is None:
-        return "none: bitwise"
-    return state_name(row["first"], len(row["states"]))
+    return "none: bitwise" if row["first"] is None else state_name(row["first"], len(row["states"]))
 
 
 def departures_summary(record: dict) -> dict[str, Any]:
@@ -243,8 +209,7 @@ def departures_summary(record: dict) -> dict[str, Any]:
     statement = record["weights"].get("statement") or "Synthetic weights."
     if not any(r["states"] is not None for r in rows):
         return {"measured": False, "text": f"{NO_STATES} {statement}", "table": []}
-    count = len(next(r["states"] for r in rows if r["states"] is not None))
-    last = count - 2
+    last = len(next(r["states"] for r in rows if r["states"] is not None)) - 2
     workload = next(w for w in record["workloads"] if w["id"] == headline)
     types = layer_types_of(record)
     text = (
@@ -257,14 +222,11 @@ def departures_summary(record: dict) -> dict[str, Any]:
         attention = [str(i + 1) for i, t in enumerate(types) if t == "full_attention"]
         text += f" Full-attention layers: {', '.join(attention)}; the others are Gated DeltaNet."
     text += f" {statement} The states measure how far two code paths drift apart, not decision accuracy."
-    header = ["stage", "first departing state", "rel RMSE layer 1", f"rel RMSE layer {last}",
-              "rel RMSE final norm", "largest rel RMSE (state)", f"max |dp| vs {reference}"]  # fmt: skip
-    table = [header]
+    table = [["stage", "first departing state", "rel RMSE layer 1", f"rel RMSE layer {last}", "rel RMSE final norm",
+              "largest rel RMSE (state)", f"max |dp| vs {reference}"]]  # fmt: skip
     for r in rows:
-        states = r["states"]
-        if states is None:
-            cells = [DASH] * 4
-        else:
+        states, cells = r["states"], [DASH] * 4
+        if states is not None:
             i = max(range(len(states)), key=states.__getitem__)
             largest = "0" if states[i] == 0 else f"{sci(states[i])} ({state_name(i, len(states))})"
             cells = [sci(states[1]), sci(states[-2]), sci(states[-1]), largest]
@@ -288,28 +250,18 @@ NO_FAMILIES = (
 def time_rows(record: dict) -> list[dict[str, Any]]:
     """Per stage timed on the headline with per-family kernel times: family ms and calls per forward, GPU idle =
     median minus the summed kernel ms (clipped at 0), and the host's launch time."""
-    headline = record["plan"]["headline"]
     rows = []
     for stage in record["stages"]:
-        w = measured(stage, headline)
+        w = measured(stage, record["plan"]["headline"])
         families = w.get("kernel_families") if w else None
         if not families:
             continue
         names = [f for f in FAMILY_ORDER if f in families] + sorted(set(families) - set(FAMILY_ORDER))
         kernel_ms = sum(families[f]["ms_per_forward"] for f in names)
-        rows.append(
-            {
-                "stage": stage["name"],
-                "heading": stage_heading(stage, record),
-                "median_ms": w["median_ms"],
-                "families": {f: families[f] for f in names},
-                "kernel_ms": kernel_ms,
-                "idle_ms": max(0.0, w["median_ms"] - kernel_ms),
-                "host_median_ms": w.get("host_median_ms"),
-                "core_multiple": w.get("core_multiple"),
-                "gemm_multiple": w.get("gemm_multiple"),
-            }
-        )
+        rows.append({"stage": stage["name"], "heading": stage_heading(stage, record), "median_ms": w["median_ms"],
+                     "families": {f: families[f] for f in names}, "kernel_ms": kernel_ms,
+                     "idle_ms": max(0.0, w["median_ms"] - kernel_ms), "host_median_ms": w.get("host_median_ms"),
+                     "core_multiple": w.get("core_multiple"), "gemm_multiple": w.get("gemm_multiple")})  # fmt: skip
     return rows
 
 
@@ -319,16 +271,11 @@ def time_summary(record: dict) -> dict[str, Any]:
     if not rows:
         return {"measured": False, "text": NO_FAMILIES, "table": []}
     families = list(dict.fromkeys(f for r in rows for f in r["families"]))
-    header = ["stage", "median ms", *(f"{FAMILY_TEXT.get(f, f)} ms (calls)" for f in families), "GPU idle ms",
-              "host launch ms", "host / median", "× core", "× GEMM"]  # fmt: skip
-    table = [header]
+    table = [["stage", "median ms", *(f"{FAMILY_TEXT.get(f, f)} ms (calls)" for f in families), "GPU idle ms",
+              "host launch ms", "host / median", "× core", "× GEMM"]]  # fmt: skip
     for r in rows:
-        cells = []
-        for f in families:
-            family = r["families"].get(f)
-            cells.append(
-                DASH if family is None else f"{ms(family['ms_per_forward'])} ({family['calls_per_forward']:,.0f})"
-            )
+        cells = [r["families"].get(f) for f in families]
+        cells = [DASH if c is None else f"{ms(c['ms_per_forward'])} ({c['calls_per_forward']:,.0f})" for c in cells]
         host = r["host_median_ms"]
         table.append([r["heading"], ms(r["median_ms"]), *cells, ms(r["idle_ms"]), ms(host),
                       DASH if host is None else f"{host / r['median_ms']:.0%}",
@@ -345,14 +292,13 @@ def time_summary(record: dict) -> dict[str, Any]:
     return {"measured": True, "text": text, "table": table}
 
 
-def targets_table(rows: list[dict[str, Any]]) -> list[list[str]]:
-    table = [["issue", "target", "measured", "limit", "outcome", "note"]]
-    for r in rows:
-        table.append([str(r["issue"]), r["what"], r["measured"], r["limit_text"], r["outcome"], r["note"] or DASH])
-    return table
+def targets_table(rows: list[dict[str, Any]]) -> Table:
+    return [["issue", "target", "measured", "limit", "outcome", "note"]] + [
+        [str(r["issue"]), r["what"], r["measured"], r["limit_text"], r["outcome"], r["note"] or DASH] for r in rows
+    ]
 
 
-def stage_table(record: dict) -> list[list[str]]:
+def stage_table(record: dict) -> Table:
     """The registry as the run saw it, with what happened to each stage in this run."""
     table = [["stage", "builds on", "switches", "exactness", "registry", "this run"]]
     for stage in record["stages"]:
@@ -364,19 +310,15 @@ def stage_table(record: dict) -> list[list[str]]:
     return table
 
 
-# env_table's version rows: label, key of the record's env.
-VERSIONS = {"driver": "driver", "CUDA": "cuda", "torch": "torch", "triton": "triton", "transformers": "transformers",
-            "FLA": "fla", "python": "python"}  # fmt: skip
-
-
-def env_table(record: dict) -> list[list[str]]:
+def env_table(record: dict) -> Table:
     env, ceilings, weights = record["env"], record["ceilings"], record["weights"]
-    dirty = " (uncommitted changes)" if env["git_dirty"] else ""
+    versions = {"driver": "driver", "CUDA": "cuda", "torch": "torch", "triton": "triton",
+                "transformers": "transformers", "FLA": "fla", "python": "python"}  # fmt: skip
     return [
         ["machine", machine(env)],
-        *([label, env.get(key) or DASH] for label, key in VERSIONS.items()),
+        *([label, env.get(key) or DASH] for label, key in versions.items()),
         ["CPU", f"{env.get('cpu') or DASH} ({env.get('cpu_count') or DASH} cores)"],
-        ["commit", f"{env['git_commit'][:12]}{dirty}"],
+        ["commit", f"{env['git_commit'][:12]}{' (uncommitted changes)' if env['git_dirty'] else ''}"],
         ["run (UTC)", env["utc"]],
         ["copy rate", f"{ceilings['copy_tbps']:.3g} TB/s (bytes read + written)"],
         ["bf16 matmul rate", f"{ceilings['bf16_tflops']:.4g} TFLOP/s ({ceilings.get('gemm_n', '?')}³)"],
@@ -385,13 +327,11 @@ def env_table(record: dict) -> list[list[str]]:
     ]
 
 
-def method_table(record: dict) -> list[list[str]]:
+def method_table(record: dict) -> Table:
     plan = record["plan"]
-    timer = (
-        "CUDA events, device synchronized before and after each call"
-        if plan["timer"] == "cuda-events"
-        else "time.perf_counter around each call (CPU plan)"
-    )
+    timer = "time.perf_counter around each call (CPU plan)"
+    if plan["timer"] == "cuda-events":
+        timer = "CUDA events, device synchronized before and after each call"
     return [
         ["plan", f"{plan['name']}: {plan.get('description', '')}"],
         ["timed call", "forward + fp32 head, inputs tokenized and on the device"],
@@ -403,24 +343,22 @@ def method_table(record: dict) -> list[list[str]]:
     ]
 
 
-def attempt_table(records: list[dict], current: list[dict] | None = None) -> list[list[str]]:
+def attempt_table(records: list[dict], current: list[dict] | None = None) -> Table:
     """Failed attempts (the attempts record copied into each run record, then `current`: the attempts record as it
     stands, for attempts recorded after the newest run) and registry stages marked failed; each attempt id once."""
     table = [["attempt", "stage", "what", "outcome", "why", "numbers", "evidence", "date"]]
     seen = set()
+    joined = lambda numbers: ", ".join(f"{k} {v}" for k, v in (numbers or {}).items())
     for record in [*records, {"attempts": current or []}]:
-        for a in record["attempts"]:
-            if a["id"] not in seen:
-                seen.add(a["id"])
-                numbers = ", ".join(f"{k} {v}" for k, v in a["numbers"].items())
-                table.append([a["id"], a["stage"], a["title"], a["outcome"], a["reason"], numbers, a["evidence"],
-                              a["date"]])  # fmt: skip
+        for a in (a for a in record["attempts"] if a["id"] not in seen):
+            seen.add(a["id"])
+            table.append([a["id"], a["stage"], a["title"], a["outcome"], a["reason"], joined(a["numbers"]),
+                          a["evidence"], a["date"]])  # fmt: skip
         for stage in record.get("registry", []):
             if stage["registry_status"] == "failed" and f"stage:{stage['name']}" not in seen:
                 seen.add(f"stage:{stage['name']}")
-                numbers = ", ".join(f"{k} {v}" for k, v in (stage["numbers"] or {}).items())
                 table.append([stage["name"], stage["name"], stage["switches"], "failed", stage["reason"] or DASH,
-                              numbers or DASH, "registry", DASH])  # fmt: skip
+                              joined(stage["numbers"]) or DASH, "registry", DASH])  # fmt: skip
     return table
 
 
@@ -439,14 +377,15 @@ def later_stage_ladders(record: dict, later: list[tuple[Path, dict]], root: Path
 
 def followups(record: dict, root: Path) -> list[tuple[Path, dict]]:
     """The plan's records under root/runs newer than `record` (reruns and probe runs that settle what it lacks)."""
+    plan, utc = record["plan"]["name"], record["env"]["utc"]
     return [
-        (path, other)
-        for path, other in all_records(root / "runs")
-        if other["plan"]["name"] == record["plan"]["name"] and other["env"]["utc"] > record["env"]["utc"]
+        (p, other)
+        for p, other in all_records(root / "runs")
+        if other["plan"]["name"] == plan and other["env"]["utc"] > utc
     ]
 
 
-def _gemm_rows_table(probe: dict) -> tuple[str, list[list[str]]]:
+def _gemm_rows_table(probe: dict) -> tuple[str, Table]:
     table = [["GEMM (out × in)", "row pairs", "row-invariant (default)", "row-invariant (no workspace)",
               "small-call µs default → no workspace"]]  # fmt: skip
     for name in dict.fromkeys(c["gemm"] for c in probe["default"]):
@@ -458,7 +397,7 @@ def _gemm_rows_table(probe: dict) -> tuple[str, list[list[str]]]:
     return "Each row pair: a GEMM over the tree's row count inside one over the flat row count (medians of µs).", table
 
 
-def _handoff_table(probe: dict) -> tuple[str, list[list[str]]]:
+def _handoff_table(probe: dict) -> tuple[str, Table]:
     busy = probe["gpu_busy_ms"]
     table = [["call", "wall ms (back-to-back)", "GPU kernel ms"],
              ["prefill the context once", ms(probe["prefill_context_ms"]), ms(busy["prefill"])],
@@ -472,20 +411,20 @@ def _handoff_table(probe: dict) -> tuple[str, list[list[str]]]:
     return text, table
 
 
-def _tiles_table(probe: dict) -> tuple[str, list[list[str]]]:
+def _tiles_table(probe: dict) -> tuple[str, Table]:
     table = [["kernel", "tile", "µs", "TB/s", "bit-equal to the shipped tile"]]
-    for c in probe["cases"]:
-        table.append([c["kernel"], c["tile"], f"{c['us']:.1f}", f"{c['tbps']:.2f}", f"{c['equal_share']:.6f}"])
+    table += [[c["kernel"], c["tile"], f"{c['us']:.1f}", f"{c['tbps']:.2f}", f"{c['equal_share']:.6f}"]
+              for c in probe["cases"]]  # fmt: skip
     return f"{probe['rows']} rows at the 27B widths; the first row of each kernel is the shipped tile.", table
 
 
-def _engine_table(probe: dict) -> tuple[str, list[list[str]]]:
+def _engine_table(probe: dict) -> tuple[str, Table]:
     table = [[f"comparison ({probe['workload']})", "first departing state", "last-token rel RMSE", "max |dp|"]]
     for name, c in probe["comparisons"].items():
         first = "none" if c["first_departing_state"] is None else str(c["first_departing_state"])
         table.append([name, first, sci(c["last_rel_rmse"]), sci(c["max_dp"])])
-    core, nvtx = ("bit-identical" if probe[k] else "NOT bit-identical" for k in ("fla_forward_core_bitwise",
-                                                                               "nvtx_ranges_bitwise"))  # fmt: skip
+    core, nvtx = ("bit-identical" if probe[k] else "NOT bit-identical"
+                  for k in ("fla_forward_core_bitwise", "nvtx_ranges_bitwise"))  # fmt: skip
     text = (
         f"fused with FLA's kernels launched directly against fused on FLA's function: {core} at every state; NVTX "
         f"ranges on: {nvtx}; peak GPU memory {probe['peak_gib']['engine']:.1f} GiB (engine phase). Synthetic weights."
@@ -521,7 +460,7 @@ def probe_tables(record: dict, later: list[tuple[Path, dict]]) -> list[dict[str,
     return tables
 
 
-def class_speedups(record: dict) -> list[list[str]]:
+def class_speedups(record: dict) -> Table:
     """Per stage timed (rows) and workload class (columns, ablations/workloads.py's groups): the geometric mean over
     the class's workloads of the baseline stage's median over the stage's, with how many workloads both timed."""
     baseline = stage_by_name(record, record["plan"]["baseline"])
@@ -531,22 +470,18 @@ def class_speedups(record: dict) -> list[list[str]]:
     for stage in (s for s in record["stages"] if has_timings(s) and baseline is not None):
         cells = []
         for group in groups:
-            ratios = []
-            for workload_id in (i for i, g in group_of.items() if g == group):
-                mine, theirs = measured(stage, workload_id), measured(baseline, workload_id)
-                if mine is not None and theirs is not None:
-                    ratios.append(theirs["median_ms"] / mine["median_ms"])
+            pairs = [(measured(stage, i), measured(baseline, i)) for i, g in group_of.items() if g == group]
+            ratios = [theirs["median_ms"] / mine["median_ms"] for mine, theirs in pairs if mine and theirs]
             cells.append(f"{statistics.geometric_mean(ratios):.2f}× ({len(ratios)})" if ratios else DASH)
         table.append([stage_heading(stage, record), *cells])
     return table
 
 
-def measured_exactness(record: dict) -> list[list[str]]:
+def measured_exactness(record: dict) -> Table:
     """Per stage: its declared exactness, and what the record measured: the largest max |dp| and hidden rel RMSE
     against the reference over every workload, and on how many workloads it was bit-identical to its builds-on
     stage (`vs_builds_on`)."""
-    reference = record["plan"]["reference"]
-    table = [["stage", "declared", f"largest max |dp| vs {reference}", "largest hidden rel RMSE",
+    table = [["stage", "declared", f"largest max |dp| vs {record['plan']['reference']}", "largest hidden rel RMSE",
               "bit-identical to builds-on"]]  # fmt: skip
     for stage in record["stages"]:
         timed = stage["workloads"]
@@ -567,13 +502,11 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
     items += [f"stage {s['name']}: {status_text(s, record)}" for s in record["stages"] if not has_timings(s)]
     registered = {s["name"] for s in record.get("registry", [])} | {s["name"] for s in record["stages"]}
     planned = [name for name in targets.NOT_YET_BUILT if name not in registered]
-    if planned:
-        items.append(f"stages not built yet: {', '.join(planned)}")
     timed = {s["name"] for s in record["stages"] if has_timings(s)}
     unmeasured = [s["name"] for s in record.get("registry", [])
                   if s["registry_status"] == "unmeasured" and s["name"] not in timed]  # fmt: skip
-    if unmeasured:
-        items.append(f"stages registered but never measured: {', '.join(unmeasured)}")
+    items += [f"stages not built yet: {', '.join(planned)}"] if planned else []
+    items += [f"stages registered but never measured: {', '.join(unmeasured)}"] if unmeasured else []
     if record["plan"]["device"] == "cuda" and "probes" not in record:
         items.append("probes (engine checks, GEMM rows, hand-off, tiles): not measured by the runner yet")
     return items
@@ -581,8 +514,7 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
 
 def figure_path(root: Path, kind: str, record: dict) -> Path:
     """`<root>/figures/<kind>-<plan>[-partial].png`."""
-    suffix = "" if record["complete"] else "-partial"
-    return root / "figures" / f"{kind}-{record['plan']['name']}{suffix}.png"
+    return root / "figures" / f"{kind}-{record['plan']['name']}{'' if record['complete'] else '-partial'}.png"
 
 
 def relative_path(path: Path, root: Path) -> str:

@@ -90,9 +90,9 @@ def tree_attention(
     (varlen causal attention, default `sdpa_varlen_causal`) over the gathered paths, each packed row read from its
     representative path; bitwise against the flat run with the same `core` when that core is prefix-invariant.
     mode "nodes": one varlen sequence per node (`plan.attention`: the node's rows as queries, its path as keys),
-    `core(q, k_gathered, v_gathered, plan.attention, scale)` (default `default_node_core(q.device)`); every packed
-    row is computed once (no path copies of the queries) and, with a prefix-invariant core, bitwise against the flat
-    run of the same core. Returns [N, Hq, D] in q's dtype (mask mode: a strided view).
+    `core(q, k_gathered, v_gathered, plan.attention, scale)` (required: one of the engine's node cores,
+    engine/tree.py); every packed row is computed once (no path copies of the queries) and, with a prefix-invariant
+    core, bitwise against the flat run of the same core. Returns [N, Hq, D] in q's dtype (mask mode: a strided view).
     """
     num_rows, num_heads, _ = q.shape
     if num_rows != plan.num_rows or k.shape[0] != num_rows or v.shape[0] != num_rows:
@@ -104,9 +104,7 @@ def tree_attention(
         if not layout.keys_are_rows:
             k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
         if core is None:
-            from engine.tree import default_node_core
-
-            core = default_node_core(q.device)
+            raise ValueError("mode 'nodes' takes the node core to run (e.g. engine.tree.blockwise_node_core)")
         return core(q, k, v, layout, scale)
     if mode == "paths":
         core = sdpa_varlen_causal if core is None else core

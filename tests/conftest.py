@@ -1,12 +1,19 @@
-"""Shared test setup: GPU tests are skipped where no CUDA device is present; paths to the shared data."""
+"""Shared test setup: the lab's caches inside the checkout; GPU tests are skipped where no CUDA device is present;
+paths to the shared data."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
-import torch
+REPO = Path(__file__).resolve().parents[1]
+# Triton's compiled kernels and matplotlib's font cache in the ignored .cache/ of the checkout, not under ~ (the same
+# defaults as noxfile.py's LAB_ENV), before either package is imported; subprocesses of the tests inherit them.
+os.environ.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
+os.environ.setdefault("MPLCONFIGDIR", str(REPO / ".cache" / "matplotlib"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The process as the runner prepares it for every stage (engine.stages.prepare_process): Triton kernels through the
 # interpreter where no GPU is present (chosen before triton is imported), row-count-invariant cuBLAS with a GPU.
@@ -19,7 +26,6 @@ else:
     prepare_process([stage.name for stage in STAGE_LIST], "cuda")
     pin_fla_configs()  # the committed FLA configs of this GPU, before any test module imports fla
 
-REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JEVLAB_SHARED", REPO.parent / "shared"))
 
 

@@ -32,7 +32,8 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from engine.backbone import EngineBackbone, EngineRows  # noqa: E402
+from engine.backbone import EngineBackbone  # noqa: E402
+from engine.planner import EngineRows  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights  # noqa: E402
 from kernels import activations  # noqa: E402

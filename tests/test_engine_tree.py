@@ -34,7 +34,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from engine.backbone import EngineBackbone  # noqa: E402
-from engine.plan import plan_tree, split_questions, tree_layout  # noqa: E402
+from engine.plan import plan_tree, tree_layout  # noqa: E402
+from engine.planner import split_questions  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from kernels import activations  # noqa: E402

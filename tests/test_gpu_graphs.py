@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from ablations.workloads import get_workload, jevbench_panel
-from engine.backbone import EngineRows, RowBatch
 from engine.graphs import grid_bucket
 from engine.plan import plan_tree, tree_layout
+from engine.planner import EngineRows, RowBatch
 from engine.stages import build_engine
 from engine.weights import MergedWeights
 from reference.service import request_candidates

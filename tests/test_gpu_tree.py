@@ -44,14 +44,11 @@ import torch.nn.functional as F
 
 from ablations import probes, timing
 from ablations.probes import ENGINE_CORE_OPTIONS, cuda_time_ms, engine_gdn_inputs, gdn_inputs, long_single_question
-from engine.plan import CONV_WIDTH, SolveWorkspace, TreePlan, plan_flat, plan_tree
+from engine.plan import SolveWorkspace, TreePlan, plan_flat, plan_tree
+from engine.plan_arrays import CONV_WIDTH
+from engine.planner import choose_gdn_mode, gdn_mode_costs
 from engine.stages import build_engine
-from engine.tree import (
-    choose_gdn_mode,
-    flash_node_core,
-    gdn_mode_costs,
-    tree_gdn_core,
-)
+from engine.tree import flash_node_core, tree_gdn_core
 from engine.weights import MergedWeights
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference.shapes import QWEN38_27B as S

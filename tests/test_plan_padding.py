@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
-from engine.backbone import EngineRows, _row_batch  # noqa: E402
 from engine.graphs import (  # noqa: E402
     ROWS_GRID,
     candidate_classes,
@@ -37,9 +36,10 @@ from engine.graphs import (  # noqa: E402
     slot_factors,
     smallest_bucket,
 )
-from engine.plan import PAD_TOKEN_ID, Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
+from engine.plan import Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
+from engine.plan_arrays import PAD_TOKEN_ID  # noqa: E402
+from engine.planner import GDN_CALL_COST_CHUNKS, EngineRows, gdn_mode_costs, row_batch  # noqa: E402  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
-from engine.tree import GDN_CALL_COST_CHUNKS, gdn_mode_costs  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
 from reference.weights import synthetic_weights  # noqa: E402
@@ -70,8 +70,7 @@ def requests(draw):
 
 def rows_of(engine, plan) -> EngineRows:
     """The plan as one batch of the engine (what `prepare` builds for an unpadded plan)."""
-    gdn_mode = engine.gdn_mode
-    batch = _row_batch(plan, range(plan.num_candidates), engine.shapes, gdn_mode, engine.attention)
+    batch = row_batch(plan, range(plan.num_candidates), engine.gdn_mode, engine.attention)
     return EngineRows([batch], plan.num_candidates, None)
 
 
@@ -281,6 +280,25 @@ def test_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     assert all(torch.equal(g, w) for g, w in zip(graphs.hidden_states(prepared), tree.hidden_states(want)))
     meta = graphs.graph_metadata(prepared)
     assert meta["bucket"] == prepared.batches[0].plan.bucket.name and meta["hit"] is False
+
+
+def test_prefix_cache_counts_no_padding_row_as_a_token(merged_weights):
+    """A bucket's dummy rows are computed but are no input tokens: `graphs` reports the token counts of `tree` (a
+    request of little sharing, where the bucket pads more rows than the tree shares: the reused count was negative),
+    and the padding on its own (the GDN core's tokens, a count of computed slots, include the bucket's dummy paths)."""
+    rng = random.Random(11)
+    root = [rng.randrange(100, 150_000) for _ in range(5)]
+    candidates = [root + [rng.randrange(100, 150_000) for _ in range(9 + o)] for o in range(3)]
+    tree, graphs = build_engine(merged_weights, "tree"), build_engine(merged_weights, "graphs")
+    want, prepared = tree.prepare(candidates, [0] * 3), graphs.prepare(candidates, [0] * 3)
+    meta, tree_meta = graphs.prefix_cache_metadata(prepared), tree.prefix_cache_metadata(want)
+    padding = prepared.rows_computed - want.rows_computed
+    assert prepared.batches[0].plan.bucket is not None and padding > meta["logical_input_tokens"] - want.rows_computed
+    assert meta["gdn_core_tokens"] > tree_meta["gdn_core_tokens"]
+    same = {key: meta[key] for key in tree_meta if key != "gdn_core_tokens"}
+    assert same == {key: tree_meta[key] for key in same} | {"padding_rows": padding} and tree_meta["padding_rows"] == 0
+    assert meta["processed_input_tokens"] == want.rows_computed
+    assert meta["reused_input_tokens"] == 3 * 5 - 5 >= 0  # the root's tokens, computed once for three candidates
 
 
 def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):

@@ -23,15 +23,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.plan import CHUNK_SIZE, CONV_WIDTH, TreePlan, plan_flat, plan_tree
-from engine.tree import (
-    blockwise_causal_attention,
-    blockwise_node_core,
-    choose_gdn_mode,
-    gdn_mode_costs,
-    torch_chunk_core,
-    tree_gdn_core,
-)
+from engine.plan import CHUNK_SIZE, TreePlan, plan_flat, plan_tree
+from engine.plan_arrays import CONV_WIDTH
+from engine.planner import choose_gdn_mode, gdn_mode_costs
+from engine.tree import blockwise_causal_attention, blockwise_node_core, torch_chunk_core, tree_gdn_core
 from reference import ops
 from reference.shapes import TINY
 from reference.tree import (
@@ -601,6 +596,8 @@ def test_layer_functions_reject_bad_shapes():
         tree_attention(qa, ka, va, tree, 0.125, mode="dense")
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_attention(qa, ka, va, tree, 0.125, backend="eager")
+    with pytest.raises(ValueError, match="mode 'nodes' takes the node core"):
+        tree_attention(qa, ka, va, tree, 0.125, mode="nodes")
 
 
 # ------------------------------------------------------------------------------------- two-layer composition (tiny)

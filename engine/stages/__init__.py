@@ -380,8 +380,24 @@ def build_engine(
     from engine.backbone import EngineBackbone
 
     config = config_of(stage) if isinstance(stage, str) else stage
-    config = config.replace(**changes) if changes else config
-    return EngineBackbone(merged, config.on(merged.device.type), nvtx_ranges=nvtx_ranges, gemm_table=gemm_table)
+    config = (config.replace(**changes) if changes else config).on(merged.device.type)
+    name = stage_name(config, merged.device.type)
+    return EngineBackbone(merged, config, nvtx_ranges=nvtx_ranges, gemm_table=gemm_table, name=name)
+
+
+def stage_name(config: EngineConfig, device_type: str) -> str:
+    """The name of the nearest engine stage (fewest differing fields, in its form on `device_type`), with the
+    differences in brackets: `tree`, or `tree[elementwise=torch]`. `gdn_mode` and `max_batch_rows` (ablation and
+    batching switches) are not part of the name."""
+    plain = config.replace(gdn_mode="cost", max_batch_rows=EngineConfig.max_batch_rows)
+    best = None
+    for stage in STAGE_LIST:
+        if stage.consumes_weights:
+            delta = plain.delta(stage.config.on(device_type))
+            if best is None or len(delta) < len(best[1]):
+                best = (stage.name, delta)
+    name, delta = best
+    return name + ("[" + ",".join(f"{k}={v}" for k, v in delta.items()) + "]" if delta else "")
 
 
 # ---------------------------------------------------------------------------------------------------------- README
