@@ -22,32 +22,36 @@ every response's `metadata.graph` says which bucket served it and whether a grap
 
 Every request first has its `Host` checked, against DNS rebinding (a page of a foreign site whose name resolves to
 127.0.0.1 would otherwise drive the server from a browser, with an `Origin` matching its own `Host`): 400 no `Host`,
-several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held to it too) ->
-403 a name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1` and `[::1]`
-(any port, any case) and the names given with `--allow-host`, as Jupyter does; bound to any other address, every name
-passes. Then 501 a method other than GET, HEAD and POST, and 404 an unknown path (or a known one with the other
-method). Then a POST is checked in the contract's order, and the first failing check answers:
-403 an `Origin` that is not `http://` plus this request's `Host` (unless cross origins are allowed; an `https://`
-origin on the same host and port is another origin, and so is one that does not parse) -> 415 media type not
-`application/json` -> 413 body empty or over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys,
-NaN/Infinity) or a schema violation, an unknown model, a request over the candidate or the token budget
-(`--candidate-budget`, `--token-budget`: candidates counted from the question definitions before any is validated,
-tokens bounded from the validated request before any prompt is built, see `reference.service`), an over-length
-candidate -> 503 the model queue is full (with `Retry-After: 1`) -> 504 the
-request's deadline passed (`--deadline`, default 60 s from the hand-off to the model worker: queue wait and inference)
--> 500 inference failed (`error_type` names the exception class; never a fallback answer).
+several, or one that is not `name[:port]` (HTTP/1.1 requires exactly one; HTTP/1.0 requests are held to it too) -> 403 a
+name this server does not answer: a loopback-bound server answers only `localhost`, `127.0.0.1` and `[::1]` (any port,
+any case) and the names given with `--allow-host`, as Jupyter does; bound to any other address, every name passes. Then
+501 a method other than GET, HEAD and POST, and 404 an unknown path (or a known one with the other method). Then a POST
+is checked in the contract's order, and the first failing check answers: 400 more than one `Origin` field -> 403 an
+`Origin` that is not `http://` plus this request's `Host` (unless cross origins are allowed; an `https://` origin on the
+same host and port is another origin, and so is one that does not parse) -> 415 media type not `application/json` -> 413
+body empty or over 4 MiB (Content-Length or chunked) -> 422 not strict JSON (duplicate keys, NaN/Infinity) or a schema
+violation, an unknown model, a request over the candidate or the token budget (`--candidate-budget`, `--token-budget`:
+candidates counted from the question definitions before any is validated, tokens bounded from the validated request
+before any prompt is built, see `reference.service`), an over-length candidate, a request whose largest forward needs
+more activation memory than the bound (`--activation-memory`, default derived from the device's memory:
+engine/serve/admission.py) -> 503 the model queue is full (with `Retry-After: 1`) -> 504 the request's deadline passed
+(`--deadline`, default 60 s from the hand-off to the model worker: queue wait and inference) -> 500 inference failed
+(`error_type` names the exception class; never a fallback answer): any exception of compiling or of the forward, every
+`BaseException` included (StopIteration, GeneratorExit, CancelledError: the worker hands a failure over as its future's
+value, never as its exception).
 
 Framing the contract does not name, each a JSON answer on a closed connection: 400 a Content-Length that is not one
-decimal number (or two that differ), a bad chunk, a Transfer-Encoding other than one `chunked` (two fields included),
-a request target that does not parse; 431 a head over 64 KiB or over 100 fields; 501 a method the parser does not
-know; 408 a head not complete 30 s after its first byte, or a declared body not complete 30 s after the head. These
-come from `DecisionProtocol`, uvicorn's httptools protocol with these answers (a replica manager that runs its own
-uvicorn answers the parser's refusals with uvicorn's plain-text 400). A request with both Content-Length and chunked
-is read as chunked and answered on a closed connection (RFC 9112 §6.3). A connection idle for 30 s (before its first
-request or between requests) is closed. An answer given before the body was read (403, 415, 413, 408 ...) closes the
-connection after reading and dropping what the client still sends (at most 8 MiB, 2 s), so the client reads the answer
-instead of a connection reset. Pipelined requests before a refused one are answered first, in order, then the refusal
-(reading stops meanwhile). The server keeps serving after every one of these.
+decimal number (or two that differ), a bad chunk, a Transfer-Encoding other than one `chunked` (two fields included), a
+request target that does not parse; 413 a chunk whose declared size takes the body over 4 MiB, as soon as its size line
+is read; 431 a head over 64 KiB or over 100 fields; 501 a method the parser does not know; 505 an HTTP version other
+than 1.0 and 1.1; 408 a head not complete 30 s after its first byte, or a declared body not complete 30 s after the
+head. These come from `DecisionProtocol`, uvicorn's httptools protocol with these answers (a replica manager that runs
+its own uvicorn answers the parser's refusals with uvicorn's plain-text 400). A request with both Content-Length and
+chunked is read as chunked and answered on a closed connection (RFC 9112 §6.3). A connection idle for 30 s (before its
+first request or between requests) is closed. An answer given before the body was read (403, 415, 413, 408 ...) closes
+the connection after reading and dropping what the client still sends (at most 8 MiB, 2 s), so the client reads the
+answer instead of a connection reset. Pipelined requests before a refused one are answered first, in order, then the
+refusal (reading stops meanwhile). The server keeps serving after every one of these.
 
 Concurrency: the HTTP side is one event loop (no thread per connection: idle connections cost a socket each). It frames
 the body, then parses the JSON and compiles the request (`DecisionModel.compile`: validation, admission budgets,
@@ -74,10 +78,14 @@ behind it or asking `batch_requests`; validation, the queue, deadlines, 503s and
 server without the batcher that issue 15's one-client target compares with (`ablations/concurrency.py
 --compare-batching`).
 
-Each request carries its own future, so an answer can only go back to the request it came from; a full queue answers
-503 at once instead of growing. A request whose deadline passes (queue wait and forward; compiling comes before it) is
-answered 504; if it was still queued it is dropped from the queue, if its forward had started it finishes and the
-answer is discarded.
+Each request carries its own future, so an answer can only go back to the request it came from. The queue bound
+(`--queue-size`) counts every request handed to the worker and not yet taken into a forward, the ones the worker took
+off the queue for its next forward included; one more is answered 503 at once instead of waiting. A request whose
+deadline passes (queue wait and forward; compiling comes before it) is answered 504; if it was still queued it is
+dropped from the queue; if its forward had started, the forward is told to stop once no request of it has a waiting
+client (`DecisionWorker`): a forward on `hf_torch` / `hf_fla` stops before its next decoder layer, an engine forward at
+its end (the admission bound keeps it short). A client that closes its connection while its request waits is the
+same, answered 499 to nobody.
 
 The worker survives any failure of one request: whatever answering it raises, a `BaseException` that is not an
 `Exception` included (a panicking native extension raises one), is that request's 500 with `error_type`, and the next
@@ -140,9 +148,10 @@ from tqdm import tqdm
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.fla_configs import pin_fla_configs
+from engine.serve.admission import AdmissionBound
 from engine.stages import STAGES, BuildContext, build_backbone, get_stage, prepare_process
 from reference.request import MODEL_ALIASES, RequestError, parse_json_strict, validate_request
-from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel
+from reference.service import DEFAULT_CANDIDATE_BUDGET, DEFAULT_TOKEN_BUDGET, DecisionModel, ForwardAbandoned
 from reference.shapes import QWEN38_27B, SHAPES, TINY, get_shapes
 from reference.weights import load_package, synthetic_weights
 
@@ -156,6 +165,7 @@ HEAD_TIMEOUT_S = 30.0  # from a request's first byte to the end of its head
 BODY_TIMEOUT_S = 30.0  # from the end of the head to the end of a declared body
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADER_FIELDS = 100
+CHUNK_LINE_BYTES = 4096  # bytes kept to read a chunk's size line (a longer line, extensions included, is not read)
 LISTEN_BACKLOG = 1024  # many clients may connect at once
 POST_PATHS = ("/v1/systemone", "/v1/inference", "/api/jev")
 RELEASE_DATE = "2026-09-19"
@@ -210,13 +220,21 @@ class HTTPError(Exception):
 @dataclass
 class _Job:
     request: Any  # what `compile` made of the parsed request (a `reference.service.CompiledRequest`)
-    future: Future
+    future: Future  # its result: the answer, or the exception answering it raised (never set as the exception)
+    abandoned: threading.Event  # set by the server: no client waits for the answer any more
+    waiting: bool = True  # counted by `DecisionWorker.depth` (queued, not yet taken into a forward or answered)
 
 
-def _answer_each(decide: Callable[[Any], dict], requests: Sequence[Any]) -> list[Any]:
-    """`decide` per request, each request's exception (any BaseException) in its own slot."""
+def _answer_each(
+    decide: Callable[[Any], dict], requests: Sequence[Any], *, abandoned: Callable[[], bool] = lambda: False
+) -> list[Any]:
+    """`decide` per request, each request's exception (any BaseException) in its own slot; once `abandoned()` says no
+    client waits any more, the rest are `ForwardAbandoned` without a call."""
     results: list[Any] = []
     for request in requests:
+        if abandoned():
+            results.append(ForwardAbandoned())
+            continue
         try:
             results.append(decide(request))
         except BaseException as error:  # noqa: BLE001 - one request's failure is its own (module docstring)
@@ -237,7 +255,7 @@ class ModelCalls:
         if hasattr(model, "answer_many"):
             self.compile: Callable[[Any], Any] | None = model.compile
             self.batch_size: Callable[[Sequence[Any]], int] = model.batch_requests
-            self.answer_many: Callable[[Sequence[Any]], list[Any]] = model.answer_many
+            self.answer_many: Callable[..., list[Any]] = model.answer_many
         else:
             self.compile = None
             self.batch_size = lambda queued: 1
@@ -247,15 +265,21 @@ class ModelCalls:
 class DecisionWorker:
     """The one thread that runs forwards, back to back, each over as many queued requests as the model takes.
 
-    `submit` puts a compiled request on a bounded FIFO and returns its own `Future`; a full queue raises `ServerBusy`.
-    The thread takes the oldest request, and with it every request queued meanwhile (no waiting for company: a lone
-    request goes at once; under load, requests queue while a forward runs and the next forward takes them together),
-    asks `calls.batch_size` how many of them, from the front, one forward takes, and answers those with
-    `calls.answer_many`; the rest stay first in line for the next forward. Each job's future gets its own answer or
-    exception, any `BaseException` included; should `answer_many` itself raise (a `DecisionModel` raises
-    KeyboardInterrupt and SystemExit instead of keeping them in a slot), every request of that forward is answered
-    alone, so only the one that raises gets the exception. A job whose future was cancelled while queued (its deadline
-    passed) is skipped. `on_batch(answers)` is told the answers of each forward (the metrics).
+    `submit(request, abandoned)` puts a compiled request on the FIFO and returns its `Future`; `abandoned` is the
+    caller's flag that no client waits for the answer any more. The bound: at most `queue_size` jobs wait at once,
+    counting every job submitted and not yet taken into a forward or answered (the queue and the jobs taken from it for
+    the next forward alike: `depth`); one more raises `ServerBusy` at once. The thread takes the oldest job, and with it
+    every job queued meanwhile (no waiting for company: a lone request goes at once; under load, requests queue while a
+    forward runs and the next forward takes them together), asks `calls.batch_size` how many of them, from the front,
+    one forward takes, and answers those with `calls.answer_many`; the rest stay first in line for the next forward.
+    Each job's future gets its result: the answer or the exception answering it raised, any `BaseException` included, as
+    the future's result value, never set as its exception (asyncio refuses a `StopIteration` as a future's exception and
+    treats a `CancelledError` as a cancellation; ServerClosing and WorkerStopped alone are set as exceptions). Should
+    `answer_many` itself raise (a `DecisionModel` raises KeyboardInterrupt and SystemExit instead of keeping them in a
+    slot), every request of that forward is answered alone, so only the one that raises gets the exception. A job whose
+    future was cancelled while queued (its deadline passed) is skipped; a forward is told to stop (`answer_many(...,
+    abandoned=...)`) once every job of it is `abandoned` (the server sets the flag when a request's deadline passes or
+    its client closes the connection). `on_batch(answers)` is told the answers of each forward (the metrics).
 
     `batching=False`: each forward answers the oldest job alone (`calls.answer_many` of one request); the thread neither
     takes the jobs queued behind it nor calls `calls.batch_size`.
@@ -283,14 +307,16 @@ class DecisionWorker:
         if intraop_threads is not None and intraop_threads < 1:
             raise ValueError(f"intraop_threads must be >= 1, got {intraop_threads}")
         self._calls = calls
+        self.queue_size = queue_size
         self.batching = batching
         self.intraop_threads = intraop_threads
         self._next: list[_Job] = []  # taken from the queue, not yet answered (only the worker thread touches it)
         self._on_failure = on_failure
         self._on_batch = on_batch
         self.failure: BaseException | None = None
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=queue_size)
-        self._lock = threading.Lock()  # orders submit against close, so no job is queued after the last drain
+        self._queue: queue.Queue[_Job] = queue.Queue()  # bounded by `_waiting`, counted under `_lock`
+        self._waiting = 0
+        self._lock = threading.Lock()  # orders submit against close and the count of waiting jobs
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decision-worker", daemon=True)
 
@@ -298,21 +324,28 @@ class DecisionWorker:
         self._thread.start()
 
     def depth(self) -> int:
-        """Jobs waiting (not counting those of the forward running)."""
-        return self._queue.qsize() + len(self._next)
+        """Jobs waiting: submitted, not yet taken into a forward and not yet answered (the queue bound's count)."""
+        return self._waiting
 
-    def submit(self, request: Any) -> Future:
-        job = _Job(request, Future())
+    def submit(self, request: Any, abandoned: threading.Event | None = None) -> Future:
+        job = _Job(request, Future(), abandoned if abandoned is not None else threading.Event())
         with self._lock:
             if self.failure is not None:
                 raise WorkerStopped()
             if self._closed.is_set():
                 raise ServerClosing()
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise ServerBusy() from None
+            if self._waiting >= self.queue_size:
+                raise ServerBusy()
+            self._waiting += 1
+            self._queue.put_nowait(job)
+        job.future.add_done_callback(lambda _: self._stop_waiting(job))  # cancelled at its deadline, or drained
         return job.future
+
+    def _stop_waiting(self, job: _Job) -> None:
+        with self._lock:
+            if job.waiting:
+                job.waiting = False
+                self._waiting -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop taking jobs, let the running one finish, answer every queued one with `ServerClosing`."""
@@ -334,6 +367,13 @@ class DecisionWorker:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error())
 
+    def _start(self, jobs: list[_Job]) -> list[_Job]:
+        """The jobs whose clients still wait (not cancelled at their deadline), now running and no longer waiting."""
+        running = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        for job in running:
+            self._stop_waiting(job)
+        return running
+
     def _take(self) -> list[_Job]:
         """The jobs of the next forward: the oldest job and those queued behind it, as many as `batch_size` takes."""
         if not self._next:
@@ -352,7 +392,7 @@ class DecisionWorker:
         front = self._next[:MAX_BATCH_REQUESTS]
         count = self._calls.batch_size([job.request for job in front])
         taken, self._next = self._next[:count], self._next[count:]
-        return [job for job in taken if job.future.set_running_or_notify_cancel()]
+        return self._start(taken)
 
     def _take_one(self) -> list[_Job]:
         """The job of the next forward without batching: the oldest job alone (none if its deadline passed)."""
@@ -360,11 +400,14 @@ class DecisionWorker:
             job = self._queue.get(timeout=0.1)
         except queue.Empty:
             return []
-        return [job] if job.future.set_running_or_notify_cancel() else []
+        return self._start([job])
 
     def _answer(self, jobs: list[_Job]) -> list[Any]:
+        def abandoned() -> bool:
+            return all(job.abandoned.is_set() for job in jobs)
+
         try:
-            results = self._calls.answer_many([job.request for job in jobs])
+            results = self._calls.answer_many([job.request for job in jobs], abandoned=abandoned)
         except BaseException as error:  # noqa: BLE001 - one of them raised: each alone, so only that one fails
             if len(jobs) == 1:
                 return [error]
@@ -384,10 +427,7 @@ class DecisionWorker:
                     continue
                 results = self._answer(jobs)
                 for job, result in zip(jobs, results):
-                    if isinstance(result, BaseException):
-                        job.future.set_exception(result)
-                    else:
-                        job.future.set_result(result)
+                    job.future.set_result(result)
                 self._on_batch([result for result in results if not isinstance(result, BaseException)])
         except BaseException as error:  # noqa: BLE001 - the loop itself failed: stop for good, and say so
             with self._lock:
@@ -471,6 +511,22 @@ class ServerMetrics:
         if graphs is not None:
             self.registry.register(_GraphCollector(graphs))
 
+    def memory(self, cuda_device: torch.device | None, admission: AdmissionBound | None) -> None:
+        """Gauges of the admission bound (`jev_activation_bound_bytes`) and, on CUDA, of the caching allocator
+        (`jev_cuda_allocated_bytes`, `jev_cuda_max_allocated_bytes`, `jev_cuda_reserved_bytes`), read at each scrape."""
+        if admission is not None:
+            bound = Gauge("jev_activation_bound_bytes", "admission bound of one forward", registry=self.registry)
+            bound.set(admission.bound_bytes)
+        if cuda_device is None:
+            return
+        for name, key in (
+            ("allocated", "allocated_bytes.all.current"),
+            ("max_allocated", "allocated_bytes.all.peak"),
+            ("reserved", "reserved_bytes.all.current"),
+        ):
+            gauge = Gauge(f"jev_cuda_{name}_bytes", f"CUDA caching allocator: {key}", registry=self.registry)
+            gauge.set_function(functools.partial(_cuda_stat, cuda_device, key))
+
     def answered(self, status: int, elapsed_s: float | None) -> None:
         self.requests.labels(str(status)).inc()
         if elapsed_s is not None:
@@ -492,6 +548,10 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _cuda_stat(device: torch.device, key: str) -> float:
+    return float(torch.cuda.memory_stats(device).get(key, 0))
+
+
 class _GraphCollector:
     """The graph cache's figures (`engine.graphs.GraphCache.describe`), read at each scrape."""
 
@@ -506,6 +566,20 @@ class _GraphCollector:
         for reason, count in described["misses"].items():
             misses.add_metric([reason], count)
         yield misses
+
+
+def cuda_memory(device: torch.device, admission: AdmissionBound | None) -> dict[str, int]:
+    """`/health`'s `memory` on CUDA: the caching allocator's allocated, peak allocated and reserved bytes
+    (`torch.cuda.memory_stats`), the device's free bytes, and the admission bound."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
+        "max_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
+        "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+        "max_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
+        "free_bytes": torch.cuda.mem_get_info(device)[0],
+        "activation_bound_bytes": admission.bound_bytes if admission is not None else 0,
+    }
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -583,6 +657,12 @@ def _refusal(scope: Scope, status: int, message: str) -> _Answer:
     return _Answer(*_error(status, message), close=True, drain=_declares_body(scope))
 
 
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client is gone: the request's body was read, so what `receive` gives next is a disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _discard_body(receive: Receive) -> None:
     """Read and drop the rest of a request body: at most `LINGER_BYTES`, for at most `LINGER_S`."""
     received = 0
@@ -603,6 +683,8 @@ class DecisionApp:
     name. `deadline_s`: a request's queue wait and inference before it is answered 504. `body_timeout_s`: from the
     end of a request's head to the end of its declared body before it is answered 408. `examples_dir`: the folder
     `/examples.json` lists. `batching`: whether one forward may answer several queued requests (`DecisionWorker`).
+    `activation_memory`: the admission bound in bytes (engine/serve/admission.py; default: derived from the device's
+    memory when the app is built); a backbone that module does not cost is admitted by the budgets alone.
     """
 
     def __init__(
@@ -617,6 +699,7 @@ class DecisionApp:
         body_timeout_s: float = BODY_TIMEOUT_S,
         examples_dir: Path = EXAMPLES_DIR,
         batching: bool = True,
+        activation_memory: int | None = None,
     ):
         self.model = model
         self.model_id: str = model.weights.model_id
@@ -629,8 +712,12 @@ class DecisionApp:
         self.access_log = AccessLog(access_log)
         self.graphs = getattr(getattr(model, "backbone", None), "graphs", None)
         self.fla_configs = getattr(getattr(model, "backbone", None), "fla_configs", None)  # set by its warm-up
+        device = getattr(getattr(model, "backbone", None), "device", None)
+        self.cuda_device = device if isinstance(device, torch.device) and device.type == "cuda" else None
         self.metrics = ServerMetrics(lambda: self.worker.depth(), self.graphs)
         self.calls = ModelCalls(model)
+        self.admission = AdmissionBound.for_backbone(getattr(model, "backbone", None), activation_memory)
+        self.metrics.memory(self.cuda_device, self.admission)
         self.worker = DecisionWorker(
             self.calls,
             queue_size,
@@ -672,6 +759,8 @@ class DecisionApp:
             health["graphs"] = self.graphs.describe()
         if self.fla_configs is not None:  # `graphs` on CUDA: the FLA config pin and the keys its warm-up autotuned
             health["fla_configs"] = self.fla_configs
+        if self.cuda_device is not None:
+            health["memory"] = cuda_memory(self.cuda_device, self.admission)
         return health
 
     def models(self) -> dict:
@@ -698,49 +787,79 @@ class DecisionApp:
         return valid
 
     def _parse_and_compile(self, body: bytes) -> Any:
-        """Strict JSON, then `compile` when the model has one (RequestError for a fault of the body)."""
+        """Strict JSON, then `compile` when the model has one, then the admission bound (RequestError for a fault of
+        the body or a request over the bound)."""
         request = parse_json_strict(body)
-        return request if self.calls.compile is None else self.calls.compile(request)
+        if self.calls.compile is None:
+            return request
+        compiled = self.calls.compile(request)
+        if self.admission is not None:
+            self.admission.admit(compiled.candidates, compiled.groups)
+        return compiled
 
-    async def answer(self, body: bytes) -> tuple[int, bytes]:
-        """The decision endpoint behind the HTTP framing: body bytes -> (status, response JSON bytes)."""
+    def _compile_outcome(self, body: bytes) -> Any:
+        """`_parse_and_compile`'s result, or the exception it raised (any BaseException) as the value: what passes
+        through a thread's future then cannot be a `StopIteration`, which asyncio refuses as a future's exception."""
         try:
-            if len(body) <= INLINE_COMPILE_BYTES:
-                request = self._parse_and_compile(body)
-            else:  # a large request: parsed and compiled on the thread pool, so the loop keeps serving
-                request = await asyncio.to_thread(self._parse_and_compile, body)
-        except RequestError as error:
+            return self._parse_and_compile(body)
+        except BaseException as error:  # noqa: BLE001 - handed to `answer`, which answers it
+            return error
+
+    def _failed(self, error: BaseException) -> tuple[int, bytes]:
+        """The answer to a request whose compile or forward raised `error`: its own status for a RequestError, else 500
+        (logged with where it was raised): never a fallback answer."""
+        if isinstance(error, RequestError):
             return _error(error.status, error.message)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # noqa: BLE001 - a bug in compiling is a 500, never a fallback answer
-            self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
-            return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
+        self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
+        return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
+
+    async def answer(self, body: bytes, receive: Receive | None = None) -> tuple[int, bytes]:
+        """The decision endpoint behind the HTTP framing: body bytes -> (status, response JSON bytes). `receive`: the
+        request's ASGI receive, read for the client's disconnect while the request waits for the worker."""
+        if len(body) <= INLINE_COMPILE_BYTES:
+            request = self._compile_outcome(body)
+        else:  # a large request: parsed and compiled on the thread pool, so the loop keeps serving
+            request = await asyncio.to_thread(self._compile_outcome, body)
+        if isinstance(request, BaseException):
+            return self._failed(request)
+        abandoned = threading.Event()
         try:
-            future = self.worker.submit(request)
+            future = self.worker.submit(request, abandoned)
         except ServerBusy:
             return _error(503, "server busy: the request queue is full")
         except ServerClosing:
             return _error(503, "server is shutting down")
         except WorkerStopped:
             return _error(503, WORKER_STOPPED)
+        answered = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
         try:
-            async with asyncio.timeout(self.deadline_s):
-                answer = await asyncio.wrap_future(future)  # a timeout cancels the job if it is still queued
-            return 200, _json_bytes(answer)
-        except TimeoutError:
+            done, _ = await asyncio.wait(
+                [answered] if gone is None else [answered, gone],
+                timeout=self.deadline_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if answered not in done:
+            abandoned.set()  # a forward that runs for it alone stops at its next check
+            answered.cancel()  # drops the job if it is still queued
+            if gone is not None and gone in done:
+                return _error(499, "the client closed the connection before the answer")
             return _error(504, f"request deadline exceeded: {self.deadline_s:g} s for queue wait and inference")
-        except RequestError as error:
-            return _error(error.status, error.message)
+        try:
+            outcome = answered.result()
         except ServerClosing:
             return _error(503, "server is shutting down")
         except WorkerStopped:
             return _error(503, WORKER_STOPPED)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # noqa: BLE001 - a failed inference is a 500, never a fallback answer
-            self.access_log.write(f"inference failed: {type(error).__name__}{_where(error)}")
-            return _error(500, INFERENCE_FAILED, error_type=type(error).__name__)
+        if isinstance(outcome, BaseException):
+            return self._failed(outcome)
+        try:
+            return 200, _json_bytes(outcome)
+        except (TypeError, ValueError) as error:  # an answer that is not JSON (a NaN): the model's fault
+            return self._failed(error)
 
     # ---- endpoints -------------------------------------------------------------------------------------------------
 
@@ -762,7 +881,10 @@ class DecisionApp:
 
     async def post_decide(self, request: Request) -> Response:
         scope = request.scope
-        origin = request.headers.get("origin")
+        origins = _fields(scope, b"origin")
+        if len(origins) > 1:
+            return _refusal(scope, 400, "a request may carry at most one Origin header")
+        origin = origins[0] if origins else None
         if origin is not None and not self.allow_cross_origin and not _same_origin(origin, request.headers.get("host")):
             return _refusal(scope, 403, "cross-origin requests are disabled")
         if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/json":
@@ -771,7 +893,7 @@ class DecisionApp:
             body = await self._read_body(scope, request.receive)
         except HTTPError as error:
             return _Answer(*_error(error.status, error.message), close=True, drain=error.status != 408)
-        status, payload = await self.answer(body)
+        status, payload = await self.answer(body, request.receive)
         # With both framings, chunked won (RFC 9112 §6.3): answer, then close.
         both = bool(_fields(scope, b"transfer-encoding")) and bool(_fields(scope, b"content-length"))
         return _Answer(status, payload, close=both, retry=status == 503)
@@ -909,6 +1031,12 @@ class DecisionProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._running: Any = None  # the request cycle whose app runs (or ran last); pipelined ones wait behind it
         self._refusal: tuple[int, str, bool] | None = None  # a refusal waiting for the answers before it
+        self._began_in_feed = False  # a request began in the bytes being parsed now
+        self._body_bytes = 0  # body bytes of the request being read
+        self._chunk_body = 0  # body bytes of its open chunk since the chunk's size line
+        self._chunk_open = False
+        self._chunk_started_in_feed = False  # a chunk header was parsed in the bytes being parsed now
+        self._tail = b""  # the last CHUNK_LINE_BYTES bytes received before the ones being parsed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -926,6 +1054,7 @@ class DecisionProtocol(HttpToolsProtocol):
         if self._refusal is not None:
             return  # the connection closes after the answers before the refused request
         self._unset_keepalive_if_required()
+        self._began_in_feed = self._chunk_started_in_feed = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -933,14 +1062,37 @@ class DecisionProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as error:
             self._refuse(*_framing_refusal(error))
             return
-        if self._in_head:  # all of `data` belongs to an unfinished head (one field may be growing without end)
-            self._head_bytes += len(data)
+        finally:
+            tail, self._tail = self._tail, (self._tail + data)[-CHUNK_LINE_BYTES:]
+        # A read that holds a head's beginning may hold the end of the request before it (a pipelined body): its head
+        # bytes are counted as the parser reports them (`_count_head`); every later read of an unfinished head belongs
+        # to it whole (one field may be growing without end, reported only at its end). So a head is refused at most
+        # one read (asyncio reads up to 256 KiB) past MAX_HEAD_BYTES.
+        if self._in_head and not self._began_in_feed:
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        elif self._chunk_open and self._chunk_started_in_feed:
+            declared = _open_chunk_size(tail + data, self._chunk_body)
+            if declared is not None and self._body_bytes - self._chunk_body + declared > MAX_BODY_BYTES:
+                self._refuse(413, "request body size is outside server limits")
+
+    def on_chunk_header(self) -> None:
+        self._chunk_open = self._chunk_started_in_feed = True
+        self._chunk_body = 0
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_open = False
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        self._chunk_body += len(body)
+        super().on_body(body)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
+        self._in_head = self._began_in_feed = True
+        self._body_bytes = 0
+        self._chunk_open = False
         self._head_bytes = 0
         self._head_parsed = 0
         self._head_fields = 0
@@ -966,6 +1118,9 @@ class DecisionProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_head_timer()
+        version = self.parser.get_http_version()
+        if version not in ("1.0", "1.1"):
+            raise _Refused(505, f"HTTP version not supported: HTTP/{version} (this server speaks HTTP/1.1 and 1.0)")
         super().on_headers_complete()
 
     def _stop_head_timer(self) -> None:
@@ -1034,6 +1189,20 @@ class DecisionProtocol(HttpToolsProtocol):
             self._send_refusal(*self._refusal)
 
 
+def _open_chunk_size(received: bytes, chunk_body: int) -> int | None:
+    """The declared size of the chunk being read, from the bytes `received` up to now, which end with its size line
+    and then the `chunk_body` bytes of it the parser delivered; None when the line is not all there or not hex."""
+    line = received[: len(received) - chunk_body].rstrip(b"\r\n")
+    start = max(line.rfind(b"\n"), line.rfind(b"\r")) + 1
+    if start == 0 and len(received) >= CHUNK_LINE_BYTES:
+        return None  # the line may have begun before what is kept
+    size = line[start:].split(b";", 1)[0].strip()
+    try:
+        return int(size, 16)
+    except ValueError:
+        return None
+
+
 def _framing_refusal(error: httptools.HttpParserError) -> tuple[int, str]:
     """The answer to what httptools refused (its messages are llhttp's)."""
     cause = error.__context__
@@ -1058,8 +1227,8 @@ class DecisionServer:
 
     `model`: see `DecisionApp`. `port=0` picks a free port; `url` and `server_address` tell which. Use as a context
     manager, or call `close()`. `allowed_hosts`: `Host` names answered besides the loopback ones (only checked when
-    bound to a loopback address). `batching`: see `DecisionWorker`. `app` is the ASGI app (`build_app`), `uvicorn` the
-    server that runs it.
+    bound to a loopback address). `batching`: see `DecisionWorker`; `activation_memory`: see `DecisionApp`. `app` is the
+    ASGI app (`build_app`), `uvicorn` the server that runs it.
     """
 
     def __init__(
@@ -1075,6 +1244,7 @@ class DecisionServer:
         deadline_s: float = DEFAULT_DEADLINE_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
         batching: bool = True,
+        activation_memory: int | None = None,
     ):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
@@ -1088,6 +1258,7 @@ class DecisionServer:
             deadline_s=deadline_s,
             body_timeout_s=body_timeout_s,
             batching=batching,
+            activation_memory=activation_memory,
         )
         self.decisions: DecisionApp = self.app.state.decisions
         self.worker = self.decisions.worker
@@ -1281,8 +1452,19 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="on (default): one forward answers the requests queued together; off: each request gets its own forward",
     )
+    parser.add_argument(
+        "--activation-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GiB of activation memory one request's largest forward may need (default: min(1/8 of the device's "
+        "memory, 1/2 of what is free at start); engine/serve/admission.py)",
+    )
     parser.add_argument("--access-log", choices=["stderr", "off"], default="stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.activation_memory is not None and args.activation_memory <= 0:
+        parser.error(f"--activation-memory must be positive, got {args.activation_memory:g}")
+    return args
 
 
 def answered_hosts(bind_address: str, allowed: Iterable[str]) -> tuple[str, ...] | None:
@@ -1300,6 +1482,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
         "access_log": sys.stderr if args.access_log == "stderr" else None,
         "deadline_s": args.deadline,
         "batching": args.batching == "on",
+        "activation_memory": None if args.activation_memory is None else int(args.activation_memory * 2**30),
     }
 
 
