@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import socket
 import time
+import types
 
 from engine.server import DecisionServer
 
 TIMEOUT_S = 60.0
+INFERENCE_FAILED = {"error": "model inference failed", "error_type": "RuntimeError"}
+INVALID_SCHEMA = {"state": "s"}  # valid JSON, fails validation before any forward
 
 
 def address(server: DecisionServer) -> tuple[str, int]:
@@ -69,3 +73,25 @@ def wait_until(condition, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.005)
+
+
+def without_timing(response: dict) -> dict:
+    out = copy.deepcopy(response)
+    del out["metadata"]["inference_seconds"]
+    return out
+
+
+class Panic(BaseException):
+    """What a panicking native extension raises (pyo3's PanicException derives from BaseException)."""
+
+
+class FailingModel:
+    """Echoes a request, or raises the BaseException class named by its `raise` key."""
+
+    weights = types.SimpleNamespace(model_id="failing", method="test")
+    raises = {"Panic": Panic, "KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}
+
+    def decide(self, request):
+        if "raise" in request:
+            raise self.raises[request["raise"]]("from the model")
+        return {"echo": request}

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.server import MAX_BATCH_REQUESTS, DecisionServer, app_options, parse_arguments
+from engine.serve.worker import MAX_BATCH_REQUESTS
+from engine.server import DecisionServer, app_options, parse_arguments
 from engine.stages import build_engine, config_of
 from engine.weights import MergedWeights
 from reference.service import DecisionModel
