@@ -70,10 +70,11 @@ def test_a_small_campaign_finds_nothing():
 
 def test_a_burst_of_twice_the_queue_is_503_at_once_and_the_depth_stays_bounded():
     """Issue 23: 16 clients at once on a queue of 8 behind a held worker: 8 wait and are answered 200, 8 are 503 within
-    50 ms each, the depth never above 8."""
-    burst = run_burst(8)
-    assert burst["statuses"] == {"200": 8, "503": 8} and burst["depth_max"] == 8 == burst["depth_while_held"]
-    assert burst["busy_ms"]["max_ms"] <= BURST_TARGET_MS and burst["meets_target"]
+    50 ms each of the server receiving them, the depth never above 8."""
+    burst = run_burst(8, rounds=1)
+    (one,) = burst["rounds"]
+    assert one["statuses"] == {"200": 8, "503": 8} and one["depth_max"] == 8 == one["depth_while_held"]
+    assert one["busy_server_ms"]["n"] == 8 and burst["busy_server_ms_max"] <= BURST_TARGET_MS and burst["meets_target"]
 
 
 def test_idle_connections_cost_no_thread_and_no_delay():

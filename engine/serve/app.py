@@ -351,6 +351,10 @@ class DecisionApp:
                 timeout=self.deadline_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
+        except asyncio.CancelledError:  # the handler itself was cancelled (shutdown): nobody waits for the answer
+            abandoned.set()
+            answered.cancel()
+            raise
         finally:
             if gone is not None:
                 gone.cancel()
@@ -370,7 +374,7 @@ class DecisionApp:
             return self._failed(outcome)
         try:
             return 200, json_bytes(outcome)
-        except (TypeError, ValueError) as error:  # an answer that is not JSON (a NaN): the model's fault
+        except Exception as error:  # noqa: BLE001 - an answer that is not JSON (a NaN): the model's fault
             return self._failed(error)
 
     # ---- endpoints -------------------------------------------------------------------------------------------------
