@@ -96,7 +96,6 @@ def test_every_public_request_is_admitted_on_hf_torch(small_host):
     assert max(needs) < 0.2e9  # customer_service, 0.18 GB: far under the bound
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["merged", "tree"])
 def test_every_public_request_is_admitted_on_engine_backbones(small_host, stage):
     """The flat (`merged`) and tree layouts' plans of the tiny twin, with the bound of a small host."""

@@ -46,18 +46,23 @@ the bound of any device (tests/test_server_admission.py).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backbone import EngineBackbone
 from engine.plan import split_questions, tree_layout
-from reference.model import HFBackbone
 from reference.ops import GDN_CHUNK_SIZE
 from reference.request import RequestError
 from reference.shapes import ModelShapes
+
+if TYPE_CHECKING:  # imported where a backbone exists: importing them here would import the kernels before
+    # `engine.stages.prepare_process` has prepared the process (the Triton interpreter on the CPU)
+    from engine.backbone import EngineBackbone
+    from reference.model import HFBackbone
 
 ATTENTION_BLOCK_KEYS = 64  # keys per block of the engine's CPU attention (engine.tree.blockwise_node_core)
 MEMINFO = Path("/proc/meminfo")
@@ -134,6 +139,15 @@ def engine_plans(
     return [PlanCost(sum(lengths), _chunks(lengths)) for lengths in batches]
 
 
+def _costed_classes() -> tuple[type, ...]:
+    """`reference.model.HFBackbone` and `engine.backbone.EngineBackbone`, those of them whose module is imported."""
+    found = []
+    for module, name in (("reference.model", "HFBackbone"), ("engine.backbone", "EngineBackbone")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of host memory: physical pages, and `MemAvailable` (free pages where unreadable)."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -176,12 +190,15 @@ class AdmissionBound:
 
     @classmethod
     def for_backbone(cls, backbone: object, bound_bytes: int | None = None) -> AdmissionBound | None:
-        if isinstance(backbone, (HFBackbone, EngineBackbone)):
+        """The bound of a backbone this module costs, else None. The two classes are looked up among the modules
+        already imported (a backbone of a class whose module was never imported is not one), so that costing never
+        imports the kernels or FLA itself."""
+        if isinstance(backbone, _costed_classes()):
             return cls(backbone, bound_bytes)
         return None
 
     def plans(self, candidates: Sequence[Sequence[int]], groups: Sequence[int]) -> list[PlanCost]:
-        if isinstance(self.backbone, HFBackbone):
+        if hasattr(self.backbone, "batch_size"):  # HFBackbone (EngineBackbone has `max_batch_rows` instead)
             return hf_plans(self.backbone, candidates)
         return engine_plans(self.backbone, candidates, groups)
 
