@@ -151,7 +151,7 @@ def thread_count_of_a_new_thread() -> int:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", None])
 def test_a_cpu_model_s_worker_runs_one_intraop_thread_and_no_other_worker_is_touched(device):
-    """On the CPU the worker runs with CPU_WORKER_THREADS intra-op threads (engine/server.py says why); a CUDA model's
+    """On the CPU the worker runs with CPU_WORKER_THREADS intra-op threads (engine/serve/worker.py: why); a CUDA model's
     worker and a model without a backbone start with what any new thread starts with; the main thread keeps its own.
     New threads are first made to start with CPU_WORKER_THREADS + 1 (a CPU worker started earlier in this process
     left them at CPU_WORKER_THREADS), so the CPU case cannot pass by inheritance."""
