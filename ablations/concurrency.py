@@ -19,7 +19,7 @@ task, status, latency, identical) and `summary.json` (per k, the targets of issu
 
 `--compare-batching` measures instead what the batcher costs one client (issue 15: "one client: P50 no more than 1 ms
 above the same server without the batcher"). It serves the model from two servers in this process, `--batching off`
-and `--batching on` (engine/server.py), warms each with its own alone pass, then sends every task `--blocks` times to
+and `--batching on` (`DecisionWorker`), warms each with its own alone pass, then sends every task `--blocks` times to
 both, one request at a time: per task the two requests back to back, which goes first alternating from task to task
 and from block to block, so that drift of the machine falls on both modes alike. `summary.json` has, per mode, the
 latency and how many answers are bit-identical to the task's answer alone from the batching server, and the P50

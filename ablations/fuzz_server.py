@@ -3,19 +3,19 @@
     python -m ablations.fuzz_server [--cases N] [--seed S] [--shapes tiny|qwen3.8-27b] [--backend STAGE]
                                     [--body-timeout S] [--idle N] [--out results/server/fuzz.json]
 
-Three sections, each against its own in-process `DecisionServer` on a free loopback port:
+Four sections, each against its own in-process `DecisionServer` on a free loopback port:
 
 * `campaign`: `--cases` seeded malformed requests (and one valid control after every ten) sent one at a time, each on
-  a new connection, drawn evenly from the families of `FAMILIES`: mutated JSON bodies, broken framing, bad request
-  lines and targets, header abuse, slow clients, pipelined requests. The model is `overhead_model` (no forward, so an
-  answer takes about a millisecond) or, with `--backend`, that stage over the tiny twin. The server's body timeout
-  and head timeout are `--body-timeout` (default 1 s; the head timeout is `engine.server.HEAD_TIMEOUT_S`, set for the
-  campaign and restored after), so that requests never finished are answered 408 within the campaign's time. Each
-  case records its family, its kind, the status of every answer (or `closed` without one, `reset`, `timeout`) and
-  its time, and is classified; a finding is any of
+  a new connection, drawn evenly from the families of `FAMILIES` (ablations/fuzz_cases.py): mutated JSON bodies,
+  broken framing, bad request lines and targets, header abuse, slow clients, pipelined requests. The model is
+  `overhead_model` (no forward, so an answer takes about a millisecond) or, with `--backend`, that stage over the tiny
+  twin. The server's body timeout and head timeout are `--body-timeout` (default 1 s; the head timeout is
+  `engine.serve.protocol.HEAD_TIMEOUT_S`, set for the campaign and restored after), so that requests never finished
+  are answered 408 within the campaign's time. Each case records its family, its kind, the status of every answer (or
+  `closed` without one, `reset`, `timeout`) and its time, and is classified; a finding is any of
   `crash` (the server thread died or `GET /health` on a new connection is not 200 after the case),
   `server_error` (a 5xx answer: 503 and 504 are justified only by a full queue or a passed deadline, which these
-  requests never cause, and 501 only for a method other than GET, HEAD and POST),
+  requests never cause, 501 only for a method other than GET, HEAD and POST, and 505 only for HTTP/2 or later),
   `hang` (neither an answer nor a close within `--body-timeout` + 2 s of the last byte sent),
   `malformed` (bytes that do not parse as HTTP/1.1 responses, a body on a HEAD answer, a body that is not a JSON
   object where the contract promises JSON: every answer but `/metrics` and the 302),
@@ -30,14 +30,24 @@ Three sections, each against its own in-process `DecisionServer` on a free loopb
   open-file limit (the soft limit is raised to the hard limit when the connections need more; the record says so).
   Targets: no thread per connection, P50 delayed by less than 50 ms. This server keeps the default 30 s timeouts.
 
-* `amplification`: issue 15's bodies (`ablations.amplification`) to a server over the tiny twin `DecisionModel`
-  (`hf_torch`, synthetic weights): time to the 422 and the process's resident-memory growth while the server handles
-  it, sampled from `/proc/self/status` VmRSS by a thread every 1 ms (the peak over the request minus the value just
-  before it), while a second client sends short requests whose latency during the big request is compared with its
-  latency before. Targets: refused in < 0.5 s, peak growth < 100 MB, short requests at their usual latency.
+* `burst`: three rounds of one request holding the worker (a stand-in model), then 2 x `--queue-size` clients at once,
+  each on its own connection: every request over the bound must be a 503 within 50 ms of the server receiving it (the
+  client's time is recorded beside it) and the worker's depth (sampled every 1 ms) never above the bound; once the
+  worker is released, every queued request is answered 200.
+
+* `amplification`: issue 15's and issue 23's bodies (`ablations.amplification`) to a server over the tiny twin
+  `DecisionModel` (`hf_torch`, synthetic weights): time to the 422 and the process's resident-memory growth while the
+  server handles it, sampled from `/proc/self/status` VmRSS by a thread every 1 ms (the peak over the request minus the
+  value just before it), while a second client sends short requests whose latency during the big request is compared
+  with its latency before. Targets: refused in < 0.5 s, peak growth < 100 MB, short requests at their usual latency.
+  `admission` says how many of the public JevBench tasks and Open-Jev examples the same server's cost bound admits
+  (all of them, or the bound is wrong).
+
+The campaign's `refusal_wait` is the time from the last byte sent to a refusal (answers all 4xx but 408): issue 23's
+target is none over 1 s.
 
 The record (`--out`, default `results/server/fuzz.json`) holds the environment, the configuration, the counts per
-family, kind and status, the findings, and the two measurements; a short table is printed.
+family, kind and status, the findings, and the other sections' measurements; a short table is printed.
 """
 
 from __future__ import annotations
@@ -46,7 +56,6 @@ import argparse
 import contextlib
 import io
 import json
-import random
 import re
 import resource
 import socket
@@ -54,603 +63,37 @@ import sys
 import threading
 import time
 import tracemalloc
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import engine.server
+import engine.serve.protocol
 from ablations import envinfo
-from ablations.amplification import amplification_body, many_candidates_body
+from ablations.amplification import amplification_body, long_state_body, many_candidates_body
+from ablations.fuzz_cases import CONTROL_EVERY, FAMILIES, Case, generate_cases, http_request, short_request
+from ablations.jevbench import request_body
 from ablations.overhead import latency_stats, overhead_model
 from engine.server import DecisionServer, build_decision_model
+from reference.data import jevbench_tasks, open_jev_workloads
+from reference.request import RequestError
 from reference.shapes import SHAPES, TINY
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "results" / "server" / "fuzz.json"
 FINDING_CLASSES = ("crash", "server_error", "hang", "malformed", "unanswered", "mismatch", "control")
-FAMILIES = ("json_body", "framing", "request_line", "headers", "slow", "pipelined")
-CONTROL_EVERY = 10  # one valid control after every this many fuzz cases
 HANG_MARGIN_S = 2.0  # a hang: no answer and no close within the body timeout plus this, after the last byte
 RAW_REPR_CHARS = 600
 IDLE_DELAY_TARGET_MS = 50.0
 AMPLIFICATION_TARGET_S = 0.5
 AMPLIFICATION_TARGET_MB = 100.0
+REFUSAL_TARGET_MS = 1000.0  # issue 23: no refusal waits longer
+BURST_TARGET_MS = 50.0  # issue 23: each request over the queue bound is a 503 within this
 SMALL_PAUSE_S = 0.005  # between the small requests of the clients beside an amplification body
-POST = "/v1/systemone"
 HTTP_VERSION = re.compile(rb"HTTP/1\.1 ([1-5][0-9]{2}) [^\r\n]*")
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-# ---- requests -------------------------------------------------------------------------------------------------------
-
-
-def short_request(index: int) -> dict:
-    return {
-        "state": f"Order {index} arrived {index + 2} days late.",
-        "questions": {"late": {"type": "noul", "instructions": "Late?"}},
-    }
-
-
-def valid_request(rng: random.Random) -> dict:
-    """A valid request of one to three questions (noul, choice, score)."""
-    questions: dict[str, Any] = {}
-    for index in range(rng.randint(1, 3)):
-        kind = rng.choice(("noul", "choice", "score"))
-        if kind == "noul":
-            questions[f"q{index}"] = {"type": "noul", "instructions": "Is the customer upset?"}
-        elif kind == "choice":
-            options = {f"o{k}": f"option {k}" for k in range(rng.randint(2, 5))}
-            questions[f"q{index}"] = {"type": "choice", "instructions": "Which one?", "criteria": options}
-        else:
-            questions[f"q{index}"] = {"type": "score", "instructions": "How late?", "criteria": ["no", "some", "very"]}
-    return {"state": f"Order {rng.randint(0, 999)} arrived {rng.randint(1, 9)} days late.", "questions": questions}
-
-
-def http_request(
-    method: str = "POST",
-    target: str = POST,
-    body: bytes = b"",
-    *,
-    headers: list[tuple[str, str]] | None = None,
-    extra: list[bytes] = (),
-    version: str = "HTTP/1.1",
-    length: bool = True,
-) -> bytes:
-    """Raw request bytes: the request line, `headers` (default Host and, for a POST, the JSON Content-Type), the raw
-    `extra` field lines, a Content-Length when `length` (and the method sends a body), the body."""
-    if headers is None:
-        headers = [("Host", "localhost")]
-        if method == "POST":
-            headers.append(("Content-Type", "application/json"))
-    lines = [f"{method} {target} {version}".encode("latin-1")]
-    lines += [f"{name}: {value}".encode() for name, value in headers]
-    lines += list(extra)
-    if length and (body or method == "POST"):
-        lines.append(b"Content-Length: %d" % len(body))
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-def chunked(body: bytes, sizes: list[int]) -> bytes:
-    out, start = b"", 0
-    for size in sizes:
-        piece = body[start : start + size]
-        if piece:
-            out += b"%x\r\n%s\r\n" % (len(piece), piece)
-        start += size
-    if start < len(body):
-        out += b"%x\r\n%s\r\n" % (len(body) - start, body[start:])
-    return out + b"0\r\n\r\n"
-
-
-def json_head(extra: list[bytes] = (), method: str = "POST", target: str = POST) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1".encode(), b"Host: localhost", b"Content-Type: application/json", *extra]
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-@dataclass
-class Case:
-    """One fuzz case: `pieces` sent in order, each followed by its pause (s). `expect`: the answers to wait for (one
-    per request sent; fewer when the server may close first). `heads`: per expected answer, whether it answers a
-    HEAD. `methods_ok`: a 501 is justified (the method is not GET, HEAD or POST)."""
-
-    family: str
-    kind: str
-    pieces: list[tuple[bytes, float]]
-    expect: int = 1
-    heads: list[bool] = field(default_factory=list)
-    method_501_ok: bool = False
-    json_exempt: bool = False  # /metrics: Prometheus text
-    control: bool = False
-    expected: list[int | None] = field(default_factory=list)  # pipelined: the status each answer must have
-
-    @property
-    def raw(self) -> bytes:
-        return b"".join(piece for piece, _ in self.pieces)
-
-
-def one(family: str, kind: str, raw: bytes, **options: Any) -> Case:
-    return Case(family, kind, [(raw, 0.0)], **options)
-
-
-def _replace_value(text: str, rng: random.Random, literal: str) -> str:
-    """`text` (a JSON object) with one string value replaced by `literal`."""
-    spots = [match.span() for match in re.finditer(r':\s*"[^"]*"', text)]
-    if not spots:
-        return text
-    start, end = rng.choice(spots)
-    return text[:start] + ": " + literal + text[end:]
-
-
-def json_body_case(rng: random.Random) -> Case:
-    """A POST whose JSON body was mutated (framing and headers valid)."""
-    valid = json.dumps(valid_request(rng))
-    kinds = {
-        "byte_flip": lambda: _flip(valid.encode(), rng),
-        "truncated": lambda: valid.encode()[: rng.randrange(len(valid))],
-        "duplicate_key": lambda: ('{"state": "x", ' + valid[1:]).encode(),
-        "nested_duplicate": lambda: valid.replace('"type":', '"type": "noul", "type":', 1).encode(),
-        "nan_infinity": lambda: _replace_value(
-            valid, rng, rng.choice(["NaN", "Infinity", "-Infinity", "-NaN"])
-        ).encode(),
-        "deep_nesting": lambda: _deep(rng),
-        "huge_number": lambda: _replace_value(
-            valid, rng, rng.choice(["1e400", "-1e400", "1e-400", "9" * 5000, "-" + "9" * 4301, "0." + "1" * 10000])
-        ).encode(),
-        "lone_surrogate": lambda: _replace_value(
-            valid, rng, rng.choice(['"\\ud800"', '"\\udfff x"', '"a\\ud83d"'])
-        ).encode(),
-        "invalid_utf8": lambda: valid.encode().replace(
-            b"late", rng.choice([b"l\xffte", b"l\xed\xa0\x80te", b"\xc0\xaf"]), 1
-        ),
-        "utf16": lambda: valid.encode(rng.choice(["utf-16", "utf-32", "utf-16-le"])),
-        "bom": lambda: b"\xef\xbb\xbf" + valid.encode(),
-        "wrong_type": lambda: _replace_value(
-            valid, rng, rng.choice(["1", "[]", "null", "true", "{}", '{"a": [1, 2]}', "-0", "1.5"])
-        ).encode(),
-        "wrong_top": lambda: rng.choice([b"[]", b"null", b"1", b'"x"', b"{}", b'{"questions": {}}', b"true"]),
-        "unknown_field": lambda: valid.replace("{", '{"zzz": {"a": 1}, ', rng.randint(1, 2)).encode(),
-        "empty_or_blank": lambda: rng.choice([b"", b" ", b"\r\n", b"\x00", b"\t\n "]),
-        "binary": lambda: bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))),
-        "trailing_data": lambda: valid.encode() + rng.choice([b" {}", b"x", b"\x00", b",", b"\n\n]"]),
-        "control_chars": lambda: valid.replace("late", "la\u0001\u001f\u007fte", 1).encode(),
-        "escapes": lambda: valid.replace("late", "\\u0000\\uffff\\\\\\/\\x", 1).encode(),
-        "many_keys": lambda: (
-            '{"state": "s", "questions": {' + ", ".join(f'"k{i}": 1' for i in range(20000)) + "}}"
-        ).encode(),
-    }
-    kind = rng.choice(sorted(kinds))
-    return one("json_body", kind, http_request(body=kinds[kind]()))
-
-
-def _flip(data: bytes, rng: random.Random) -> bytes:
-    out = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        out[rng.randrange(len(out))] = rng.randrange(256)
-    return bytes(out)
-
-
-def _deep(rng: random.Random) -> bytes:
-    depth = rng.choice([100, 1000, 20000, 200000])
-    opener, closer = rng.choice([("[", "]"), ('{"a":', "}")])
-    nested = opener * depth + "1" + closer * depth
-    return ('{"state": ' + nested + ', "questions": {"q": {"type": "noul", "instructions": "x"}}}').encode()
-
-
-def framing_case(rng: random.Random) -> Case:
-    """A POST of a valid body whose framing is broken."""
-    body = json.dumps(valid_request(rng)).encode()
-    head = json_head()
-    n = len(body)
-
-    def with_fields(*fields: bytes) -> bytes:
-        return json_head(list(fields)) + body
-
-    def te(*fields: bytes, data: bytes | None = None) -> bytes:
-        return json_head(list(fields)) + (chunked(body, [7, 11]) if data is None else data)
-
-    kinds: dict[str, Callable[[], bytes]] = {
-        "cl_not_decimal": lambda: with_fields(
-            b"Content-Length: " + rng.choice([b"abc", b"0x10", b"1e3", b"", b"12 34", b"\xff", str(n).encode() + b"a"])
-        ),
-        "cl_signed": lambda: with_fields(b"Content-Length: " + rng.choice([b"-1", b"+%d" % n, b"-%d" % n, b"-0"])),
-        "cl_duplicate_same": lambda: with_fields(b"Content-Length: %d" % n, b"Content-Length: %d" % n),
-        "cl_duplicate_differ": lambda: with_fields(b"Content-Length: %d" % n, b"Content-Length: %d" % (n + 1)),
-        "cl_list": lambda: with_fields(b"Content-Length: %d, %d" % (n, n)),
-        "cl_huge": lambda: with_fields(
-            b"Content-Length: " + rng.choice([b"99999999999999999999", b"4194305", b"9" * 40])
-        ),
-        "cl_zero": lambda: with_fields(b"Content-Length: 0"),
-        "cl_larger": lambda: with_fields(b"Content-Length: %d" % (n + rng.randint(1, 50))),
-        "cl_smaller": lambda: with_fields(b"Content-Length: %d" % rng.randint(1, n - 1)),
-        "cl_spaces": lambda: with_fields(b"Content-Length:   %d   " % n),
-        "cl_and_te": lambda: te(b"Content-Length: %d" % n, b"Transfer-Encoding: chunked"),
-        "te_twice": lambda: te(b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"),
-        "te_list": lambda: te(
-            b"Transfer-Encoding: " + rng.choice([b"gzip, chunked", b"chunked, chunked", b"identity"])
-        ),
-        "te_unknown": lambda: te(b"Transfer-Encoding: " + rng.choice([b"gzip", b"xchunked", b"chunked;q=1", b"\x00"])),
-        "te_case": lambda: te(b"Transfer-Encoding: " + rng.choice([b"Chunked", b"CHUNKED", b" chunked "])),
-        "chunk_size_bad": lambda: te(
-            b"Transfer-Encoding: chunked",
-            data=rng.choice([b"zz", b"-1", b"0x5", b"", b" 5", b"5 ", b"ffffffffffffffffff"])
-            + b"\r\n"
-            + body
-            + b"\r\n0\r\n\r\n",
-        ),
-        "chunk_size_wrong": lambda: te(
-            b"Transfer-Encoding: chunked", data=b"%x\r\n" % (n + rng.choice([-3, 3])) + body + b"\r\n0\r\n\r\n"
-        ),
-        "chunk_extension": lambda: te(
-            b"Transfer-Encoding: chunked",
-            data=b"%x;%s\r\n%s\r\n0\r\n\r\n" % (n, rng.choice([b"a=b", b"a", b'a="b c"', b"a=\x00", b";;"]), body),
-        ),
-        "missing_final_chunk": lambda: te(b"Transfer-Encoding: chunked", data=b"%x\r\n%s\r\n" % (n, body)),
-        "trailers": lambda: te(
-            b"Transfer-Encoding: chunked",
-            data=b"%x\r\n%s\r\n0\r\nX-Trailer: 1\r\nContent-Length: 5\r\n\r\n" % (n, body),
-        ),
-        "chunk_no_crlf": lambda: te(b"Transfer-Encoding: chunked", data=b"%x\r\n%s0\r\n\r\n" % (n, body)),
-        "bare_lf": lambda: head.replace(b"\r\n", b"\n") + b"Content-Length: %d\n\n" % n + body,
-        "get_with_body": lambda: http_request("GET", "/health", b"hello", headers=[("Host", "localhost")]),
-        "empty_chunked": lambda: te(b"Transfer-Encoding: chunked", data=b"0\r\n\r\n"),
-    }
-    kind = rng.choice(sorted(kinds))
-    # A body longer than its Content-Length: the rest is parsed as the next request, whose "method" is body bytes
-    return one("framing", kind, kinds[kind](), method_501_ok=kind == "cl_smaller")
-
-
-METHODS_OTHER = ("PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "BREW", "get", "PRI", "M-SEARCH", "PROPFIND")
-
-
-def request_line_case(rng: random.Random) -> Case:
-    body = json.dumps(short_request(rng.randint(0, 99))).encode()
-    long_target = "/" + "a" * rng.choice([2000, 8000, 60000, 70000])
-    kinds: dict[str, Callable[[], Case]] = {
-        "unknown_method": lambda: one(
-            "request_line", "unknown_method", http_request(rng.choice(METHODS_OTHER), "/health"), method_501_ok=True
-        ),
-        "unclosed_bracket": lambda: one(
-            "request_line",
-            "unclosed_bracket",
-            http_request(rng.choice(["GET", "POST"]), rng.choice(["/[", "/v1/systemone[", "/[::1", "/a]["]), body),
-        ),
-        "absolute_uri": lambda: one(
-            "request_line",
-            "absolute_uri",
-            http_request(
-                rng.choice(["GET", "POST"]),
-                rng.choice(
-                    [
-                        "http://localhost/health",
-                        "http://[::1/x",
-                        "http://evil.example/v1/systemone",
-                        "https://localhost:1/",
-                        "http://a@localhost/",
-                    ]
-                ),
-                body,
-            ),
-        ),
-        "odd_target": lambda: one(
-            "request_line",
-            "odd_target",
-            http_request(
-                rng.choice(["GET", "POST"]),
-                rng.choice(
-                    [
-                        "*",
-                        "//health",
-                        "/health?x=1",
-                        "/%00",
-                        "/%ff%fe",
-                        "/health#f",
-                        "/./health",
-                        "/health/..",
-                        "health",
-                        "/v1/systemone?a=b",
-                    ]
-                ),
-                body,
-            ),
-        ),
-        "long_target": lambda: one("request_line", "long_target", http_request("GET", long_target)),
-        "version": lambda: one(
-            "request_line",
-            "version",
-            http_request(
-                rng.choice(["GET", "POST"]),
-                rng.choice(["/health", POST]),
-                body,
-                version=rng.choice(
-                    ["HTTP/0.9", "HTTP/1.0", "HTTP/2.0", "HTTP/1.2", "HTTP/9.9", "HTTX/1.1", "http/1.1", "HTTP/1.1 x"]
-                ),
-            ),
-        ),
-        "no_version": lambda: one("request_line", "no_version", b"GET /health\r\n\r\n"),
-        "garbage_line": lambda: one(
-            "request_line",
-            "garbage_line",
-            method_501_ok=True,
-            raw=rng.choice(
-                [
-                    b"\x16\x03\x01\x02\x00\x01\x00",
-                    b"hello\r\n\r\n",
-                    b" GET / HTTP/1.1\r\n\r\n",
-                    b"GET  /health  HTTP/1.1\r\nHost: localhost\r\n\r\n",
-                    b"\r\n\r\n\r\nGET /he",
-                    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-                ]
-            ),
-        ),
-        "leading_crlf": lambda: one("request_line", "leading_crlf", b"\r\n\r\n" + http_request("GET", "/health")),
-        "head_request": lambda: one(
-            "request_line",
-            "head_request",
-            http_request(
-                "HEAD",
-                rng.choice(["/health", "/v1/models", "/nope", POST, "/", "/examples.json"]),
-                extra=[b"Connection: close"],
-            ),
-            heads=[True],
-        ),
-        "get_routes": lambda: one(
-            "request_line",
-            "get_routes",
-            http_request("GET", rng.choice(["/v1/models", "/", "/examples.json", "/nope", POST])),
-        ),
-        "metrics": lambda: one("request_line", "metrics", http_request("GET", "/metrics"), json_exempt=True),
-        "post_other_path": lambda: one(
-            "request_line",
-            "post_other_path",
-            http_request("POST", rng.choice(["/health", "/", "/v1/systemone/", "/V1/SYSTEMONE"]), body),
-        ),
-    }
-    return kinds[rng.choice(sorted(kinds))]()
-
-
-def headers_case(rng: random.Random, port: int) -> Case:
-    body = json.dumps(short_request(rng.randint(0, 99))).encode()
-    ctype = ("Content-Type", "application/json")
-
-    def post(headers: list[tuple[str, str]], extra: list[bytes] = ()) -> bytes:
-        return http_request("POST", POST, body, headers=headers, extra=list(extra))
-
-    hosts = ["localhost", f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", "LOCALHOST"]
-    kinds: dict[str, Callable[[], bytes]] = {
-        "no_host": lambda: post([ctype]),
-        "two_hosts": lambda: post([("Host", "localhost"), ("Host", rng.choice(["localhost", "evil.example"])), ctype]),
-        "foreign_host": lambda: post(
-            [
-                (
-                    "Host",
-                    rng.choice(
-                        [
-                            "evil.example",
-                            "localhost.evil.example",
-                            "127.0.0.1.nip.io",
-                            "0.0.0.0",
-                            "[::2]",
-                            "10.0.0.1:80",
-                        ]
-                    ),
-                ),
-                ctype,
-            ]
-        ),
-        "bad_host": lambda: post(
-            [
-                (
-                    "Host",
-                    rng.choice(
-                        [
-                            "",
-                            "localhost:abc",
-                            "local host",
-                            "a@localhost",
-                            "localhost:99999999",
-                            "[::1",
-                            "localhost/x",
-                            "localhost:8791:1",
-                        ]
-                    ),
-                ),
-                ctype,
-            ]
-        ),
-        "origin": lambda: post(
-            [
-                ("Host", (host := rng.choice(hosts))),
-                ctype,
-                (
-                    "Origin",
-                    rng.choice(
-                        [
-                            f"http://{host}",
-                            f"https://{host}",
-                            "null",
-                            "http://[::1",
-                            f"http://{host}/",
-                            f"http://{host}/x",
-                            "http://evil.example",
-                            "",
-                            "file://",
-                            f"HTTP://{host}",
-                        ]
-                    ),
-                ),
-            ]
-        ),
-        "content_type": lambda: post(
-            [
-                ("Host", "localhost"),
-                (
-                    "Content-Type",
-                    rng.choice(
-                        [
-                            "text/plain",
-                            "application/json; charset=utf-8",
-                            "APPLICATION/JSON",
-                            "application/jsonx",
-                            "",
-                            "application/json, text/plain",
-                            "multipart/form-data; boundary=x",
-                        ]
-                    ),
-                ),
-            ]
-        ),
-        "no_content_type": lambda: post([("Host", "localhost")]),
-        "oversize_field": lambda: post(
-            [("Host", "localhost"), ctype, ("X-Big", "a" * rng.choice([8000, 60000, 70000]))]
-        ),
-        "many_fields": lambda: post(
-            [("Host", "localhost"), ctype] + [(f"X-{i}", "1") for i in range(rng.choice([90, 101, 200]))]
-        ),
-        "obs_fold": lambda: post([("Host", "localhost"), ctype], [b"X-Folded: a", rng.choice([b" b", b"\tb", b"  "])]),
-        "nul_byte": lambda: post(
-            [("Host", "localhost"), ctype], [rng.choice([b"X-Nul: a\x00b", b"X-N\x00ul: a", b"Host\x00: localhost"])]
-        ),
-        "non_ascii": lambda: post(
-            [("Host", "localhost"), ctype],
-            [rng.choice(["X-U: caf\u00e9".encode(), b"X-L: caf\xe9", "X-\u00e9: 1".encode(), b"X-C: \x7f\x01"])],
-        ),
-        "no_colon": lambda: post(
-            [("Host", "localhost"), ctype], [rng.choice([b"X-No-Colon", b": value", b"Host : localhost", b" X: 1"])]
-        ),
-        "expect_continue": lambda: post(
-            [("Host", "localhost"), ctype, ("Expect", rng.choice(["100-continue", "200-ok"]))]
-        ),
-        "upgrade": lambda: post(
-            [
-                ("Host", "localhost"),
-                ctype,
-                ("Connection", "Upgrade"),
-                ("Upgrade", rng.choice(["websocket", "h2c", "foo"])),
-            ]
-        ),
-        "connection_values": lambda: post(
-            [
-                ("Host", "localhost"),
-                ctype,
-                ("Connection", rng.choice(["close", "keep-alive", "close, keep-alive", "Host", "\x01"])),
-            ]
-        ),
-        "host_case_port": lambda: post(
-            [("Host", rng.choice(["LocalHost:1", "127.0.0.1:", "[::1]", "[::1]:0"])), ctype]
-        ),
-    }
-    kind = rng.choice(sorted(kinds))
-    return one("headers", kind, kinds[kind]())
-
-
-def slow_case(rng: random.Random) -> Case:
-    """A request sent in pieces with short pauses, or never finished (the server's head or body timeout answers)."""
-    body = json.dumps(valid_request(rng)).encode()
-    raw = http_request(body=body)
-    split = raw.index(b"\r\n\r\n") + 4
-    kind = rng.choice(
-        ["head_pieces", "body_pieces", "byte_by_byte_head", "head_never_finished", "body_never_finished",
-         "chunks_slow", "chunks_never_finished", "invalid_slow"]
-    )  # fmt: skip
-    if kind == "head_pieces":
-        cuts = sorted(rng.sample(range(1, split), 3))
-        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
-    elif kind == "body_pieces":
-        cuts = sorted(rng.sample(range(split + 1, len(raw)), 3))
-        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
-    elif kind == "byte_by_byte_head":
-        head = http_request("GET", "/health")
-        return Case("slow", kind, [(head[i : i + 1], 0.001) for i in range(len(head))])
-    elif kind == "head_never_finished":
-        return Case("slow", kind, [(raw[: rng.randrange(1, split - 2)], 0.0)])
-    elif kind == "body_never_finished":
-        return Case("slow", kind, [(raw[: rng.randrange(split, len(raw))], 0.0)])
-    elif kind == "chunks_slow":
-        data = chunked(body, [5, 9, 13])
-        head = json_head([b"Transfer-Encoding: chunked"])
-        pieces = [head, *(data[i : i + 16] for i in range(0, len(data), 16))]
-        return Case("slow", kind, [(piece, 0.02) for piece in pieces])
-    elif kind == "chunks_never_finished":
-        data = chunked(body, [5, 9])
-        return Case("slow", kind, [(json_head([b"Transfer-Encoding: chunked"]) + data[: len(data) - 5], 0.0)])
-    else:
-        pieces = [raw[:split], body[: len(body) // 2], b"\x00garbage"]
-        pieces[0] = pieces[0].replace(b"Content-Length: %d" % len(body), b"Content-Length: %d" % (len(body) // 2 + 8))
-    return Case("slow", kind, [(piece, rng.uniform(0.02, 0.15)) for piece in pieces])
-
-
-def pipelined_case(rng: random.Random) -> Case:
-    """Two to five requests in one write (or two); all but the last keep the connection open, and their answers are
-    known (a `mismatch` finding when an answer is not the one of its request)."""
-    chunked_post = http_request(
-        "POST", POST, headers=[("Host", "localhost"), ("Content-Type", "application/json")],
-        extra=[b"Transfer-Encoding: chunked"], length=False,
-    ) + chunked(json.dumps(short_request(1)).encode(), [4])  # fmt: skip
-    keep: list[tuple[Callable[[], bytes], bool, int | None]] = [
-        (lambda: http_request("GET", "/health"), False, 200),
-        (lambda: http_request("GET", "/v1/models"), False, 200),
-        (lambda: http_request("HEAD", "/health"), True, 200),
-        (lambda: http_request("GET", "/nope"), False, 404),
-        (lambda: http_request(body=json.dumps(valid_request(rng)).encode()), False, 200),
-        (lambda: http_request(body=b'{"state": "s"}'), False, 422),  # a 422 keeps the connection
-        (lambda: http_request(body=b"{"), False, 422),
-        (lambda: chunked_post, False, 200),
-    ]
-    text_plain = http_request("POST", POST, b"{}", headers=[("Host", "localhost"), ("Content-Type", "text/plain")])
-    last = [
-        *keep,
-        (lambda: text_plain, False, 415),
-        (lambda: http_request("BREW", "/health"), False, 501),
-        (lambda: b"GARBAGE\r\n\r\n", False, None),
-        (lambda: http_request("GET", "/health", extra=[b"Connection: close"]), False, 200),
-        (lambda: http_request("GET", "/health", extra=[b"X-Big: " + b"a" * 70000]), False, 431),
-    ]
-    count = rng.randint(2, 5)
-    chosen = [rng.choice(keep) for _ in range(count - 1)] + [rng.choice(last)]
-    raw = b"".join(make() for make, _, _ in chosen)
-    pieces = [(raw, 0.0)]
-    if rng.random() < 0.3:
-        cut = rng.randrange(1, len(raw))
-        pieces = [(raw[:cut], 0.01), (raw[cut:], 0.0)]
-    return Case(
-        "pipelined",
-        f"{count}_requests",
-        pieces,
-        expect=count,
-        heads=[head for _, head, _ in chosen],
-        expected=[status for _, _, status in chosen],
-        method_501_ok=True,
-    )
-
-
-def control_case(index: int) -> Case:
-    return one("control", "valid", http_request(body=json.dumps(short_request(index % 3)).encode()), control=True)
-
-
-def generate_cases(count: int, seed: int, port: int) -> list[Case]:
-    """`count` fuzz cases, the families in turn (a seeded shuffle of each round), and a control after every ten."""
-    rng = random.Random(seed)
-    makers: dict[str, Callable[[], Case]] = {
-        "json_body": lambda: json_body_case(rng),
-        "framing": lambda: framing_case(rng),
-        "request_line": lambda: request_line_case(rng),
-        "headers": lambda: headers_case(rng, port),
-        "slow": lambda: slow_case(rng),
-        "pipelined": lambda: pipelined_case(rng),
-    }
-    cases: list[Case] = []
-    made = 0
-    while made < count:
-        order = list(FAMILIES)
-        rng.shuffle(order)
-        for family in order[: count - made]:
-            cases.append(makers[family]())
-            made += 1
-            if made % CONTROL_EVERY == 0:
-                cases.append(control_case(made // CONTROL_EVERY))
-    return cases
 
 
 # ---- responses ------------------------------------------------------------------------------------------------------
@@ -750,12 +193,15 @@ def exchange(address: tuple[str, int], case: Case, bound_s: float) -> dict[str, 
         last_sent = time.perf_counter()
         answers: list[Answer] = []
         malformed = None
+        answered = None  # when the answers expected were all in
         while True:
             try:
                 answers, partial = parse_answers(bytes(received), case.heads, ended != "open")
             except Malformed as error:
                 malformed = str(error)
                 break
+            if answered is None and len(answers) >= case.expect and not partial:
+                answered = time.perf_counter()
             said_close = bool(answers) and "close" in answers[-1].headers.get("connection", [""])[0].lower()
             if ended != "open" or (len(answers) >= case.expect and not said_close and not partial):
                 break
@@ -784,6 +230,7 @@ def exchange(address: tuple[str, int], case: Case, bound_s: float) -> dict[str, 
         "malformed": malformed,
         "seconds": time.perf_counter() - start,
         "after_last_byte_s": time.perf_counter() - last_sent,
+        "answered_after_last_byte_s": None if answered is None else answered - last_sent,
     }
 
 
@@ -816,7 +263,8 @@ def classify(case: Case, result: dict[str, Any], alive: bool, reference: Any) ->
     if result["malformed"] is not None:
         found.append("malformed")
     for answer in answers:
-        if answer.status >= 500 and not (answer.status == 501 and case.method_501_ok):
+        justified = (answer.status == 501 and case.method_501_ok) or (answer.status == 505 and case.version_505_ok)
+        if answer.status >= 500 and not justified:
             found.append("server_error")
             break
     for index, answer in enumerate(answers):
@@ -856,12 +304,12 @@ def status_of(result: dict[str, Any], case: Case) -> str:
 
 @contextlib.contextmanager
 def head_timeout(seconds: float) -> Iterator[None]:
-    saved = engine.server.HEAD_TIMEOUT_S
-    engine.server.HEAD_TIMEOUT_S = seconds
+    saved = engine.serve.protocol.HEAD_TIMEOUT_S
+    engine.serve.protocol.HEAD_TIMEOUT_S = seconds
     try:
         yield
     finally:
-        engine.server.HEAD_TIMEOUT_S = saved
+        engine.serve.protocol.HEAD_TIMEOUT_S = saved
 
 
 def campaign_model(shapes_name: str, backend: str | None) -> Any:
@@ -891,7 +339,18 @@ def run_campaign(cases_count: int, seed: int, *, model: Any, body_timeout_s: flo
                 reference = without_timing(result["answers"][0].body)
             found = classify(case, result, alive, reference)
             status = status_of(result, case)
-            rows.append({"family": case.family, "kind": case.kind, "status": status, "seconds": result["seconds"]})
+            refusal = result["answered_after_last_byte_s"] is not None and all(
+                400 <= answer.status < 500 and answer.status != 408 for answer in result["answers"]
+            )
+            rows.append(
+                {
+                    "family": case.family,
+                    "kind": case.kind,
+                    "status": status,
+                    "seconds": result["seconds"],
+                    "refusal_wait_s": result["answered_after_last_byte_s"] if refusal else None,
+                }
+            )
             if found:
                 raw = repr(case.raw)
                 findings.append(
@@ -926,6 +385,7 @@ def summarize(rows, findings, elapsed, alive_at_end, seed, body_timeout_s) -> di
             "seconds": latency_stats([row["seconds"] * 1000 for row in mine]),
         }
     classes = Counter(name for finding in findings for name in finding["classes"])
+    waits = [row["refusal_wait_s"] * 1000 for row in rows if row["refusal_wait_s"] is not None]
     return {
         "seed": seed,
         "body_timeout_s": body_timeout_s,
@@ -936,6 +396,12 @@ def summarize(rows, findings, elapsed, alive_at_end, seed, body_timeout_s) -> di
         "seconds": round(elapsed, 2),
         "alive_at_end": alive_at_end,
         "finding_counts": {name: classes.get(name, 0) for name in FINDING_CLASSES},
+        "refusal_wait": {
+            "what": "ms from the last byte sent to the last answer expected (not to the close that may follow), over "
+            "cases answered only with 4xx other than 408 (a 408 answers a client that stopped sending, at the timeout)",
+            **(latency_stats(waits) or {}),
+            "over_1s": sum(wait > REFUSAL_TARGET_MS for wait in waits),
+        },
         "families": per_family,
         "findings": findings,
     }
@@ -1109,14 +575,23 @@ def small_clients(senders: dict[str, Callable[[], tuple[int, float]]], window: d
             client.join()
 
 
-def run_amplification(*, model: Any, repeats: int = 3) -> dict[str, Any]:
+def run_amplification(*, model: Any, repeats: int = 3, activation_memory: int | None = None) -> dict[str, Any]:
     """Each body `repeats` times (the first in a process that never saw it): time to the 422, peak RSS growth, and
     two other clients' requests during it (a short decision request, `GET /health`, 5 ms apart) against the same
     two clients for 1.5 s without it; then
-    once more under tracemalloc for the peak of Python allocations (all threads, the client's included)."""
-    bodies = {"amplification_body": amplification_body(), "many_candidates_body": many_candidates_body()}
+    once more under tracemalloc for the peak of Python allocations (all threads, the client's included).
+    `activation_memory`: the server's admission bound (default: derived from this machine's memory)."""
+    bodies = {
+        "amplification_body": amplification_body(),
+        "many_candidates_body": many_candidates_body(),
+        "long_state_body": long_state_body(1),
+        "long_state_body_x4": long_state_body(4),
+    }
     short = json.dumps(short_request(0)).encode()
-    with DecisionServer(model, port=0, access_log=io.StringIO()) as server, RssSampler() as sampler:
+    with (
+        DecisionServer(model, port=0, access_log=io.StringIO(), activation_memory=activation_memory) as server,
+        RssSampler() as sampler,
+    ):
         server.start()
         address = server.server_address
         senders = {"decide": lambda: post_once(address, short), "health": lambda: get_once(address)}
@@ -1160,6 +635,14 @@ def run_amplification(*, model: Any, repeats: int = 3) -> dict[str, Any]:
                 and traced_peak / 2**20 < AMPLIFICATION_TARGET_MB,
             }
         samples = sampler.samples
+        admission = server.decisions.admission
+        public = public_requests()
+        admitted = 0
+        for request in public:
+            compiled = model.compile(request)
+            with contextlib.suppress(RequestError):
+                admission.admit(compiled.candidates, compiled.groups)
+                admitted += 1
     return {
         "model": f"{model.weights.model_id} on {getattr(model.backbone, 'name', '?')}",
         "memory": "peak_rss_growth_mb: VmRSS of /proc/self/status sampled every 1 ms on a thread, the peak during the "
@@ -1168,8 +651,115 @@ def run_amplification(*, model: Any, repeats: int = 3) -> dict[str, Any]:
         "rss_samples": samples,
         "before": {name: latency_stats(times) for name, times in before.items()},
         "bodies": results,
+        "admission": {
+            **admission.describe(),
+            "public_requests": len(public),
+            "public_requests_admitted": admitted,
+            "what": "every public JevBench task (easy, original) and Open-Jev example, compiled and costed by the "
+            "server's admission bound (engine/serve/admission.py)",
+        },
         "target_seconds": AMPLIFICATION_TARGET_S,
         "target_peak_growth_mb": AMPLIFICATION_TARGET_MB,
+    }
+
+
+# ---- burst ----------------------------------------------------------------------------------------------------------
+
+
+def public_requests() -> list[dict]:
+    """Every public JevBench task (easy, original) as its adapter sends it, and every Open-Jev example."""
+    requests = [request_body(task, None) for task in jevbench_tasks(("easy", "original"))]
+    return requests + [workload["request"] for workload in open_jev_workloads().values()]
+
+
+class HeldModel:
+    """A stand-in model whose every answer waits until `release` is set: holds the worker while a burst arrives."""
+
+    weights = types.SimpleNamespace(model_id="held", method="test")
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def decide(self, request: Any) -> dict:
+        self.started.set()
+        self.release.wait(60.0)
+        return {"echo": request}
+
+
+def burst_round(queue_size: int) -> dict[str, Any]:
+    """One burst (see `run_burst`): statuses, the 503s' client times (connect to answer) and server times (the access
+    log's request-to-answer), the worker's depth."""
+    model = HeldModel()
+    body = json.dumps(short_request(0)).encode()
+    log = io.StringIO()
+    with DecisionServer(model, port=0, queue_size=queue_size, access_log=log) as server:
+        server.start()
+        address = server.server_address
+        depths: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                depths.append(server.worker.depth())
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        holder = threading.Thread(target=post_once, args=(address, body), daemon=True)
+        holder.start()
+        model.started.wait(30.0)
+        barrier = threading.Barrier(2 * queue_size)
+        answers: list[tuple[int, float]] = [(0, 0.0)] * (2 * queue_size)
+
+        def client(index: int) -> None:
+            barrier.wait()
+            answers[index] = post_once(address, body)
+
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(2 * queue_size)]
+        for thread in clients:
+            thread.start()
+        deadline = time.monotonic() + 30.0
+        while sum(status == 503 for status, _ in answers) < queue_size and time.monotonic() < deadline:
+            time.sleep(0.005)
+        depth_held = server.worker.depth()
+        model.release.set()
+        for thread in (*clients, holder):
+            thread.join(60.0)
+        stop.set()
+        sampler.join(5.0)
+    server_ms = [float(match) for match in re.findall(r'" 503 \d+ ([0-9.]+)ms', log.getvalue())]
+    busy = [ms for status, ms in answers if status == 503]
+    statuses = Counter(str(status) for status, _ in answers)
+    return {
+        "statuses": dict(sorted(statuses.items())),
+        "busy_client_ms": latency_stats(busy),
+        "busy_server_ms": latency_stats(server_ms),
+        "depth_max": max(depths, default=0),
+        "depth_while_held": depth_held,
+        "depth_samples": len(depths),
+        "meets_target": len(busy) == queue_size == len(server_ms)
+        and statuses.get("200", 0) == queue_size
+        and max(server_ms) <= BURST_TARGET_MS
+        and max(depths, default=0) <= queue_size,
+    }
+
+
+def run_burst(queue_size: int = 16, rounds: int = 3) -> dict[str, Any]:
+    """Issue 23's burst, `rounds` times: one request holds the worker (a stand-in model), then 2 x `queue_size` clients
+    send at once (a barrier), each on its own connection; the worker's depth is sampled every 1 ms. Target: in every
+    round, every request over the bound a 503 within `BURST_TARGET_MS` of the server receiving it (the access log's
+    time; the client's time, which adds connecting and this process's 33 client threads on a loaded machine, is
+    recorded beside it), the depth never above `queue_size`, and once released every queued request 200."""
+    results = [burst_round(queue_size) for _ in range(rounds)]
+    return {
+        "queue_size": queue_size,
+        "clients": 2 * queue_size,
+        "rounds": results,
+        "busy_server_ms_max": max(r["busy_server_ms"]["max_ms"] for r in results if r["busy_server_ms"]),
+        "busy_client_ms_max": max(r["busy_client_ms"]["max_ms"] for r in results if r["busy_client_ms"]),
+        "depth_max": max(r["depth_max"] for r in results),
+        "meets_target": all(r["meets_target"] for r in results),
     }
 
 
@@ -1184,6 +774,15 @@ def print_table(record: dict[str, Any], out: Any = sys.stdout) -> None:
         statuses = ", ".join(f"{status}: {count}" for status, count in row["statuses"].items())
         print(f"  {family:<13} {row['cases']:>5}  {statuses}", file=out)
     print("  findings: " + ", ".join(f"{k} {v}" for k, v in campaign["finding_counts"].items()), file=out)
+    wait = campaign["refusal_wait"]
+    print(f"  refusals: max {wait.get('max_ms', 0.0):.1f} ms after the last byte, {wait['over_1s']} over 1 s", file=out)
+    if "burst" in record:
+        burst = record["burst"]
+        statuses = [r["statuses"] for r in burst["rounds"]]
+        print(f"burst: {burst['clients']} clients on a queue of {burst['queue_size']}, {len(statuses)} rounds: "
+              f"{statuses}, 503 in <= {burst['busy_server_ms_max']:.1f} ms at the server "
+              f"({burst['busy_client_ms_max']:.1f} ms at the client), depth max {burst['depth_max']}",
+              file=out)  # fmt: skip
     if "idle" in record:
         idle = record["idle"]
         print(f"idle: {idle['connections']} connections, P50 {idle['without_idle']['p50_ms']:.2f} -> "
@@ -1210,11 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--body-timeout", type=float, default=1.0, help="the server's body and head timeout (s)")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections (0: skip the section)")
     parser.add_argument("--no-amplification", action="store_true")
+    parser.add_argument("--queue-size", type=int, default=16, help="the burst's queue bound (it sends twice as many)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     fast = campaign_model(args.shapes, args.backend)
     record: dict[str, Any] = {
-        "what": "fuzz campaign, idle connections and amplification bodies against engine.server "
+        "what": "fuzz campaign, idle connections, a burst and amplification bodies against engine.server "
         "(ablations/fuzz_server.py)",
         "config": {
             "cases": args.cases,
@@ -1228,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     record["campaign"] = run_campaign(args.cases, args.seed, model=fast, body_timeout_s=args.body_timeout)
     if args.idle:
         record["idle"] = run_idle(args.idle, model=fast)
+    record["burst"] = run_burst(args.queue_size)
     if not args.no_amplification:
         record["amplification"] = run_amplification(model=build_decision_model("hf_torch", TINY.name))
     record["environment"] = envinfo.collect("cpu")

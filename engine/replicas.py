@@ -4,7 +4,7 @@
                               [every engine.server flag: --backend, --shapes, --checkpoint/--base, budgets, ...]
 
     ray.init -> serve.start(proxy on host:port) -> serve.run(DecisionReplica x N) -> the proxy routes each request to
-    one replica -> that replica's ASGI app (`engine.server.build_app`, the same app `python -m engine.server` serves)
+    one replica -> that replica's ASGI app (`engine.serve.app.build_app`, the same app `python -m engine.server` serves)
 
 Each replica is a Ray actor that builds its own model in its constructor with the server's flags (`engine.server
 .parse_arguments`, `model_from_arguments`: the same stages, budgets and graph capture, before the replica reports
@@ -15,7 +15,7 @@ readiness: `check_health` raises when `/health` would not say "ready" (the model
 replaces the replica.
 
 What differs from `python -m engine.server`: the proxy, not this app, parses HTTP, so the framing answers of
-`engine.server.DecisionProtocol` (JSON 400s for broken framing, 431 for oversize heads, 408 for slow heads) are
+`engine.serve.protocol.DecisionProtocol` (JSON 400s for broken framing, 431 for oversize heads, 408 for slow heads) are
 Ray's proxy's own; everything from the routes on (Host and Origin checks, 413/415/422/503/504, `/health`,
 `/metrics`) is the app's.
 
@@ -53,7 +53,8 @@ def _ray_serve() -> Any:
 
 def replica_deployment(serve: Any) -> Any:
     """The `DecisionReplica` deployment class (built on demand so that importing this module needs no Ray)."""
-    from engine.server import answered_hosts, app_options, build_app, model_from_arguments, parse_arguments
+    from engine.serve.app import build_app
+    from engine.server import answered_hosts, app_options, model_from_arguments, parse_arguments
 
     @serve.deployment(name="DecisionReplica", health_check_period_s=5, health_check_timeout_s=30)
     @serve.ingress()

@@ -194,6 +194,15 @@ class HFBackbone:
                 "(reference-math.md §6); use the torch backend on the CPU"
             )
         self.model = model if model is not None else build_hf_model(weights)
+        # Called before every decoder layer while set (`reference.service.DecisionModel.answer_many`: it raises to stop
+        # a forward no client waits for); None between forwards. A pre-hook changes no number the layer computes.
+        self.layer_check: Callable[[], None] | None = None
+        for layer in self.model.layers:
+            layer.register_forward_pre_hook(self._before_layer)
+
+    def _before_layer(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.layer_check is not None:
+            self.layer_check()
 
     def rows_computed(self, prepared: PaddedBatches) -> int:
         """Rows the forward computes, padding included: every batch is [B, T_max] through every layer."""

@@ -66,6 +66,12 @@ buckets), and, only when n > 1, `metadata.batch` = {requests: n, candidate_seque
 and their order are unchanged).
 
 How many requests go into one forward: `batch_requests(queue, max_rows)` (a lone request always goes; see there).
+
+Stopping a forward no client waits for: `answer_many(..., abandoned=f)` asks `f()` before the forward, before each
+request's retry alone, and, on a backbone with a `layer_check` attribute (`reference.model.HFBackbone`: a pre-hook on
+every decoder layer), before every layer; once it is true, the forward stops there and every request of it gets
+`ForwardAbandoned` in its slot (no retry). Engine backbones have no such seam, so they stop only between forwards: the
+server's admission bound (engine/serve/admission.py) keeps one forward's work bounded.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ import itertools
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -93,6 +99,13 @@ INDEPENDENT_CANDIDATES = {"enabled": False, "mode": "independent_candidates"}
 DEFAULT_CANDIDATE_BUDGET = 4096
 DEFAULT_TOKEN_BUDGET = 1 << 20
 PROCESS_EXITS = (KeyboardInterrupt, SystemExit)  # raised through answer_many, never kept as a request's result
+
+
+class ForwardAbandoned(Exception):
+    """No client waits for the forward any more (the server's deadline passed, or the connection closed): it stopped
+    before its end, and each of its requests gets this in its slot."""
+
+
 DEFAULT_BATCH_ROWS = 8192  # rows of one batched forward on a backbone that states no `batch_max_rows`
 
 
@@ -313,7 +326,9 @@ class DecisionModel:
             alone += own
         return len(queue)
 
-    def answer_many(self, compiled: Sequence[CompiledRequest]) -> list[dict[str, Any] | BaseException]:
+    def answer_many(
+        self, compiled: Sequence[CompiledRequest], *, abandoned: Callable[[], bool] | None = None
+    ) -> list[dict[str, Any] | BaseException]:
         """Answer compiled requests: one `prepare` + `forward` for all of them where the backbone is batch-invariant
         (else one per request), then each request's own head, softmax and response. Returns, per request in order, its
         response dict or the exception that answering it raised (BaseException included: the caller decides; the
@@ -324,17 +339,33 @@ class DecisionModel:
         offset by the questions before it; hidden row c of the forward is candidate c of the concatenation, and
         request i's head reads its own rows, [C_i, H], exactly the rows (and so the bits) it would read alone on a
         batch-invariant backbone (tests/test_batching.py).
-        """
-        if len(compiled) > 1 and not self.batch_invariant:
-            return [result for one in compiled for result in self._answer_batch([one])]
-        return self._answer_batch(compiled)
 
-    def _answer_batch(self, batch: Sequence[CompiledRequest]) -> list[dict[str, Any] | BaseException]:
+        `abandoned`: asked where the forward can stop (module docstring, "Stopping a forward"); once true, the requests
+        not answered yet get `ForwardAbandoned`.
+        """
+        abandoned = abandoned if abandoned is not None else lambda: False
+        if len(compiled) > 1 and not self.batch_invariant:
+            return [result for one in compiled for result in self._answer_batch([one], abandoned)]
+        return self._answer_batch(compiled, abandoned)
+
+    def _answer_batch(
+        self, batch: Sequence[CompiledRequest], abandoned: Callable[[], bool]
+    ) -> list[dict[str, Any] | BaseException]:
         if not batch:
             return []
+        if abandoned():
+            return [ForwardAbandoned() for _ in batch]
         candidates, groups = batch_inputs(batch)
         start = time.perf_counter()
+
+        def check() -> None:
+            if abandoned():
+                raise ForwardAbandoned()
+
+        layer_checks = hasattr(self.backbone, "layer_check")
         try:
+            if layer_checks:
+                self.backbone.layer_check = check
             with torch.no_grad():  # not inference_mode: its tensors could not be updated in place outside it later
                 prepared = self.backbone.prepare(candidates, groups)
                 hidden = self.backbone.forward(prepared)  # [C, hidden] bf16
@@ -345,10 +376,15 @@ class DecisionModel:
                 )
         except PROCESS_EXITS:
             raise  # the process is stopping: no request's fault, nothing to retry
+        except ForwardAbandoned:
+            return [ForwardAbandoned() for _ in batch]  # nobody waits: no retry
         except BaseException as error:  # noqa: BLE001 - returned in the request's slot (the server makes it a 500)
             if len(batch) == 1:
                 return [error]
-            return [result for one in batch for result in self._answer_batch([one])]
+            return [result for one in batch for result in self._answer_batch([one], abandoned)]
+        finally:
+            if layer_checks:
+                self.backbone.layer_check = None
         forward_seconds = time.perf_counter() - start
         # What describes the forward, the same for every request of the batch: computed once.
         forward = {"prefix_cache": self._prefix_cache_metadata(prepared), **self._graph_metadata(prepared)}

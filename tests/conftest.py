@@ -43,3 +43,34 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.fail(f"shared data folder not found at {SHARED} (set JEVLAB_SHARED)")
     return SHARED
+
+
+# ---- the server tests' model and server (tests/test_server*.py)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny twin on hf_torch with seeded synthetic weights (`reference.service.default_model`)."""
+    from reference.service import default_model
+
+    return default_model()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """A `DecisionServer` of the tiny twin on a free loopback port, serving on a background thread."""
+    import io
+
+    from engine.server import DecisionServer
+
+    with DecisionServer(tiny_model, port=0, access_log=io.StringIO()) as running:
+        running.start()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def drone() -> dict:
+    """Open-Jev's drone request."""
+    from reference.data import open_jev_workloads
+
+    return open_jev_workloads()["drone"]["request"]

@@ -1,4 +1,4 @@
-"""Batching through the server (engine/server.py, `DecisionWorker`): requests that queue while a forward runs are
+"""Batching through the server (engine/serve/worker.py, `DecisionWorker`): requests that queue while a forward runs are
 answered by one forward, each answer the same as the request's answer alone; a request that breaks the batch's forward
 fails alone; a lone request is never held back. CPU tiny twin, the engine's tree over the reference compositions with
 varlen attention (`batch_invariant`; tests/test_batching.py proves the model side, here the worker's). Synthetic
@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.server import MAX_BATCH_REQUESTS, DecisionServer, app_options, parse_arguments
+from engine.serve.worker import MAX_BATCH_REQUESTS
+from engine.server import DecisionServer, app_options, parse_arguments
 from engine.stages import build_engine, config_of
 from engine.weights import MergedWeights
 from reference.service import DecisionModel
