@@ -49,6 +49,8 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
 * `"fla_forward"` (CUDA default of `fused` and `tree`): the same FLA kernels launched directly
   (`kernels.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
   buffer per batch forward instead of one per layer (48 fewer fills per forward).
+* `"chunk_fused"` (stage `core`): our fused chunked forward (`kernels.gdn_chunk.GdnChunkCore`), one launch per call
+  in both modes, q/k normalised by the prep kernel; on the CPU too (the interpreter gets its bf16 operands as fp32).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -134,6 +136,7 @@ from engine.tree import (
     tree_gdn_core,
 )
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
+from kernels.gdn_chunk import GdnChunkCore
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
 from reference.backbone import check_candidates
@@ -434,7 +437,7 @@ class EngineBackbone:
         self.shapes = merged.shapes
         self.device = merged.device
         self.config = config
-        if config.gdn_core != "torch" and self.device.type == "cpu":
+        if config.gdn_core in ("fla", "fla_forward") and self.device.type == "cpu":
             raise ValueError(
                 f"gdn_core={config.gdn_core!r} cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot "
                 "wrongly (reference-math.md §6); use the config's CPU form (EngineConfig.on('cpu'))"
@@ -453,9 +456,12 @@ class EngineBackbone:
         self.gdn_core = config.gdn_core
         self.max_batch_rows = config.max_batch_rows
         self.name = _name_of(config, self.device)
-        self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
-            self.gdn_core
-        ]()
+        self._core = {
+            "fla": fla_chunk_function,
+            "fla_forward": FlaForwardCore,
+            "chunk_fused": GdnChunkCore,
+            "torch": lambda: torch_chunk_core,
+        }[self.gdn_core]()
         fused = config.elementwise == "triton"
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)
