@@ -46,6 +46,13 @@ Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H2
 
 Tiles: one value block of BV columns per program (`value_block`, default V: one program per (sequence, value head));
 smaller blocks split the state and the v/o columns over more programs and repeat the kkt, solve and w work per block.
+
+Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
+* v1 (this file): q, k, v loaded where first used, q/k kept as the loaded bf16 tiles (dot operands on CUDA); spills
+  1,372 bytes.
+* v0 (never run): every tile converted to fp32 at its load and kept; spilled 1,680 bytes. The first compile for sm_90
+  failed on module globals read inside the kernel (RCP_LN2, LOG2_CHUNK must be `tl.constexpr`), which the
+  interpreter accepts: `python -m kernels.compile_check` caught it.
 """
 
 from __future__ import annotations
@@ -79,6 +86,16 @@ def _operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
         y = x.to(tl.bfloat16)
     else:
         y = x
+    return y
+
+
+@triton.jit
+def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """A loaded bf16 tile as a dot operand: itself on CUDA when ROUND, else fp32 (exact)."""
+    if ROUND and not TORCH_CPU:
+        y = x16
+    else:
+        y = to_f32(x16)
     return y
 
 
@@ -141,18 +158,15 @@ def _gdn_chunk_fwd_kernel(
         last = tl.minimum(seq_len - i_t * BT, BT) - 1
         g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
         b_beta = to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
-        b_k = to_f32(tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0))
-        b_q = to_f32(tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0))
-        b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-        k_op = _operand(b_k, ROUND, TORCH_CPU)
-        q_op = _operand(b_q, ROUND, TORCH_CPU)
         # Rows past the sequence end load k = q = v = beta = g = 0, so their rows and columns of A, T, u, w, v' and
-        # Q Kᵀ are exact zeros (T's are identity rows) and no mask beyond the triangles is needed.
-        decay = tl.exp2(b_gc[:, None] - b_gc[None, :])  # 2^(γ_r - γ_s); inf above the diagonal, never selected
+        # Q Kᵀ are exact zeros (T's are identity rows) and no mask beyond the triangles is needed. Tiles are loaded
+        # where they are first used and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
+        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+        k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
 
         # A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)), then T = (I + A)^-1 by recursive block inversion
         b_a = tl.dot(k_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-        b_a = tl.where(lower, b_a * decay, 0.0) * b_beta[:, None]
+        b_a = tl.where(lower, b_a * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0) * b_beta[:, None]
         first = (o_t[:, None] // 2 == o_t[None, :] // 2) & lower
         inverse = eye - tl.where(first, b_a, 0.0)
         for level in tl.static_range(1, LOG2_CHUNK):
@@ -165,19 +179,23 @@ def _gdn_chunk_fwd_kernel(
         t_op = _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
 
         # w = T (K beta 2^γ), u = T (V beta)
-        k_beta = _bf16_point(_bf16_point(b_k * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
-        v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
+        k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
         b_w = _bf16_point(tl.dot(t_op, _operand(k_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+        b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
+        v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
         b_u = _bf16_point(tl.dot(t_op, _operand(v_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
 
         # v' = u - w Sb; output from the chunk-start state; then the state update
         state_op = _operand(_bf16_point(state, ROUND), ROUND, TORCH_CPU)
         v_new = b_u - tl.dot(_operand(b_w, ROUND, TORCH_CPU), state_op, input_precision=DOT_PRECISION)
+        q_op = _loaded_operand(
+            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+        )
         inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
         b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-        b_qk = _bf16_point(tl.where(causal, b_qk * decay, 0.0), ROUND)
+        b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
         intra = tl.dot(
-            _operand(b_qk, ROUND, TORCH_CPU),
+            _operand(_bf16_point(b_qk, ROUND), ROUND, TORCH_CPU),
             _operand(_bf16_point(v_new, ROUND), ROUND, TORCH_CPU),
             input_precision=DOT_PRECISION,
         )
