@@ -48,6 +48,8 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
 * `"fla_forward"` (CUDA default of `fused` and `tree`): the same FLA kernels launched directly
   (`kernels.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
   buffer per batch forward instead of one per layer (48 fewer fills per forward).
+* `"chunk_fused"` (stage `core`): our fused chunked forward (`kernels.gdn_chunk.GdnChunkCore`), one launch per call
+  in both modes, q/k normalised by the prep kernel; on the CPU too (the interpreter gets its bf16 operands as fp32).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -113,6 +115,7 @@ from engine.plan import ConvInput, TreePlan
 from engine.planner import EngineRows, Planner, RowBatch
 from engine.tree import default_node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
+from kernels.gdn_chunk import GdnChunkCore
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference import ops
 from reference.shapes import ModelShapes
@@ -318,7 +321,7 @@ class EngineBackbone:
         self.shapes = merged.shapes
         self.device = merged.device
         self.config = config
-        if config.gdn_core != "torch" and self.device.type == "cpu":
+        if config.gdn_core in ("fla", "fla_forward") and self.device.type == "cpu":
             raise ValueError(
                 f"gdn_core={config.gdn_core!r} cannot run bf16 on the CPU: the Triton interpreter computes bf16 tl.dot "
                 "wrongly (reference-math.md §6); use the config's CPU form (EngineConfig.on('cpu'))"
@@ -337,9 +340,12 @@ class EngineBackbone:
         self.gdn_core = config.gdn_core
         self.max_batch_rows = config.max_batch_rows
         self.name = name  # the registry's name of the config (`engine.stages.stage_name`)
-        self._core = {"fla": fla_chunk_function, "fla_forward": FlaForwardCore, "torch": lambda: torch_chunk_core}[
-            self.gdn_core
-        ]()
+        self._core = {
+            "fla": fla_chunk_function,
+            "fla_forward": FlaForwardCore,
+            "chunk_fused": GdnChunkCore,
+            "torch": lambda: torch_chunk_core,
+        }[self.gdn_core]()
         fused = config.elementwise == "triton"
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)

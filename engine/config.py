@@ -14,8 +14,10 @@ Fields (values; what each picks):
   (`reference/ops.py`), or the fused Triton kernels of `kernels/`.
 * `attention` (`sdpa_padded`, `mask`, `varlen`): HF's SDPA per padded batch; one SDPA call with an additive mask over
   the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise fp32 on the CPU).
-* `gdn_core` (`torch`, `fla`, `fla_forward`): HF's torch chunk rule; FLA 0.6.0's `chunk_gated_delta_rule`; the same
-  FLA kernels launched directly (`kernels/gdn_core.py`).
+* `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
+  `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our fused chunked
+  gated-delta-rule forward, one launch per call (`kernels/gdn_chunk.py`; needs q/k normalised by the Triton prep
+  kernel, so `elementwise="triton"`).
 * `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
   forced.
 * `gemm` (`cublas`, `cublas_row_invariant`, `tuned`): `F.linear` with cuBLAS's default workspace; without a workspace
@@ -30,7 +32,8 @@ Fields (values; what each picks):
 * `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
 
 Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter computes bf16 `tl.dot` wrongly,
-reference-math.md §6), so an engine config's FLA core becomes `torch` there (a `graphs` config keeps its bucketed
+reference-math.md §6), so an engine config's FLA core becomes `torch` there (`chunk_fused` stays: it hands the
+interpreter its bf16 operands as fp32) (a `graphs` config keeps its bucketed
 plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
 (stage `hf_fla`) has no CPU form and is refused. Illegal combinations are refused in `__post_init__`, where a config
 is built, with the reason; tests/test_stages.py tries every one.
@@ -47,7 +50,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "layout": ("padded", "flat", "tree"),
     "elementwise": ("torch", "triton"),
     "attention": ("sdpa_padded", "mask", "varlen"),
-    "gdn_core": ("torch", "fla", "fla_forward"),
+    "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
     "graphs": (False, True),
@@ -68,6 +71,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
     ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
+    ("gdn_core", "chunk_fused"): "GDN core through our fused chunked gated-delta-rule kernel, one launch per call "
+    "(state on chip across a sequence's chunks)",
     ("gdn_mode", "cost"): "GDN mode per batch by the cost rule (replicated paths or fp32 state hand-off)",
     ("gdn_mode", "replicated"): "GDN over replicated candidate paths",
     ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",
@@ -81,6 +86,7 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
 }
 
 CPU_GDN_CORE = "torch"
+CPU_RUNNABLE_GDN_CORES = (CPU_GDN_CORE, "chunk_fused")  # the cores that run on the CPU as they are
 
 
 def describe_value(field: str, value: Any) -> str:
@@ -117,13 +123,19 @@ class EngineConfig:
             wrong = {name: getattr(self, name) for name, value in hf.items() if getattr(self, name) != value}
             if wrong:
                 raise ValueError(f"the hf backbone runs transformers' own layout and ops; it cannot take {wrong}")
-            if self.gdn_core == "fla_forward":
+            if self.gdn_core in ("fla_forward", "chunk_fused"):
                 raise ValueError(
-                    "gdn_core='fla_forward' is the engine's direct launch; the hf backbone calls FLA's fla"
+                    f"gdn_core={self.gdn_core!r} is one of the engine's direct launches; the hf backbone calls FLA's "
+                    "fla or the torch rule"
                 )
         else:
             if self.layout == "padded" or self.attention == "sdpa_padded":
                 raise ValueError("the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or 'varlen'")
+            if self.gdn_core == "chunk_fused" and self.elementwise != "triton":
+                raise ValueError(
+                    "gdn_core='chunk_fused' takes q/k L2-normalised by the Triton prep kernel: it needs "
+                    "elementwise='triton'"
+                )
         if self.graphs:
             needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton", "attention": "varlen"}
             wrong = {name: getattr(self, name) for name, value in needs.items() if getattr(self, name) != value}
@@ -141,7 +153,7 @@ class EngineConfig:
         """This config as it runs on `device_type` ("cuda" or "cpu"): the device rule of the module docstring."""
         if device_type == "cuda":
             return self
-        cpu = {} if self.gdn_core == CPU_GDN_CORE else {"gdn_core": CPU_GDN_CORE}
+        cpu = {} if self.gdn_core in CPU_RUNNABLE_GDN_CORES else {"gdn_core": CPU_GDN_CORE}
         if cpu and self.backbone == "hf":
             raise ValueError(f"the hf backbone with gdn_core={self.gdn_core!r} needs CUDA (FLA cannot run on the CPU)")
         return self.replace(**cpu) if cpu else self

@@ -10,6 +10,9 @@
 * `activations.attention_gate`: `attn * torch.sigmoid(gate)`. Bitwise.
 * `gdn_prep.gdn_prep`: conv1d + SiLU, split, FLA's q/k l2norm, beta, g, FLA varlen layout. v, beta, g bitwise (g on
   the GPU; a few fp32 ulp under the CPU interpreter); q/k bitwise except the sum-of-squares order.
+* `gdn_chunk.gdn_chunk_forward` (and `GdnChunkCore`, its FLA-signature adapter): the chunked gated delta rule
+  forward in one launch, the state in registers (stage `core`). Bounded against the fp32 oracle
+  `reference.ops.gdn_recurrent`; bitwise batch-, padding- and prefix-invariant.
 * `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the
   sum-of-squares order. `attn_prep.attention_gate_view` is the gate half of the q projection as a view.
 

@@ -58,7 +58,8 @@ def captured_launches() -> Iterator[list[Launch]]:
     import triton
 
     # the modules, not the same-named functions that `kernels` re-exports
-    modules = [importlib.import_module(f"kernels.{name}") for name in ("activations", "attn_prep", "gdn_prep", "norms")]
+    families = ("activations", "attn_prep", "gdn_chunk", "gdn_prep", "norms")
+    modules = [importlib.import_module(f"kernels.{name}") for name in families]
     launches: list[Launch] = []
 
     def capture(self, *args, grid=None, warmup=False, **kwargs):
@@ -86,6 +87,7 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts)."""
     import kernels
+    from kernels.gdn_chunk import gdn_chunk_forward
     from reference.shapes import QWEN38_27B as s
 
     rows, keys = 337, 1300
@@ -135,6 +137,18 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
             ),
         ),
     ]
+    chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
+    chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
+    for sequences, handoff in ((18, False), (5, True)):  # drone's bucket (replicated); a hand-off call
+        states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if handoff else None
+
+        def chunk_call(sequences=sequences, states=states, handoff=handoff):
+            cu_seqlens = _meta(sequences + 1, dtype=torch.int64)
+            return gdn_chunk_forward(
+                chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states, output_final_state=handoff
+            )
+
+        launches.append((f"gdn_chunk {sequences} seqs{' handoff' if handoff else ''}", chunk_call))
     for sequences in SEQUENCE_COUNTS:
         cu_seqlens = _meta(sequences + 1, dtype=torch.int32)
         for with_rows in (False, True):

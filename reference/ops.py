@@ -244,6 +244,45 @@ def gdn_core_torch(
     return o[0], None if state is None else state[0]
 
 
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, token by token, fp32 throughout: the oracle of the chunked kernels.
+
+    q, k [T, Hk, K] (already L2-normalised, as the engine's prep kernel leaves them), v [T, Hv, V], g [T, Hv] (log
+    decay), beta [T, Hv], any float dtype (upcast to fp32); value head j reads q/k head j // (Hv/Hk); initial_state
+    [Hv, K, V] or None (zeros); scale defaults to K^-0.5. Per token (FLA's naive_recurrent_gated_delta_rule):
+    S ← exp(g_t) S;  v'_t = β_t (v_t − Sᵀ k_t);  S ← S + k_t v'_tᵀ;  o_t = scale · Sᵀ q_t.
+    Returns (o [T, Hv, V] fp32, final state [Hv, K, V] fp32); nothing is rounded.
+    """
+    seq_len, num_k_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != seq_len or num_v_heads % num_k_heads:
+        raise ValueError(f"gdn_recurrent: q {q.shape}, k {k.shape}, v {v.shape} do not fit [T, Hk, K] / [T, Hv, V]")
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"gdn_recurrent: g {g.shape} and beta {beta.shape} must be [T, Hv] = {tuple(v.shape[:2])}")
+    groups = num_v_heads // num_k_heads
+    q, k = (t.float().repeat_interleave(groups, dim=1) for t in (q, k))
+    v, g, beta = v.float(), g.float(), beta.float()
+    scale = key_dim**-0.5 if scale is None else scale
+    state = torch.zeros(num_v_heads, key_dim, value_dim, device=q.device)
+    if initial_state is not None:
+        state = state + initial_state.float()
+    out = torch.empty(seq_len, num_v_heads, value_dim, device=q.device)
+    for t in range(seq_len):
+        state = state * g[t].exp()[:, None, None]
+        delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = scale * torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Attention pieces
 

@@ -5,6 +5,9 @@ it shares from here, never from another test module.
   (`ablations/bit_identity.py`); `gdn_dims(shapes)`: the head counts and sizes `kernels.gdn_prep` takes;
   `check_row_indexed_kernels(...)`: the row-indexed launches against gathered copies (tests/test_kernels.py on the
   CPU, tests/test_gpu_kernels.py at 27B shapes).
+* `gdn_chunk_inputs(...)`, `gdn_chunk_oracle(...)`, `gdn_chunk_bounds(...)`: packed inputs of the fused GDN kernel, the
+  fp32 token-by-token oracle per sequence, and the error bounds against it, derived in `gdn_chunk_bounds`
+  (tests/test_gdn_chunk.py on the CPU, tests/test_gpu_gdn_chunk.py at 27B shapes).
 * `write_tiny_checkpoint(root)`: a tiny-twin base checkpoint and an Open-Jev LoRA package (tests/test_weights.py,
   tests/test_gpu_reference.py); `clone_weights`, `LORA_TARGETS`.
 * `counting(function, calls, key)`: a wrapper that counts calls (tests/test_model.py, tests/test_gpu_reference.py).
@@ -36,6 +39,65 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernels
+
+
+def gdn_chunk_inputs(lengths, dims, seed: int, device="cpu", correlated: bool = False):
+    """Packed inputs of the fused GDN kernel for sequences of `lengths`: (q, k, v, g, beta, cu_seqlens, h0).
+
+    dims = (Hk, Hv, K, V). q/k L2-normalised with FLA's numerics (what the prep kernel hands the core), v random,
+    g = -exp(A_log) softplus(a + dt_bias) per value head, beta = sigmoid(b) in bf16, nonzero fp32 initial states.
+    `correlated`: keys near one shared direction, beta near 1 and slow decay (a badly conditioned solve)."""
+    hk, hv, key_dim, value_dim = dims
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    k_raw = randn(tokens, hk, key_dim)
+    if correlated:
+        k_raw = 0.3 * k_raw + randn(1, hk, key_dim)
+    q = ops.l2norm_fla(randn(tokens, hk, key_dim).bfloat16(), output_dtype=torch.bfloat16)
+    k = ops.l2norm_fla(k_raw.bfloat16(), output_dtype=torch.bfloat16)
+    v = randn(tokens, hv, value_dim).bfloat16()
+    a_log = torch.log(torch.rand(hv, generator=gen, device=device) * 15 + 1)
+    g = -torch.exp(a_log) * torch.nn.functional.softplus(randn(tokens, hv) - 4 + randn(hv))
+    beta = torch.sigmoid(randn(tokens, hv) + (4.0 if correlated else 0.0)).bfloat16()
+    if correlated:
+        g = g * 0.05
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=device)
+    h0 = 0.5 * randn(len(lengths), hv, key_dim, value_dim)
+    return q, k, v, g.float(), beta, cu, h0
+
+
+def gdn_chunk_oracle(q, k, v, g, beta, cu, h0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.ops.gdn_recurrent` per sequence: (o [T, Hv, V] fp32, final states [N, Hv, K, V] fp32)."""
+    bounds = cu.tolist()
+    outs, finals = [], []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o, final = ops.gdn_recurrent(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], h0[i])
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs), torch.stack(finals)
+
+
+def gdn_chunk_bounds(key_dim: int, chunks: int) -> dict[str, float]:
+    """Relative-RMSE bounds of `kernels.gdn_chunk` against the fp32 oracle, for head dim K and sequences of at most
+    `chunks` 64-row chunks, from first-order rounding-error counts (never fitted to a measurement):
+
+    * "fp32" (`bf16_points=False`): each fp32 operation rounds once (u = 2^-24) and a dot of n terms is off by at
+      most n·u of the sum of its terms' magnitudes (Higham's γ_n). On the dependency path of one output element:
+      dots of n = K (kkt, v' = u - w S, Q S, Q Kᵀ: 4K), of n = 64 (10 solve dots, w, u, the intra-chunk output: 14·64),
+      the in-chunk cumsum (64), and per chunk the state update and its use (2·(64 + K) each, at most `chunks`).
+      The bound is that count times u, relative to the terms' magnitudes, which for unit q, k, |T| entries, |β| and
+      decays <= 1 are of the output's own size. K = 32, 3 chunks: 1,664 u = 9.9e-5.
+    * "bf16" (FLA's rounding points): each bf16↓ perturbs its tensor by at most u = 2^-8 relatively. On the path of one
+      output: o, the causal Q Kᵀ block, the stored v', the bf16 state Sb, u, w, T, V β and K β (twice) in its own
+      chunk (10), and each earlier chunk's decayed v' and Sb (2 per chunk). To first order with unit amplification:
+      (10 + 2·(chunks - 1))·u; 3 chunks: 0.055. (FLA's chunk test allows 5e-3 in fp16, whose u is 8x smaller.)
+    """
+    fp32_terms = 4 * key_dim + 14 * 64 + 64 + 2 * chunks * (64 + key_dim)
+    return {"fp32": fp32_terms * 2.0**-24, "bf16": (10 + 2 * (chunks - 1)) * 2.0**-8}
 
 
 def random_activations(

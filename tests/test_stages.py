@@ -185,6 +185,7 @@ def test_the_ladder_configs_are_todays_backbones():
         ({"max_batch_rows": 8.5}, "max_batch_rows must be an int >= 1"),
         ({"gemm": "cutlass"}, "gemm='cutlass' is not one of"),
         ({"gdn_mode": None}, "gdn_mode=None is not one of"),
+        ({"gdn_core": "chunk_fused", "elementwise": "torch"}, "needs elementwise='triton'"),
     ],
 )
 def test_illegal_engine_configs_are_refused_where_built(changes, message):
@@ -199,6 +200,7 @@ def test_illegal_engine_configs_are_refused_where_built(changes, message):
         ({"elementwise": "triton"}, "the hf backbone runs transformers' own layout"),
         ({"gdn_mode": "handoff"}, "the hf backbone runs transformers' own layout"),
         ({"gdn_core": "fla_forward"}, "the engine's direct launch"),
+        ({"gdn_core": "chunk_fused"}, "the engine's direct launch"),
     ],
 )
 def test_illegal_hf_configs_are_refused_where_built(changes, message):
@@ -208,6 +210,7 @@ def test_illegal_hf_configs_are_refused_where_built(changes, message):
 
 def test_the_cpu_form_of_a_config():
     assert config_of("merged").on("cpu").gdn_core == "torch"  # the CPU runs no FLA
+    assert config_of("tree", gdn_core="chunk_fused").on("cpu").gdn_core == "chunk_fused"  # runs in the interpreter
     with pytest.raises(ValueError, match="needs CUDA"):
         config_of("hf_fla").on("cpu")
     assert [s.name for s in STAGE_LIST if "cpu" not in s.devices] == ["hf_fla"]

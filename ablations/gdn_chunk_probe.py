@@ -1,0 +1,170 @@
+"""Per-layer GDN-core time on the GPU: FLA's five forward kernels against the fused kernel of stage `core`.
+
+    python -m ablations.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
+    python -m ablations.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
+
+What is timed: one GDN layer's core call as the `graphs` stage makes it, on the replicated schedule of the request's
+bucketed plan (`engine.plan.plan_tree(..., bucket=...)`, the bucket `engine.graphs.default_grid` picks: drone
+r352-s1074, jevbench/easy-intent-00 r208-s430, customer_service r1152-s5778): every candidate path and every dummy
+path of the bucket, at the 27B head shapes, with random inputs as the engine hands them to the core (q/k
+L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same tensors in one process:
+* FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
+  forward (the engine's steady state: one fill per forward, not per layer);
+* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration and in the tile variants of `VARIANTS`.
+Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers, without launch gaps) after two
+warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
+Errors per variant: relative RMSE and the share of bit-equal output elements against FLA, and the relative RMSE of
+both against the fp32 oracle `reference.ops.gdn_recurrent` on the candidate paths (not the dummy ones). Synthetic
+inputs: timings and numerics only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
+VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
+    "stage": {},
+    "bv64-w4": {"value_block": 64, "num_warps": 4},
+    "bv32-w4": {"value_block": 32, "num_warps": 4},
+    "tf32x3": {"solve_precision": "tf32x3"},
+}
+
+
+def bucketed_call(workload_id: str):
+    """The replicated GDN call of the workload's bucketed plan (host), its bucket and its real paths' count."""
+    from ablations.workloads import get_workload
+    from engine.graphs import GridIndex, default_grid
+    from engine.plan import plan_tree, tree_layout
+    from reference.service import request_candidates
+
+    candidates, groups = request_candidates(get_workload(workload_id).request)
+    layout = tree_layout(candidates, groups)
+    bucket = GridIndex(default_grid()).smallest(layout)
+    if bucket is None:
+        raise ValueError(f"{workload_id}: no bucket of the grid holds it")
+    plan = plan_tree(candidates, groups, bucket=bucket)
+    return plan.gdn["replicated"].calls[0], bucket, len(candidates)
+
+
+def graph_time_us(fn, calls: int, rounds: int) -> float:
+    """Median per-call GPU time of `fn` captured `calls` times in one CUDA graph (two eager warm-up calls first)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000.0 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def rel_rmse(x, ref) -> float:
+    return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
+
+
+def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
+    import torch
+
+    from ablations.probes import engine_gdn_inputs
+    from engine.plan import SolveWorkspace
+    from kernels.gdn_chunk import GdnChunkCore
+    from kernels.gdn_core import FlaForwardCore
+    from reference import ops
+
+    call, bucket, num_real = bucketed_call(workload_id)
+    device = torch.device("cuda")
+    slots = len(call.rows)  # the bucket's path slots, trailing ones (in no sequence) included, as the engine's
+    q, k, v, g, beta = (t[None] for t in engine_gdn_inputs(slots, seed=22, device="cuda"))
+    cu, cu_cpu = call.cu_seqlens.to(device), call.cu_seqlens_cpu
+    layout = {"cu_seqlens": cu, "chunk_indices": call.chunk_indices.to(device)}
+    workspace = SolveWorkspace()
+    fla = FlaForwardCore()
+    fla_options = layout | {"chunk_offsets": call.chunk_offsets.to(device), "workspace": workspace}
+    workspace.begin_forward()
+    fla_o, _ = fla(q, k, v, g, beta, **fla_options)  # allocates and zeroes the solve buffer: fresh for the forward
+
+    def run_fla():
+        return fla(q, k, v, g, beta, **fla_options)
+
+    result = {
+        "workload": workload_id,
+        "bucket": bucket.name,
+        "path_slots": slots,
+        "sequences": call.num_sequences,
+        "chunks": call.chunks,
+        "fla_us": graph_time_us(run_fla, calls, rounds),
+        "variants": {},
+    }
+    bounds = cu_cpu.tolist()
+    real = slice(0, bounds[num_real])
+    oracle = torch.cat([
+        ops.gdn_recurrent(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e])[0]
+        for s, e in zip(bounds[:num_real], bounds[1 : num_real + 1])
+    ])  # fmt: skip
+    result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, real].float(), oracle)
+    for name, options in VARIANTS.items():
+        core = GdnChunkCore(**options)
+        o, _ = core(q, k, v, g, beta, **layout)
+        us = graph_time_us(lambda core=core: core(q, k, v, g, beta, **layout), calls, rounds)
+        mine, theirs = o[0, real], fla_o[0, real]
+        result["variants"][name] = {
+            "options": options,
+            "us": us,
+            "speedup_vs_fla": result["fla_us"] / us,
+            "rel_rmse_vs_fla": rel_rmse(mine.float(), theirs.float()),
+            "bit_equal_share_vs_fla": float((mine.view(torch.int16) == theirs.view(torch.int16)).float().mean()),
+            "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
+        }
+        figures = result["variants"][name]
+        print(f"{workload_id:<24} {name:<8} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  "
+              f"x{figures['speedup_vs_fla']:5.2f}  vs FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ablations.gdn_chunk_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--calls", type=int, default=10, help="core calls per captured graph (layers)")
+    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's deterministic Triton path (reference-math.md §4.3)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gdn_chunk_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from ablations.envinfo import collect, record_stem, write_json
+    from engine.fla_configs import pin_fla_configs
+
+    pin_fla_configs()  # before fla is imported: the committed configs of this GPU, if any
+    torch.manual_seed(0)
+    env = collect("cuda")
+    record = {"probe": "gdn_chunk", "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
+    for workload_id in args.workloads.split(","):
+        with torch.no_grad():
+            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds))
+    write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The chunked gated delta rule forward in one kernel: one program per (sequence, value head, value block).
+
+Replaces FLA 0.6.0's five forward launches (`kernels.gdn_core.FlaForwardCore`: cumsum, kkt + solve, w/u, state
+pass, output) with one launch per call. A program walks its sequence's 64-row chunks in order and keeps the
+recurrent state S [K, BV] in fp32 registers from the first chunk to the last; nothing but the inputs, the output and
+the initial / final states touches memory. No atomics, no reductions across programs.
+
+Inputs (packed varlen rows, B = 1 squeezed): q, k [T, Hk, K] bf16 (already L2-normalised, FLA's `l2norm_fwd`
+numerics, by `kernels.gdn_prep`), v [T, Hv, V] bf16, g [T, Hv] fp32 (log decay), beta [T, Hv] bf16; sequence i is
+rows cu_seqlens[i] .. cu_seqlens[i+1] - 1; value head j reads q/k head j // (Hv / Hk) (GVA). initial_state
+[N, Hv, K, V] fp32 or None (zeros). Output o [T, Hv, V] bf16 (rows of the sequences only; rows after the last
+sequence are not written), final state [N, Hv, K, V] fp32 when asked.
+
+Math per chunk (rows r = 0..63 of the chunk, the state S at the chunk start; FLA's formulation, log2 units):
+```
+γ      = cumsum(g) · log2(e)                                     fp32 (in-chunk prefix sum)
+A      = strict_lower(diag(β) K Kᵀ ⊙ 2^(γ_r − γ_s))                 [64, 64] fp32, bf16 dot operands
+T      = (I + A)⁻¹                                                  fp32, recursive block inversion (below); bf16↓
+w, u   = bf16↓(T · bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)), bf16↓(T · bf16↓(V ⊙ β))
+Sb     = bf16↓(S)
+v'     = u − w Sb                                                   fp32
+o      = bf16↓( scale · (Q Sb ⊙ 2^γ) + scale · bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) bf16↓(v') )
+S      ← S · 2^(γ_last) + Kᵀ bf16↓(v' ⊙ 2^(γ_last − γ))            fp32 accumulate into S
+```
+The rounding points (bf16↓) are FLA's inter-kernel stores (reference-math.md §3.2): with `bf16_points=False` none is
+taken (fp32 throughout, fp32 dots at IEEE precision: the exactness test of the algorithm). Dots take bf16 operands on
+CUDA (tensor cores, fp32 accumulate); under the interpreter the same bf16 values go in as fp32 (the interpreter
+computes bf16 `tl.dot` wrongly), which is exact for the products and differs only in the accumulation order.
+
+The solve. T = (I + A)⁻¹ by recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
+diagonal blocks (I − A on their one sub-diagonal entry), and for block sizes b = 2, 4, 8, 16, 32
+D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
+[[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]] for all blocks of one level at once. 10 dots of
+64 × 64 × 64 at `solve_precision` (default "tf32", FLA's SOLVE_TRIL_DOT_PRECISION on sm >= 80). FLA inverts 16 × 16
+diagonal blocks by forward substitution and merges the off-diagonal blocks in the same way; the results differ in the
+last bits. A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly
+correlated keys its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
+
+Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H200):
+* against `reference.ops.gdn_recurrent` (fp32 token loop): fp32 mode within the fp32 bound, bf16 mode within the
+  bf16 bound, both derived in the test module;
+* a sequence's bits depend on its own rows and initial state only: the grid is one program per (sequence, head,
+  value block) and tile sizes are constexprs of the head dims, so batching, padding sequences and bucket trailing
+  rows change nothing (bitwise tests); a row's output depends only on the rows up to its chunk (zeros of the masked
+  rows enter the dots as exact zeros), so a path of the prefix tree gets the bits of the unshared sequence.
+
+Tiles: one value block of BV columns per program (`value_block`, default V: one program per (sequence, value head));
+smaller blocks split the state and the v/o columns over more programs and repeat the kkt, solve and w work per block.
+
+Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
+* v1 (this file): q, k, v loaded where first used, q/k kept as the loaded bf16 tiles (dot operands on CUDA); spills
+  1,372 bytes.
+* v0 (never run): every tile converted to fp32 at its load and kept; spilled 1,680 bytes. The first compile for sm_90
+  failed on module globals read inside the kernel (RCP_LN2, LOG2_CHUNK must be `tl.constexpr`), which the
+  interpreter accepts: `python -m kernels.compile_check` caught it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, round_to_bf16, to_bf16, to_f32
+
+CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
+LOG2_CHUNK = tl.constexpr(6)
+RCP_LN2 = tl.constexpr(1.4426950216)  # FLA's constant (fla.ops.utils.constant.RCP_LN2): γ in log2 units
+NUM_WARPS = 8
+NUM_STAGES = 2
+SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
+
+
+@triton.jit
+def _bf16_point(x, ROUND: tl.constexpr):
+    """A rounding point: x rounded to bf16 (kept as fp32) when ROUND, else x."""
+    if ROUND:
+        x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def _operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """x (fp32, bf16-exact when ROUND) as a dot operand: bf16 on CUDA when ROUND (exact), else fp32."""
+    if ROUND and not TORCH_CPU:
+        y = x.to(tl.bfloat16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """A loaded bf16 tile as a dot operand: itself on CUDA when ROUND, else fp32 (exact)."""
+    if ROUND and not TORCH_CPU:
+        y = x16
+    else:
+        y = to_f32(x16)
+    return y
+
+
+@triton.jit
+def _gdn_chunk_fwd_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    h0,
+    ht,
+    cu_seqlens,
+    scale,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    ROUND: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    BT: tl.constexpr = 64
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n = tl.program_id(2)
+    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, KEY_DIM)
+    o_v = i_v * BV + tl.arange(0, BV)
+    lower = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+
+    state_offsets = ((i_n * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
+    state_tile = o_k[:, None] * VALUE_DIM + o_v[None, :]
+    if HAS_H0:
+        state = tl.load(h0 + state_offsets + state_tile)
+    else:
+        state = tl.zeros([KEY_DIM, BV], dtype=tl.float32)
+
+    for i_t in range(0, tl.cdiv(seq_len, BT)):
+        rows = i_t * BT + o_t
+        valid = rows < seq_len
+        token = bos + rows
+        k_rows = (token * KEY_HEADS + i_hk) * KEY_DIM
+        v_rows = (token * VALUE_HEADS + i_hv) * VALUE_DIM
+        gate_rows = token * VALUE_HEADS + i_hv
+
+        b_g = tl.load(g + gate_rows, mask=valid, other=0.0)
+        b_gc = tl.cumsum(b_g, axis=0) * RCP_LN2  # γ; constant after the last valid row (g loads as 0 there)
+        last = tl.minimum(seq_len - i_t * BT, BT) - 1
+        g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
+        b_beta = to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
+        # Rows past the sequence end load k = q = v = beta = g = 0, so their rows and columns of A, T, u, w, v' and
+        # Q Kᵀ are exact zeros (T's are identity rows) and no mask beyond the triangles is needed. Tiles are loaded
+        # where they are first used and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
+        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+        k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
+
+        # A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)), then T = (I + A)^-1 by recursive block inversion
+        b_a = tl.dot(k_op, tl.trans(k_op), input_precision=DOT_PRECISION)
+        b_a = tl.where(lower, b_a * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0) * b_beta[:, None]
+        first = (o_t[:, None] // 2 == o_t[None, :] // 2) & lower
+        inverse = eye - tl.where(first, b_a, 0.0)
+        for level in tl.static_range(1, LOG2_CHUNK):
+            block = 1 << level
+            off = (o_t[:, None] // (2 * block) == o_t[None, :] // (2 * block)) & (
+                o_t[:, None] // block > o_t[None, :] // block
+            )
+            below = tl.dot(tl.where(off, b_a, 0.0), inverse, input_precision=SOLVE_PRECISION)
+            inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
+        t_op = _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
+
+        # w = T (K beta 2^γ), u = T (V beta)
+        k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
+        b_w = _bf16_point(tl.dot(t_op, _operand(k_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+        b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
+        v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
+        b_u = _bf16_point(tl.dot(t_op, _operand(v_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+
+        # v' = u - w Sb; output from the chunk-start state; then the state update
+        state_op = _operand(_bf16_point(state, ROUND), ROUND, TORCH_CPU)
+        v_new = b_u - tl.dot(_operand(b_w, ROUND, TORCH_CPU), state_op, input_precision=DOT_PRECISION)
+        q_op = _loaded_operand(
+            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+        )
+        inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
+        b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
+        b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
+        intra = tl.dot(
+            _operand(_bf16_point(b_qk, ROUND), ROUND, TORCH_CPU),
+            _operand(_bf16_point(v_new, ROUND), ROUND, TORCH_CPU),
+            input_precision=DOT_PRECISION,
+        )
+        b_o = inter * scale + intra * scale
+        o_ptrs = o + v_rows[:, None] + o_v[None, :]
+        if ROUND:
+            tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
+        else:
+            tl.store(o_ptrs, b_o, mask=valid[:, None])
+
+        v_decayed = _bf16_point(v_new * tl.exp2(g_last - b_gc)[:, None], ROUND)
+        state = state * tl.exp2(g_last)
+        state = tl.dot(tl.trans(k_op), _operand(v_decayed, ROUND, TORCH_CPU), state, input_precision=DOT_PRECISION)
+
+    if STORE_HT:
+        tl.store(ht + state_offsets + state_tile, state)
+
+
+def gdn_chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    out: torch.Tensor | None = None,
+    final_state_out: torch.Tensor | None = None,
+    bf16_points: bool = True,
+    solve_precision: str = "tf32",
+    value_block: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
+
+    q, k [T, Hk, K] bf16 (L2-normalised), v [T, Hv, V] bf16, g [T, Hv] fp32, beta [T, Hv] bf16, all contiguous;
+    cu_seqlens [N + 1] int32/int64 on the same device; initial_state [N, Hv, K, V] fp32 contiguous or None. `out`
+    [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
+    given. scale defaults to K ** -0.5. Launches one kernel, grid (V / value_block, Hv, N), without a host sync.
+    """
+    device = q.device
+    if q.ndim != 3 or v.ndim != 3:
+        shapes = f"{tuple(q.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"gdn_chunk_forward: q must be [T, Hk, K] and v [T, Hv, V], got {shapes}")
+    tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    for name, t, dtype, shape in (
+        ("q", q, torch.bfloat16, (tokens, key_heads, key_dim)),
+        ("k", k, torch.bfloat16, (tokens, key_heads, key_dim)),
+        ("v", v, torch.bfloat16, (tokens, value_heads, value_dim)),
+        ("g", g, torch.float32, (tokens, value_heads)),
+        ("beta", beta, torch.bfloat16, (tokens, value_heads)),
+    ):
+        check_tensor(f"gdn_chunk_forward: {name}", t, dtype=dtype, shape=shape, device=device, contiguous=True)
+    index_dtypes = (torch.int32, torch.int64)
+    check_tensor("gdn_chunk_forward: cu_seqlens", cu_seqlens, dtype=index_dtypes, shape=(None,), device=device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if num_seqs < 1:
+        raise ValueError(f"gdn_chunk_forward: cu_seqlens must hold N + 1 >= 2 offsets, got {tuple(cu_seqlens.shape)}")
+    value_block = value_dim if value_block is None else value_block
+    powers = (key_dim, value_dim, value_block)
+    if any(n < 16 or n & (n - 1) for n in powers) or value_dim % value_block or value_heads % key_heads:
+        raise ValueError(
+            f"gdn_chunk_forward: K, V and the value block must be powers of two >= 16 with the block dividing V, and "
+            f"Hk must divide Hv; got K={key_dim} V={value_dim} block={value_block} Hk={key_heads} Hv={value_heads}"
+        )
+    if solve_precision not in SOLVE_PRECISIONS:
+        raise ValueError(f"gdn_chunk_forward: solve_precision {solve_precision!r} is not one of {SOLVE_PRECISIONS}")
+    state_shape = (num_seqs, value_heads, key_dim, value_dim)
+    if initial_state is not None:
+        check_tensor(
+            "gdn_chunk_forward: initial_state", initial_state, dtype=torch.float32, shape=state_shape, device=device,
+            contiguous=True,
+        )  # fmt: skip
+    out_dtype = torch.bfloat16 if bf16_points else torch.float32
+    o = output_tensor("gdn_chunk_forward: out", out, (tokens, value_heads, value_dim), out_dtype, device)
+    final = None
+    if output_final_state:
+        final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
+    torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
+    grid = (value_dim // value_block, value_heads, num_seqs)
+    with ieee_quiet(torch_cpu):
+        _gdn_chunk_fwd_kernel[grid](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            o,
+            o if initial_state is None else initial_state,  # not read without HAS_H0
+            o if final is None else final,  # not written without STORE_HT
+            cu_seqlens,
+            key_dim**-0.5 if scale is None else scale,
+            KEY_HEADS=key_heads,
+            VALUE_HEADS=value_heads,
+            KEY_DIM=key_dim,
+            VALUE_DIM=value_dim,
+            BV=value_block,
+            HAS_H0=initial_state is not None,
+            STORE_HT=final is not None,
+            ROUND=bf16_points,
+            SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
+            DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
+            TORCH_CPU=torch_cpu,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return o, final
+
+
+class GdnChunkCore:
+    """`gdn_chunk_forward` behind the varlen signature of `kernels.gdn_core.FlaForwardCore` (what the backbone and
+    `engine.tree.tree_gdn_core` call): q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv]; returns
+    (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's chunk
+    layout (`chunk_indices`, `chunk_offsets`, `cu_seqlens_cpu`) is accepted and not needed: the kernel walks each
+    sequence's chunks itself. `options` go to every `gdn_chunk_forward` call (value_block, num_warps, ...)."""
+
+    def __init__(self, **options):
+        self.options = options
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor,
+        chunk_indices: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        scale: float | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+        chunk_offsets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if use_qk_l2norm_in_kernel:
+            raise ValueError("GdnChunkCore takes q/k already L2-normalised (kernels.gdn_prep with qk_l2norm=True)")
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            if t.shape[0] != 1:
+                raise ValueError(f"GdnChunkCore: {name} must be [1, T, ...] (packed sequences), got {tuple(t.shape)}")
+        if initial_state is not None and not initial_state.is_contiguous():
+            initial_state = initial_state.contiguous()
+        o, final = gdn_chunk_forward(
+            q[0],
+            k[0],
+            v[0],
+            g[0],
+            beta[0],
+            cu_seqlens,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            **self.options,
+        )
+        return o[None], final

@@ -1,0 +1,103 @@
+"""CPU tests of stage `core` (`EngineConfig.gdn_core="chunk_fused"`, kernels/gdn_chunk.py) on the tiny twin, every
+kernel under the Triton interpreter: the gate (close to `graphs` within the registry's bound), tree vs flat within the
+stage, the `handoff` schedule vs the `replicated` one, and the bucketed (`graphs`) forward vs the unpadded one, each
+bit for bit. Synthetic weights: the figures are fidelity between code paths, never accuracy.
+
+On the CPU `graphs` runs HF's torch chunk rule (fp32 throughout, q/k normalised in fp32) where `core` runs the kernel
+with FLA's bf16 rounding points: the same kind of GDN-core-only swap as hf_torch against hf_fla, the swap whose H200
+figure is the registry's bound (engine/stages/core.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (tests/test_kernels.py)
+
+from engine.stages import STAGES, build_engine, config_of, get_stage  # noqa: E402
+from engine.weights import MergedWeights  # noqa: E402
+from reference.shapes import TINY  # noqa: E402
+from reference.weights import synthetic_weights  # noqa: E402
+
+if torch.cuda.is_available():
+    pytest.skip("CPU tests (the GPU gate is tests/test_gpu_gdn_chunk.py)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def merged_weights() -> MergedWeights:
+    return MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=23))
+
+
+def request(seed: int, root_len: int) -> tuple[list[list[int]], list[int]]:
+    """A shared root of `root_len` tokens, two questions of 2 and 3 options (odd lengths)."""
+    rng = random.Random(seed)
+    root = [rng.randrange(100, 150_000) for _ in range(root_len)]
+    candidates = [root + [q + 1] + [rng.randrange(100, 150_000) for _ in range(2 + q * 5)] + [o + 1]
+                  for q, options in enumerate((2, 3)) for o in range(options)]  # fmt: skip
+    return candidates, [0, 0, 1, 1, 1]
+
+
+def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
+
+
+def test_core_stage_is_registered_unmeasured_on_gemm():
+    stage = get_stage("core")
+    assert (stage.builds_on, stage.delta, stage.status) == ("gemm", {"gdn_core": "chunk_fused"}, "unmeasured")
+    assert stage.exactness.describe() == "bounded: hidden_rel_rmse <= 0.031 vs graphs"
+    assert config_of("core") == config_of("gemm").replace(gdn_core="chunk_fused")
+    assert config_of("core").on("cpu") == config_of("core")  # the kernel runs in the interpreter as it is
+    assert stage.notes.is_file() and "core" in STAGES
+
+
+@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+def test_core_stage_close_to_graphs(merged_weights):
+    """The stage's CPU gate: `core` against `graphs` on one request, candidate outputs within the registry's bound
+    (the runner's hidden_rel_rmse: the head's input rows), every residual state finite."""
+    core, graphs = build_engine(merged_weights, "core"), build_engine(merged_weights, "graphs")
+    candidates, groups = request(1, root_len=70)
+    got, want = core.prepare(candidates, groups), graphs.prepare(candidates, groups)
+    assert got.batches[0].plan.bucket is not None  # a bucketed plan, as `graphs` runs it
+    out, ref = core.forward(got), graphs.forward(want)
+    error = rel_rmse(out, ref)
+    print(f"core vs graphs: hidden_rel_rmse {error:.3e} (bound {get_stage('core').exactness.bound})")
+    assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
+
+
+@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+def test_core_tree_matches_flat_bitwise(merged_weights):
+    """Tree vs flat within the stage (graphs off: the flat layout has no buckets): the kernel is prefix-invariant, so
+    the shared rows computed once give each candidate the bits of its unshared run."""
+    tree = build_engine(merged_weights, "core", graphs=False)
+    flat = build_engine(merged_weights, "core", graphs=False, layout="flat")
+    candidates, groups = request(2, root_len=40)
+    assert torch.equal(tree.forward(tree.prepare(candidates, groups)), flat.forward(flat.prepare(candidates, groups)))
+
+
+@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+def test_core_handoff_matches_replicated_bitwise(merged_weights):
+    """The `handoff` schedule (root once to its last 64-row boundary, fp32 state handed to the branches, through the
+    same kernel) gives the `replicated` schedule's bits: the kernel's split at a multiple of 64 is exact."""
+    handoff = build_engine(merged_weights, "core", graphs=False, gdn_mode="handoff")
+    replicated = build_engine(merged_weights, "core", graphs=False, gdn_mode="replicated")
+    candidates, groups = request(3, root_len=70)
+    prepared = handoff.prepare(candidates, groups)
+    assert prepared.batches[0].gdn_mode == "handoff" and len(prepared.batches[0].plan.gdn["handoff"].calls) == 2
+    assert torch.equal(handoff.forward(prepared), replicated.forward(replicated.prepare(candidates, groups)))
+
+
+@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
+    """The bucketed plan (`graphs`: dummy rows, dummy and empty paths, trailing slots) gives the unpadded plan's bits:
+    padding sequences of the kernel's launch change no real row (graph replay = eager on the GPU rests on it)."""
+    bucketed, unpadded = build_engine(merged_weights, "core"), build_engine(merged_weights, "core", graphs=False)
+    candidates, groups = request(4, root_len=9)
+    prepared = bucketed.prepare(candidates, groups)
+    assert prepared.batches[0].plan.bucket is not None
+    assert torch.equal(bucketed.forward(prepared), unpadded.forward(unpadded.prepare(candidates, groups)))

@@ -1,0 +1,160 @@
+"""Stage `core` on the GPU, 27B shapes (issue 22): the fused GDN kernel against the fp32 oracle and FLA's five
+forward kernels, its bitwise invariances compiled, and the stage against `graphs`.
+
+    nox --no-venv -s gpu_tests -- tests/test_gpu_gdn_chunk.py -s
+
+Declared and checked:
+* kernel (Hk 16, Hv 48, K = V = 128; drone's bucketed paths and a 1,000-token sequence, nonzero initial states): within
+  `tests.cases.gdn_chunk_bounds` of `reference.ops.gdn_recurrent` (bf16 rounding points; tf32 and tf32x3 solves), and
+  within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the oracle); the share of
+  output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
+* bitwise: a sequence alone vs in the batch, bucket padding (empty and dummy sequences, NaN trailing rows), a hand-off
+  at a multiple of 64 vs one pass, two runs; and a CUDA-graph replay of the launch vs the eager launch;
+* the stage (its GPU gate): `core` against `graphs` within the registry's bound (hidden_rel_rmse of the head's rows)
+  on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise on drone.
+Synthetic weights and random inputs: only bits and bounds are compared, never accuracy.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+
+from ablations.workloads import get_workload, jevbench_panel
+from engine.stages import build_engine, config_of, get_stage
+from engine.weights import MergedWeights
+from kernels.gdn_chunk import gdn_chunk_forward
+from reference.service import request_candidates
+from reference.shapes import QWEN38_27B as S
+from reference.weights import synthetic_weights
+from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
+DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
+LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
+
+
+def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
+
+
+def run(q, k, v, g, beta, cu, h0, **options):
+    return gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, output_final_state=True, **options)
+
+
+@pytest.mark.parametrize("solve_precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize("lengths", list(LENGTH_SETS.values()), ids=list(LENGTH_SETS))
+def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, solve_precision):
+    from kernels.gdn_core import FlaForwardCore
+    from reference.ops import GDN_CHUNK_SIZE
+
+    inputs = gdn_chunk_inputs(lengths, DIMS, seed=21, device=DEVICE)
+    q, k, v, g, beta, cu, h0 = inputs
+    o, final = run(*inputs, solve_precision=solve_precision)
+    ref_o, ref_final = gdn_chunk_oracle(*inputs)
+    bound = gdn_chunk_bounds(DIMS[2], max(-(-n // GDN_CHUNK_SIZE) for n in lengths))["bf16"]
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    fla_o, fla_final = FlaForwardCore()(
+        *(t[None] for t in (q, k, v, g, beta)),
+        cu_seqlens=cu,
+        chunk_indices=prepare_chunk_indices(cu, GDN_CHUNK_SIZE),
+        initial_state=h0,
+        output_final_state=True,
+    )
+    figures = {
+        "o vs oracle": rel_rmse(o.float(), ref_o),
+        "final vs oracle": rel_rmse(final, ref_final),
+        "FLA o vs oracle": rel_rmse(fla_o[0].float(), ref_o),
+        "o vs FLA": rel_rmse(o.float(), fla_o[0].float()),
+        "final vs FLA": rel_rmse(final, fla_final),
+        "o bit-equal to FLA": float((o.view(torch.int16) == fla_o[0].view(torch.int16)).float().mean()),
+    }
+    print(f"{solve_precision} bound {bound:.3g}", {name: f"{value:.3e}" for name, value in figures.items()})
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    for name in ("o vs oracle", "final vs oracle"):
+        assert figures[name] <= bound, (name, figures[name], bound)
+    for name in ("o vs FLA", "final vs FLA"):
+        assert figures[name] <= 2 * bound, (name, figures[name], bound)
+
+
+def test_kernel_bitwise_invariances():
+    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=22, device=DEVICE)
+    o, final = run(q, k, v, g, beta, cu, h0)
+    again = run(q, k, v, g, beta, cu, h0)
+    assert torch.equal(o, again[0]) and torch.equal(final, again[1]), "two runs differ"
+    bounds = cu.tolist()
+    for i in (0, 6, 7):
+        s, e = bounds[i], bounds[i + 1]
+        alone = run(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], torch.tensor([0, e - s], device=DEVICE), h0[i : i + 1])
+        assert torch.equal(alone[0], o[s:e]) and torch.equal(alone[1][0], final[i]), f"sequence {i} alone"
+    # trailing NaN rows after the last sequence (a bucket's trailing slots) and a NaN-poisoned output
+    padded = [torch.cat([t, torch.full((84, *t.shape[1:]), float("nan"), dtype=t.dtype, device=DEVICE)])
+              for t in (q, k, v, g, beta)]  # fmt: skip
+    out = torch.full((len(padded[0]), DIMS[1], DIMS[3]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    po, pfinal = run(*padded, cu, h0, out=out)
+    assert torch.equal(po[: len(q)], o) and torch.equal(pfinal, final) and torch.isnan(po[len(q) :]).all()
+    # hand-off at 128 = one pass
+    q1, k1, v1, g1, b1, _, h1 = gdn_chunk_inputs((195,), DIMS, seed=23, device=DEVICE)
+    one = torch.tensor([0, 195], device=DEVICE)
+    whole = run(q1, k1, v1, g1, b1, one, h1)
+    head = run(q1[:128], k1[:128], v1[:128], g1[:128], b1[:128], torch.tensor([0, 128], device=DEVICE), h1)
+    tail = run(q1[128:], k1[128:], v1[128:], g1[128:], b1[128:], torch.tensor([0, 67], device=DEVICE), head[1])
+    assert torch.equal(torch.cat([head[0], tail[0]]), whole[0]) and torch.equal(tail[1], whole[1])
+
+
+def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly():
+    inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=24, device=DEVICE)
+    eager = run(*inputs)
+    run(*inputs)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+# ---------------------------------------------------------------------------------------------------------- the stage
+
+
+@pytest.fixture(scope="module")
+def engines():
+    weights = synthetic_weights(S, seed=0, device="cuda")
+    merged = MergedWeights.from_decision_weights(weights)
+    del weights
+    built = {
+        "graphs": build_engine(merged, "graphs"),
+        "core": build_engine(merged, "core"),
+        "core flat": build_engine(merged, config_of("core", graphs=False, layout="flat")),
+    }
+    for name in ("graphs", "core"):
+        built[name].graphs.capture_on_miss = True
+    yield built
+    del built, merged
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def answer(engine, workload: str) -> torch.Tensor:
+    candidates, groups = request_candidates(get_workload(workload).request)
+    return engine.forward(engine.prepare(candidates, groups)).clone()
+
+
+@pytest.mark.parametrize(
+    "workload", ["drone", "customer_service", "long-10k-choice-5"] + [w.id for w in jevbench_panel()]
+)
+def test_core_stage_close_to_graphs(engines, workload):
+    """The stage's GPU gate: hidden_rel_rmse of the head's rows against `graphs` within the registry's bound."""
+    error = rel_rmse(answer(engines["core"], workload), answer(engines["graphs"], workload))
+    print(f"{workload}: core vs graphs hidden_rel_rmse {error:.4e}")
+    assert error <= get_stage("core").exactness.bound, (workload, error)
+
+
+def test_core_stage_tree_matches_flat_bitwise(engines):
+    assert torch.equal(answer(engines["core"], "drone"), answer(engines["core flat"], "drone"))
