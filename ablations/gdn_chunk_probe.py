@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
     "stage": {},
+    "bv64-w8": {"value_block": 64},
     "bv64-w4": {"value_block": 64, "num_warps": 4},
     "bv32-w4": {"value_block": 32, "num_warps": 4},
     "tf32x3": {"solve_precision": "tf32x3"},
