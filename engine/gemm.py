@@ -29,8 +29,10 @@ families of a table's choice:
 * `cublaslt`: one cuBLASLt algorithm (the table's nine config attributes) through nvmath-python's
   `nvmath.linalg.advanced.Matmul`, planned once per (shape, bucket) at build time on CUDA and kept alive for the
   backbone's lifetime (the objects are used under graph capture; `Matmul.free()` after capture raised on the H200);
-  each call repoints its operands (`reset_operands_unchecked`) and executes on torch's current stream. nvmath is
-  imported only when a table holds such a choice, only on CUDA; never on the CPU (a `cublaslt` choice there raises).
+  each call repoints its operands (`reset_operands_unchecked`) and executes on torch's current stream; a call of
+  other rows than the plan's (eager, off the grid or above its largest bucket) runs in padded slices of the plan's
+  rows (`_run_cublaslt_rows`). nvmath is imported only when a table holds such a choice, only on CUDA; never on the
+  CPU (a `cublaslt` choice there raises).
   cuBLASLt's heuristic is asked for algorithms with or without split-K (`offered_algorithms`: the reduction scheme
   mask), as the tuner asked it for the table's algorithm.
 * `splitk` (out and down only; the table loader refuses it elsewhere): K cut into S equal slices, the fp32 partials
@@ -238,15 +240,17 @@ class GemmDispatch:
     def _one_pass(self, x: Tensor, weight: Weight, shape: str, kernel: GemmKernel) -> Tensor:
         if kernel.family == "cublas":
             return F.linear(x, weight.data)
-        matmul = self._lt[(shape, self._choice_at(shape, x.shape[0]).rows)]
-        return _run_cublaslt(matmul, x, weight.data, self.device)
+        planned = self._choice_at(shape, x.shape[0]).rows
+        return _run_cublaslt_rows(self._lt[(shape, planned)], planned, x, weight.data, self.device)
 
     def _plan_cublaslt(self, shape: str, choice: GemmChoice, plan_weights: dict[str, list[Tensor]]) -> Any:
         if len(plan_weights.get(shape, [])) != 1:
             raise GemmTableError(f"{shape}: one cuBLASLt plan per bucket needs one [out, in] under the name")
         weight = plan_weights[shape][0]
         if shape not in self._lt_inputs:
-            self._lt_inputs[shape] = torch.empty(ROWS_GRID[-1], weight.shape[1], dtype=weight.dtype, device=self.device)
+            self._lt_inputs[shape] = torch.empty(
+                ROWS_GRID[-1], weight.shape[1], dtype=weight.dtype, device=weight.device
+            )
         wanted = dict(choice.kernel.algorithm)
         matmul = plan_cublaslt(self._lt_inputs[shape][: choice.rows], weight, wanted)
         if matmul is None:
@@ -327,6 +331,28 @@ def _run_cublaslt(matmul: Any, x: Tensor, weight: Tensor, device: torch.device) 
     """One planned nvmath `Matmul` on this call's operands (repointed, not copied), on torch's current stream."""
     matmul.reset_operands_unchecked(a=x, b=weight.t())
     return matmul.execute(stream=torch.cuda.current_stream(device))
+
+
+def _run_cublaslt_rows(matmul: Any, planned: int, x: Tensor, weight: Tensor, device: torch.device) -> Tensor:
+    """x [N, K] @ weightᵀ -> [N, out] through a Matmul planned for `planned` rows, for any N.
+
+    An nvmath Matmul keeps the M it was planned with (`reset_operands_unchecked` repoints, it does not reshape), so a
+    call of N != `planned` rows would return `planned` rows. N == `planned` (every bucketed plan's call): one run. Else
+    (an eager request off the grid, or above the largest bucket, whose choice `GemmTable.choice` reuses): the rows in
+    slices of `planned`, the last one zero-padded to `planned`, each run through the plan, and the N real rows kept.
+    Bitwise with the same algorithm on the N rows in one call: every run has exactly the planned shape, and the
+    table's kernels are row-invariant (`row_invariant` must be true; one split per shape), so a row's bits depend on
+    that row and the weight only, not on which rows or how many share its call; the padding rows are dropped."""
+    rows = x.shape[0]
+    if rows == planned:
+        return _run_cublaslt(matmul, x, weight, device)
+    out = x.new_empty(rows, weight.shape[0])
+    for start in range(0, rows, planned):
+        part = x[start : start + planned]
+        if part.shape[0] < planned:
+            part = torch.cat([part, part.new_zeros(planned - part.shape[0], part.shape[1])])
+        out[start : start + planned] = _run_cublaslt(matmul, part.contiguous(), weight, device)[: rows - start]
+    return out  # each slice copied out before the next run, in stream order: safe if nvmath reuses its result
 
 
 def splitk_partials(x: Tensor, weight: Tensor, split: int) -> Tensor:

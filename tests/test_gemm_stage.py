@@ -257,3 +257,37 @@ def test_committed_tables_were_tuned_on_todays_gemm_code():
         diff = subprocess.run(["git", "diff", "--stat", commit, "--", *GEMM_CODE], cwd=repo, capture_output=True,
                               text=True, check=True)  # fmt: skip
         assert diff.stdout == "", f"{path.name} was tuned at {commit[:7]}; the GEMM code changed since:\n{diff.stdout}"
+
+
+class FakeMatmul:
+    """Stands in for a planned nvmath Matmul: it keeps the planned rows M, as the real one does
+    (`reset_operands_unchecked` repoints, it does not reshape), and returns F.linear of the first M rows only."""
+
+    planned: list[tuple[int, int]] = []
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor):
+        self.rows, self.a, self.b = x.shape[0], x, weight.t()
+        FakeMatmul.planned.append(tuple(x.shape))
+
+    def reset_operands_unchecked(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        assert a.shape[0] >= self.rows, "the real Matmul would read past the operand"
+        self.a, self.b = a, b
+
+    def execute(self, stream=None) -> torch.Tensor:
+        return F.linear(self.a[: self.rows], self.b.t())
+
+
+@pytest.mark.parametrize("rows", [2167, ROWS_GRID[-1], 700, 50])
+def test_cublaslt_choice_returns_every_row_at_any_row_count(tmp_path, monkeypatch, rows):
+    """A cuBLASLt plan has its bucket's rows; a call above the largest bucket (2,167 rows failed on the H200 with
+    1,280 rows back) or off the grid (eager) must still return its own rows, each the plan's bits (F.linear here)."""
+    monkeypatch.setattr(gemm, "plan_cublaslt", lambda x, weight, wanted: FakeMatmul(x, weight))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    FakeMatmul.planned = []
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(48, 64, generator=gen).bfloat16()
+    table = load(tmp_path, {"gate_up": {"family": "cublaslt", "algorithm": ALGORITHM}})
+    dispatch = gemm.GemmDispatch(table, torch.device("cuda"), {"gate_up": [w]}, "test")
+    assert sorted(r for r, _ in FakeMatmul.planned) == list(ROWS_GRID)  # one plan per bucket, at build time
+    got = dispatch.linear(x, Weight(w), "gate_up")
+    assert got.shape == (rows, 48) and torch.equal(got, F.linear(x, w))
