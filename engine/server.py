@@ -11,8 +11,8 @@ app, the one object a replica manager (Ray Serve's `@serve.ingress`) wraps; `Dec
 runs uvicorn, on a background thread after `start()` or on the calling thread in `serve_forever()`.
 
 Routes: `POST /v1/systemone` (aliases `/v1/inference`, `/api/jev`) answers a decision request; `GET /health` and
-`GET /v1/models` describe the loaded model; `GET /metrics` is Prometheus text (below); `GET /examples.json` lists the
-JSON files under the repository's `examples/` that validate as requests (the repository has no such folder: `[]`);
+`GET /v1/models` describe the loaded model; `GET /metrics` is Prometheus text (`metrics`); `GET /examples.json` lists
+the JSON files under the repository's `examples/` that validate as requests (the repository has no such folder: `[]`);
 `GET /` redirects (302) to `/examples/workbench/index.html`, the contract's workbench (not served here: 404). A HEAD
 is answered as its GET without a body. The model is built before the port binds, so a server that answers `/health`
 is ready; once bound it prints one JSON line with `url`, `model` and `method`. With `--backend graphs` (the default on

@@ -91,6 +91,28 @@ def candidate_prompts(record: Record) -> list[str]:
     return [f"{head}{OPTION_HEAD}{option}{OPTION_ENDING}" for option in record.options]
 
 
+def longest_prompt(records: list[Record]) -> tuple[int, str]:
+    """The candidate prompt of the most NFC UTF-8 bytes (the first of equals, request order) and its bytes, built alone:
+    the parts are measured as `prompt_bytes` measures them, and only the winner's text is joined."""
+    best_bytes, best = -1, (records[0], None)
+    measured: dict[str, int] = {}
+    for record in records:
+        if record.state_text not in measured:
+            measured[record.state_text] = nfc_bytes(record.state_text)
+        head = len(CONTEXT_HEAD) + measured[record.state_text] + len(QUESTION_HEAD) + nfc_bytes(record.question_text)
+        if record.kind == "noul":
+            size, option = head + len("\n") + len(NOUL_ENDING), None
+        else:
+            option = max(record.options, key=nfc_bytes)
+            size = head + len(OPTION_HEAD) + nfc_bytes(option) + len(OPTION_ENDING)
+        if size > best_bytes:
+            best_bytes, best = size, (record, option)
+    record, option = best
+    head = f"{CONTEXT_HEAD}{record.state_text}{QUESTION_HEAD}{record.question_text}"
+    text = f"{head}\n{NOUL_ENDING}" if option is None else f"{head}{OPTION_HEAD}{option}{OPTION_ENDING}"
+    return best_bytes, text
+
+
 def nfc_bytes(text: str) -> int:
     """UTF-8 bytes of the NFC form of `text` (the form the tokenizer encodes)."""
     return len(unicodedata.normalize("NFC", text).encode("utf-8"))

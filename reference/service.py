@@ -15,7 +15,11 @@ the records' texts (`reference.prompts.prompt_bytes`), plus the chat template's 
 (`PromptTokenizer.token_bound`), because a byte-level BPE token covers at least one byte. So a request under the token
 budget never tokenizes to more than the budget, and the amplification of one shared state by thousands of candidates is
 refused at the cost of validating the body. Every public JevBench task and Open-Jev example is far under both
-(tests/test_service.py).
+(tests/test_service.py). One exception keeps the contract's answer to an over-length candidate: when the longest
+candidate prompt alone is over the token budget (`reference.prompts.longest_prompt`: a state of megabytes), that one
+prompt is tokenized (about 0.1 s for 4 MB on the 2-core development CPU), and if it is over `max_length` the 422 is
+the contract's "Input length N exceeds max_length=M" with its length; over the budget by many candidates, the budget's
+message stands.
 
 Response (contract §3), keys in this order: `answers` (request question order), `model` (the HF base id),
 `usage` {input_tokens: real tokens summed over all candidate sequences, output_tokens: 0}, `metadata` {method,
@@ -89,7 +93,7 @@ from typing import Any
 import torch
 
 from reference.backbone import Backbone
-from reference.prompts import Record, candidate_prompts, compile_records, prompt_bytes
+from reference.prompts import Record, candidate_prompts, compile_records, longest_prompt, prompt_bytes
 from reference.readout import answers, head_scores
 from reference.request import Request, RequestError, parse_json_strict, validate_request
 from reference.tokenizer import PromptTokenizer, default_prompt_tokenizer
@@ -252,6 +256,14 @@ class DecisionModel:
         records = compile_records(request)
         tokens = self.tokenizer.token_bound(prompt_bytes(records), candidates)
         if tokens > self.token_budget:
+            longest_bytes, longest = longest_prompt(records)
+            if self.tokenizer.token_bound(longest_bytes, 1) > self.token_budget:
+                # one candidate alone is over the budget: the contract's over-length answer where it is over max_length
+                length = len(self.tokenizer.encode_prompts([longest])[0])
+                if length > self.max_length:
+                    raise RequestError(
+                        422, f"Input length {length} exceeds max_length={self.max_length}; no silent truncation"
+                    )
             raise RequestError(
                 422,
                 f"too many input tokens for the token budget: up to {tokens} estimated from {candidates} candidate "

@@ -283,3 +283,17 @@ def test_a_pipelined_get_after_a_large_post_is_answered(echo_server):
             raw += data
     answers, partial = parse_answers(raw, [], True)
     assert [answer.status for answer in answers] == [200, 200] and not partial
+
+
+def test_an_over_length_body_gets_the_contracts_message(server):
+    """Before: one candidate of a 4.1 MB state (under the 4 MiB body limit) got the token budget's message, since its
+    byte bound (4.1 M tokens) is over the budget; the contract answers an over-length candidate with its length. Now
+    that candidate is tokenized (about 0.1 s) and the answer is the contract's, in well under a second."""
+    state = ("The order arrived late and the customer asked for a refund. " * 70000)[:4_100_000]
+    body = json.dumps({"state": state, "questions": {"q": {"type": "noul", "instructions": "Late?"}}}).encode()
+    assert len(body) <= 4 * 1024 * 1024
+    start = time.perf_counter()
+    status, _, answer = post(server, body)
+    assert status == 422 and time.perf_counter() - start < 1.0
+    assert answer["error"].startswith("Input length ")
+    assert answer["error"].endswith(" exceeds max_length=16384; no silent truncation")
