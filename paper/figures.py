@@ -12,8 +12,8 @@ busy against wall ms), `time-<plan>.png` (kernel ms per family stacked, GPU idle
 `states-<plan>.png` (relative RMSE of every residual state against the reference, bit-identical states on a floor
 band, first departures starred, full-attention layers shaded); `serving-<gpu|cpu>.png`; and `summary.json`, every
 number and table the report shows, already formatted (`paper/report.typ` reads it and the PNGs, nothing else). A
-figure that has nothing to draw says why. When the results folder is the checkout's own, the ladder block of
-README.md (between `<!-- results:ladder -->` markers) is rewritten too, so it never carries a hand-typed figure.
+figure that has nothing to draw says why. When the results folder is the checkout's own, the ladder and serving
+blocks of README.md (paper/readme.py) are rewritten too, so they never carry a hand-typed figure.
 `--results` defaults to `$JEVLAB_RESULTS` or `results/`.
 """
 
@@ -340,6 +340,8 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
         "plans": [plan_summary(record, path, root) for path, record in chosen],
         "attempts": tables.attempt_table(records, load_attempts()),
         "serving": serving.serving_summary(root),
+        "jevbench": serving.jevbench_table(root),
+        "gemm_over_graphs": tables.gemm_over_graphs(root),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),
     }
@@ -366,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: {root / SUMMARY_FILE}")
     readme_path = tables.REPO / "README.md"
     if root.resolve() == (tables.REPO / "results").resolve() and readme_path.is_file():
-        readme_path.write_text(readme.replace_between_markers(readme_path.read_text(), readme.ladder(summary["plans"])))
-        print(f"ladder tables: {readme_path}")
+        text = readme.replace_between_markers(readme_path.read_text(), readme.ladder(summary["plans"],
+                                              summary["gemm_over_graphs"]))  # fmt: skip
+        text = readme.replace_between_markers(text, readme.serving(summary["jevbench"], summary["serving"]),
+                                              readme.SERVING_BLOCK)  # fmt: skip
+        readme_path.write_text(text)
+        print(f"ladder and serving blocks: {readme_path}")
     return 0
 
 

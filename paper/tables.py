@@ -512,6 +512,28 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
     return items
 
 
+def gemm_over_graphs(root: Path) -> dict[str, Any] | None:
+    """The newest GPU record under `root/runs` in which `graphs` and `gemm` are both `ok`: per workload both timed,
+    the GEMM kernel ms per forward of each (`gemm_ms`, from the profiler) and their medians, each pair with its ratio
+    gemm / graphs; None (no table) when no record has both."""
+    both = [(path, r) for path, r in all_records(root / "runs") if r["plan"]["device"] == "cuda"
+            and all((stage_by_name(r, name) or {}).get("status") == "ok" for name in ("graphs", "gemm"))]  # fmt: skip
+    if not both:
+        return None
+    path, record = both[-1]
+    graphs, gemm = stage_by_name(record, "graphs"), stage_by_name(record, "gemm")
+    ratio = lambda old, new: number(None if old is None or new is None else new / old, ".3f", "×")
+    table = [["workload", "graphs GEMM ms", "gemm GEMM ms", "GEMM gemm / graphs", "graphs median ms",
+              "gemm median ms", "median gemm / graphs"]]  # fmt: skip
+    for workload in record["workloads"]:
+        old, new = measured(graphs, workload["id"]), measured(gemm, workload["id"])
+        if old and new:
+            table.append([workload["id"], ms(old.get("gemm_ms")), ms(new.get("gemm_ms")),
+                          ratio(old.get("gemm_ms"), new.get("gemm_ms")), ms(old["median_ms"]), ms(new["median_ms"]),
+                          ratio(old["median_ms"], new["median_ms"])])  # fmt: skip
+    return {"record": relative_path(path, root), "label": plan_label(record), "table": table}
+
+
 def figure_path(root: Path, kind: str, record: dict) -> Path:
     """`<root>/figures/<kind>-<plan>[-partial].png`."""
     return root / "figures" / f"{kind}-{record['plan']['name']}{'' if record['complete'] else '-partial'}.png"
