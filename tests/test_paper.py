@@ -725,17 +725,9 @@ def test_a_record_without_the_fields_says_not_measured_and_still_gets_a_figure(r
     assert "Not measured in this record:" in states_text
 
 
-def _drawn_figure(monkeypatch, record: dict, path: Path):
-    kept = []
-    monkeypatch.setattr(figures, "_save", lambda fig, path, svg: kept.append(fig))
-    figures.states_figure(record, path, False)
-    (fig,) = kept
-    return fig
-
-
-def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure(monkeypatch, tmp_path):
+def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure():
     record = departures_record()
-    fig = _drawn_figure(monkeypatch, record, tmp_path / "states.png")
+    fig = figures.states_figure(record)
     (ax,) = fig.axes
     lines = {line.get_label(): line for line in ax.get_lines()}
     torch_line = lines["hf_torch: departs at embedding"]
@@ -760,7 +752,7 @@ def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departu
 
 
 def test_states_figure_is_written(tmp_path):
-    figures.states_figure(departures_record(), tmp_path / "states.png", False)
+    figures._save(figures.states_figure(departures_record()), tmp_path / "states.png", False)
     assert (tmp_path / "states.png").read_bytes()[:8] == PNG_MAGIC
 
 
