@@ -53,6 +53,11 @@ def _lines(label: str) -> str:
     return label.replace(" (", "\n(")
 
 
+def _label_above(ax: plt.Axes, x: float, y: float, text: str) -> None:
+    """A small centred label whose bottom sits at (x, y), above a bar."""
+    ax.text(x, y, text, ha="center", va="bottom", fontsize=8)
+
+
 def _message_figure(text: str, title: str) -> plt.Figure:
     """A figure that only says why there is nothing to draw."""
     fig, ax = plt.subplots(figsize=(9, 1.8))
@@ -70,16 +75,14 @@ def ladder_figure(record: dict) -> plt.Figure:
     for x, r in enumerate(rows):
         if r["median_ms"] is None:
             ax.bar(x, top * 0.15, color="none", edgecolor="0.6", hatch="//", linestyle="--")
-            ax.text(x, top * 0.17, _lines(STATUS_TEXT.get(r["status"], r["status"])), ha="center", va="bottom",
-                    fontsize=8)  # fmt: skip
+            _label_above(ax, x, top * 0.17, _lines(STATUS_TEXT.get(r["status"], r["status"])))
             continue
         errors = [[r["median_ms"] - r["p10_ms"]], [r["p90_ms"] - r["median_ms"]]]
         ax.bar(x, r["median_ms"], color="#4C72B0", yerr=errors, capsize=4, error_kw={"elinewidth": 1})
         ax.hlines(r["floor_ms"], x - 0.45, x + 0.45, colors="#C44E52", linestyles="--", lw=1.5, label=floor_label)
         floor_label = None  # one legend entry
         speedup = tables.number(r["speedup"], ".2f", "×")
-        ax.text(x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}", ha="center", va="bottom",
-                fontsize=8)  # fmt: skip
+        _label_above(ax, x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}")
     ax.set_xticks(range(len(rows)), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("median ms (p10–p90), forward + head")
     ax.set_ylim(0, top * 1.25)
@@ -127,7 +130,7 @@ def kernels_figure(record: dict) -> plt.Figure:
         left.bar(names, [r["kernels_per_forward"] for r in counted], color="#55A868")
         for x, r in enumerate(counted):
             kernels = r["kernels_per_forward"]
-            left.text(x, kernels, f"{kernels:,.0f}", ha="center", va="bottom", fontsize=8)
+            _label_above(left, x, kernels, f"{kernels:,.0f}")
         left.set_ylabel("kernels per forward")
         xs = range(len(counted))
         right.bar([x - 0.2 for x in xs], [r["median_ms"] for r in counted], width=0.4, label="wall (median)")
@@ -170,8 +173,7 @@ def time_figure(record: dict) -> plt.Figure:
             ax.plot([x + 0.38], [r["host_median_ms"]], "o", color="black", ms=4)
             host_label = None  # one legend entry
         core = tables.number(r["core_multiple"], ".2f", "× core")
-        ax.text(x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}",
-                ha="center", va="bottom", fontsize=8)  # fmt: skip
+        _label_above(ax, x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}")
     ax.set_xticks(list(xs), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("ms per forward (bar height = median)")
     ax.set_ylim(0, top * 1.2)
