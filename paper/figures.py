@@ -1,20 +1,15 @@
-"""Figures and the report summary from run records alone (results/runs/*.json); no GPU, no model code. The tables
-come from paper/tables.py, the README block from paper/readme.py, the serving figure from paper/serving.py.
+"""Figures and the report summary from run records alone (results/runs/*.json); no GPU, no model code.
 
     python -m paper.figures [--results DIR] [--plan NAME] [--record PATH ...] [--svg]
 
-Per plan: the newest complete record and, when a newer partial record (`complete: false`) exists, that one too,
-labelled as partial wherever it appears and drawn into `-partial` files (or the records named with `--record`).
-Per record, under `<results>/figures/`: `ladder-<plan>.png` (median ms and p10-p90 per stage on the headline, the
-speed-up over the baseline and each stage's floor; untimed stages as empty slots naming their status),
-`workloads-<plan>.png` (every stage on every workload, log scale), `kernels-<plan>.png` (kernels per forward, GPU
-busy against wall ms), `time-<plan>.png` (kernel ms per family stacked, GPU idle, host launch time),
-`states-<plan>.png` (relative RMSE of every residual state against the reference, bit-identical states on a floor
-band, first departures starred, full-attention layers shaded); `serving-<gpu|cpu>.png`; and `summary.json`, every
-number and table the report shows, already formatted (`paper/report.typ` reads it and the PNGs, nothing else). A
-figure that has nothing to draw says why. When the results folder is the checkout's own, the ladder block of
-README.md (between `<!-- results:ladder -->` markers) is rewritten too, so it never carries a hand-typed figure.
-`--results` defaults to `$JEVLAB_RESULTS` or `results/`.
+Per plan the newest complete record and a newer partial one (labelled partial, drawn into `-partial` files), or the
+records named with `--record`. Per record, under `<results>/figures/`: `ladder-<plan>.png` (median and p10-p90 per
+stage on the headline, speed-up over the baseline, floors; untimed stages as slots naming their status),
+`workloads-` (every stage on every workload, log scale), `kernels-` (kernels per forward, GPU busy against wall ms),
+`time-` (kernel ms per family stacked, GPU idle, host launch time), `states-` (relative RMSE of every residual state
+against the reference, bit-identical states on a floor band, first departures starred); a figure with nothing to draw
+says why. Then `serving-<gpu|cpu>.png` (paper/serving.py) and `summary.json`: every table and sentence of the report,
+formatted (paper/tables.py). On the checkout's own results the README blocks (paper/readme.py) are rewritten too.
 """
 
 from __future__ import annotations
@@ -58,16 +53,21 @@ def _lines(label: str) -> str:
     return label.replace(" (", "\n(")
 
 
-def _message_figure(text: str, title: str, path: Path, svg: bool) -> None:
+def _label_above(ax: plt.Axes, x: float, y: float, text: str) -> None:
+    """A small centred label whose bottom sits at (x, y), above a bar."""
+    ax.text(x, y, text, ha="center", va="bottom", fontsize=8)
+
+
+def _message_figure(text: str, title: str) -> plt.Figure:
     """A figure that only says why there is nothing to draw."""
     fig, ax = plt.subplots(figsize=(9, 1.8))
     ax.axis("off")
     ax.text(0.5, 0.5, text.replace(": ", ":\n", 1), ha="center", va="center", fontsize=9, wrap=True)
     fig.suptitle(title, fontsize=9)
-    _save(fig, path, svg)
+    return fig
 
 
-def ladder_figure(record: dict, path: Path, svg: bool) -> None:
+def ladder_figure(record: dict) -> plt.Figure:
     rows = tables.ladder_rows(record)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.6))
     top = max([r["p90_ms"] for r in rows if r["p90_ms"] is not None], default=1.0)
@@ -75,16 +75,14 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
     for x, r in enumerate(rows):
         if r["median_ms"] is None:
             ax.bar(x, top * 0.15, color="none", edgecolor="0.6", hatch="//", linestyle="--")
-            ax.text(x, top * 0.17, _lines(STATUS_TEXT.get(r["status"], r["status"])), ha="center", va="bottom",
-                    fontsize=8)  # fmt: skip
+            _label_above(ax, x, top * 0.17, _lines(STATUS_TEXT.get(r["status"], r["status"])))
             continue
         errors = [[r["median_ms"] - r["p10_ms"]], [r["p90_ms"] - r["median_ms"]]]
         ax.bar(x, r["median_ms"], color="#4C72B0", yerr=errors, capsize=4, error_kw={"elinewidth": 1})
         ax.hlines(r["floor_ms"], x - 0.45, x + 0.45, colors="#C44E52", linestyles="--", lw=1.5, label=floor_label)
         floor_label = None  # one legend entry
         speedup = tables.number(r["speedup"], ".2f", "×")
-        ax.text(x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}", ha="center", va="bottom",
-                fontsize=8)  # fmt: skip
+        _label_above(ax, x, r["p90_ms"] + top * 0.02, f"{ms(r['median_ms'])} ms\n{speedup}")
     ax.set_xticks(range(len(rows)), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("median ms (p10–p90), forward + head")
     ax.set_ylim(0, top * 1.25)
@@ -93,10 +91,10 @@ def ladder_figure(record: dict, path: Path, svg: bool) -> None:
                  fontsize=9)  # fmt: skip
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper right")
-    _save(fig, path, svg)
+    return fig
 
 
-def workloads_figure(record: dict, path: Path, svg: bool) -> None:
+def workloads_figure(record: dict) -> plt.Figure:
     timed = [s for s in record["stages"] if has_timings(s)]
     ids = [w["id"] for w in record["workloads"]]
     fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(ids) + 3), 4.8))
@@ -116,10 +114,10 @@ def workloads_figure(record: dict, path: Path, svg: bool) -> None:
     if timed:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    _save(fig, path, svg)
+    return fig
 
 
-def kernels_figure(record: dict, path: Path, svg: bool) -> None:
+def kernels_figure(record: dict) -> plt.Figure:
     rows = [r for r in tables.ladder_rows(record) if r["median_ms"] is not None]
     counted = [r for r in rows if r["kernels_per_forward"] is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2 if counted else 1.6))
@@ -132,7 +130,7 @@ def kernels_figure(record: dict, path: Path, svg: bool) -> None:
         left.bar(names, [r["kernels_per_forward"] for r in counted], color="#55A868")
         for x, r in enumerate(counted):
             kernels = r["kernels_per_forward"]
-            left.text(x, kernels, f"{kernels:,.0f}", ha="center", va="bottom", fontsize=8)
+            _label_above(left, x, kernels, f"{kernels:,.0f}")
         left.set_ylabel("kernels per forward")
         xs = range(len(counted))
         right.bar([x - 0.2 for x in xs], [r["median_ms"] for r in counted], width=0.4, label="wall (median)")
@@ -142,20 +140,19 @@ def kernels_figure(record: dict, path: Path, svg: bool) -> None:
         right.legend(fontsize=8)
     fig.suptitle(_title(record, f"Kernels per forward and GPU-busy time: {record['plan']['headline']}"), fontsize=9)
     fig.tight_layout()
-    _save(fig, path, svg)
+    return fig
 
 
 FAMILY_COLOURS = {"gemm": "#4C72B0", "gdn_core": "#55A868", "attention_core": "#8172B2", "ours": "#DD8452",
                   "other": "#937860"}  # fmt: skip
 
 
-def time_figure(record: dict, path: Path, svg: bool) -> None:
+def time_figure(record: dict) -> plt.Figure:
     """Stacked kernel ms per family + GPU idle up to the median, per stage on the headline; host launch time marked."""
     rows = tables.time_rows(record)
     headline = record["plan"]["headline"]
     if not rows:
-        _message_figure(tables.NO_FAMILIES, _title(record, f"Where the time goes: {headline}"), path, svg)
-        return
+        return _message_figure(tables.NO_FAMILIES, _title(record, f"Where the time goes: {headline}"))
     families = list(dict.fromkeys(f for r in rows for f in r["families"]))
     fig, ax = plt.subplots(figsize=(max(6.5, 1.5 * len(rows) + 3.5), 4.8))
     xs = range(len(rows))
@@ -176,8 +173,7 @@ def time_figure(record: dict, path: Path, svg: bool) -> None:
             ax.plot([x + 0.38], [r["host_median_ms"]], "o", color="black", ms=4)
             host_label = None  # one legend entry
         core = tables.number(r["core_multiple"], ".2f", "× core")
-        ax.text(x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}",
-                ha="center", va="bottom", fontsize=8)  # fmt: skip
+        _label_above(ax, x, max(r["median_ms"], r["kernel_ms"]) + top * 0.02, f"{ms(r['median_ms'])} ms\n{core}")
     ax.set_xticks(list(xs), [_lines(r["heading"]) for r in rows])
     ax.set_ylabel("ms per forward (bar height = median)")
     ax.set_ylim(0, top * 1.2)
@@ -185,7 +181,7 @@ def time_figure(record: dict, path: Path, svg: bool) -> None:
                  fontsize=9)  # fmt: skip
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    _save(fig, path, svg)
+    return fig
 
 
 STAGE_MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -202,7 +198,7 @@ def state_ticks(count: int) -> tuple[list[int], list[str]]:
     return positions, labels
 
 
-def states_figure(record: dict, path: Path, svg: bool) -> None:
+def states_figure(record: dict) -> plt.Figure:
     """Relative RMSE against the reference per residual state and stage (log scale); zeros (bit-identical states)
     sit on a labelled floor band below the smallest non-zero value; each stage's first departing state starred."""
     departures = tables.departure_rows(record)
@@ -210,8 +206,7 @@ def states_figure(record: dict, path: Path, svg: bool) -> None:
     headline, reference = record["plan"]["headline"], record["plan"]["reference"]
     title = _title(record, f"Where each path departs from {reference}: every residual state, {headline}")
     if not rows:
-        _message_figure(tables.NO_STATES, title, path, svg)
-        return
+        return _message_figure(tables.NO_STATES, title)
     count = len(rows[0]["states"])
     positive = [v for r in rows for v in r["states"] if v > 0]
     floor = min(positive) / 30 if positive else 1e-6  # where zeros are drawn: a decade and a half below the data
@@ -258,7 +253,7 @@ def states_figure(record: dict, path: Path, svg: bool) -> None:
     if missing:
         ax.text(1.01, 0.0, f"not measured: {', '.join(missing)}", transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()
-    _save(fig, path, svg)
+    return fig
 
 
 def _save(fig: plt.Figure, path: Path, svg: bool) -> None:
@@ -273,47 +268,34 @@ FIGURES = {"ladder": ladder_figure, "workloads": workloads_figure, "kernels": ke
            "states": states_figure}  # fmt: skip
 
 
+# Summary keys filled by a function of the record alone, in the order summary.json lists them after the plan's fields.
+RECORD_PARTS = {"method": tables.method_table, "environment": tables.env_table, "ladder": tables.ladder_table}
+LATER_PARTS = {"workloads": tables.workload_table, "correctness": tables.correctness_table,
+               "bit_identity": tables.bit_identity_summary, "departures": tables.departures_summary,
+               "time": tables.time_summary}  # fmt: skip
+
+
 def plan_summary(record: dict, record_path: Path, root: Path) -> dict[str, Any]:
     """Every table and sentence the report (and the README block) shows for one record; its figures' paths."""
-    figures = {kind: tables.figure_path(root, kind, record) for kind in FIGURES}
-    later = tables.followups(record, root)
+    plan, later = record["plan"], tables.followups(record, root)
     target_rows = targets.evaluate(record, later)
     return {
-        "name": record["plan"]["name"],
-        "label": tables.record_label(record),
-        "partial": not record["complete"],
-        "completeness": tables.completeness(record),
-        "is_cpu": record["plan"]["device"] == "cpu",
-        "record": tables.relative_path(record_path, root),
-        "utc": record["env"]["utc"],
-        "headline": record["plan"]["headline"],
-        "baseline": record["plan"]["baseline"],
-        "reference": record["plan"]["reference"],
-        "notes": record["plan"].get("notes", ""),
-        "synthetic": bool(record["weights"]["synthetic"]),
-        "statement": record["weights"].get("statement") or "",
-        "figures": {kind: "/" + tables.relative_path(path, root) for kind, path in figures.items()},
-        "overview": {
-            "speedups": tables.class_speedups(record),
-            "exactness": tables.measured_exactness(record),
-            "missing": tables.still_missing(record, target_rows),
-        },
-        "method": tables.method_table(record),
-        "environment": tables.env_table(record),
-        "ladder": tables.ladder_table(record),
+        "name": plan["name"], "label": tables.record_label(record), "partial": not record["complete"],
+        "completeness": tables.completeness(record), "is_cpu": plan["device"] == "cpu",
+        "record": tables.relative_path(record_path, root), "utc": record["env"]["utc"],
+        **{key: plan[key] for key in ("headline", "baseline", "reference")}, "notes": plan.get("notes", ""),
+        "synthetic": bool(record["weights"]["synthetic"]), "statement": record["weights"].get("statement") or "",
+        "figures": {kind: "/" + tables.relative_path(tables.figure_path(root, kind, record), root) for kind in FIGURES},
+        "overview": {"speedups": tables.class_speedups(record), "exactness": tables.measured_exactness(record),
+                     "missing": tables.still_missing(record, target_rows)},
+        **{key: tabulate(record) for key, tabulate in RECORD_PARTS.items()},
         "later_ladders": tables.later_stage_ladders(record, later, root),
-        "workloads": tables.workload_table(record),
-        "correctness": tables.correctness_table(record),
-        "bit_identity": tables.bit_identity_summary(record),
-        "departures": tables.departures_summary(record),
-        "time": tables.time_summary(record),
-        "targets": {
-            "table": tables.targets_table(target_rows),
-            "outcomes": {r["id"]: r["outcome"] for r in target_rows},
-        },
+        **{key: tabulate(record) for key, tabulate in LATER_PARTS.items()},
+        "targets": {"table": tables.targets_table(target_rows),
+                    "outcomes": {row["id"]: row["outcome"] for row in target_rows}},
         "probes": tables.probe_tables(record, later),
         "stages": tables.stage_table(record),
-    }
+    }  # fmt: skip
 
 
 def select_records(root: Path, plan: str | None, record_paths: list[str]) -> list[tuple[Path, dict]]:
@@ -333,13 +315,15 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]], svg: bool = False
     """Every figure and `<root>/figures/summary.json` for the chosen records; returns the summary."""
     for _, record in chosen:
         for kind, draw in FIGURES.items():
-            draw(record, tables.figure_path(root, kind, record), svg)
+            _save(draw(record), tables.figure_path(root, kind, record), svg)
     records = [record for _, record in chosen]
     summary = {
         "schema": SUMMARY_SCHEMA,
         "plans": [plan_summary(record, path, root) for path, record in chosen],
         "attempts": tables.attempt_table(records, load_attempts()),
         "serving": serving.serving_summary(root),
+        "jevbench": serving.jevbench_table(root),
+        "gemm_over_graphs": tables.gemm_over_graphs(root),
         "newest_utc": max((r["env"]["utc"] for r in records), default=None),
         "synthetic": any(r["weights"]["synthetic"] for r in records),
     }
@@ -366,8 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: {root / SUMMARY_FILE}")
     readme_path = tables.REPO / "README.md"
     if root.resolve() == (tables.REPO / "results").resolve() and readme_path.is_file():
-        readme_path.write_text(readme.replace_between_markers(readme_path.read_text(), readme.ladder(summary["plans"])))
-        print(f"ladder tables: {readme_path}")
+        text = readme.replace_between_markers(readme_path.read_text(), readme.ladder(summary["plans"],
+                                              summary["gemm_over_graphs"]))  # fmt: skip
+        text = readme.replace_between_markers(text, readme.serving(summary["jevbench"], summary["serving"]),
+                                              readme.SERVING_BLOCK)  # fmt: skip
+        readme_path.write_text(text)
+        print(f"ladder and serving blocks: {readme_path}")
     return 0
 
 

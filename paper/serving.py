@@ -1,6 +1,7 @@
 """The report's serving section from concurrency runs alone (results/serving/*/summary.json, written by
 `python -m ablations.concurrency`): per device the newest run, its table and its figure (requests/s and client
-latency against clients). No torch, no GPU, no model code."""
+latency against clients); and the JevBench runs' table (results/jevbench/*/summary.json, `python -m
+ablations.jevbench`). No torch, no GPU, no model code."""
 
 from __future__ import annotations
 
@@ -83,6 +84,36 @@ def serving_figure(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+JEVBENCH_HEADER = ["backend", "device", "run", "answered", "pass-2 client P50 / P95 / max ms", "argmax agreement",
+                   "max |dp|", "reference"]  # fmt: skip
+
+
+def jevbench_table(root: Path) -> list[list[str]]:
+    """The newest JevBench run per backend and device under `<root>/jevbench/` (run folders are named by their UTC
+    start, so the last in name order is the newest): answered of tasks in pass 2, pass 2's client latency, and argmax
+    agreement and max |dp| against the run's reference where it has one (dashes for a run without pass 2). A header
+    only when there is no run."""
+    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    for path in sorted((root / "jevbench").glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        newest[summary["run"]["label"], tables.machine(summary["environment"])] = (path, summary)
+    table = [JEVBENCH_HEADER]
+    for (backend, device), (path, summary) in newest.items():
+        second = summary["passes"].get("2")
+        if second is None:  # a run of one pass, or stopped before its second
+            table.append([backend, device, tables.relative_path(path.parent, root), "no pass 2", *[tables.DASH] * 4])
+            continue
+        latency, agreement, reference = second["latency"], second.get("agreement"), summary["run"]["reference"]
+        client = " / ".join(tables.number(latency[key], ".1f") for key in ("p50_ms", "p95_ms", "max_ms"))
+        agrees, dp = tables.DASH, None
+        if agreement is not None:
+            agrees, dp = f"{agreement['argmax_agreement']} of {agreement['compared']}", agreement["max_abs_dp"]
+        table.append([backend, device, tables.relative_path(path.parent, root),
+                      f"{second['answered']} of {second['tasks']}", client, agrees, tables.sci(dp),
+                      Path(reference).name if reference else tables.DASH])  # fmt: skip
+    return table
+
+
 def serving_summary(root: Path) -> list[dict[str, Any]]:
     """Per device (GPU first) the newest concurrency run: label, record, table, targets sentence, figure (drawn)."""
     out = []
@@ -93,5 +124,6 @@ def serving_summary(root: Path) -> list[dict[str, Any]]:
         out.append({"label": f"{summary['run']['label']} on {tables.machine(summary['environment'])}{cpu}",
                     "record": tables.relative_path(path.parent, root), "utc": summary["environment"]["utc"],
                     "table": clients_table(summary), "targets": targets_text(summary),
-                    "figure": "/" + tables.relative_path(figure, root), "note": summary.get("note", "")})  # fmt: skip
+                    "figure": "/" + tables.relative_path(figure, root), "note": summary.get("note", ""),
+                    "device": device_of(summary)})  # fmt: skip
     return out

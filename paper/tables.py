@@ -120,6 +120,11 @@ def correctness_table(record: dict) -> Table:
 NOT_MEASURED = "Not measured in this record"
 
 
+def part(text: str, table: Table | None = None) -> dict[str, Any]:
+    """A report part: its sentence and table, `measured` false (the sentence says why) when there is no table."""
+    return {"measured": table is not None, "text": text, "table": table or []}
+
+
 def share_text(identical: int, elements: int) -> str:
     """Percent bit-identical, never rounded up to 100 % unless every element is identical."""
     return "100 %" if identical == elements else f"{int(1_000_000 * identical / max(1, elements)) / 10_000:.4f} %"
@@ -131,9 +136,9 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
     result = record.get("bit_identity")
     if result is None:
         text = f"{NOT_MEASURED} (it predates the bit-identity step, or its plan has no fused stage)."
-        return {"measured": False, "text": text, "table": []}
+        return part(text)
     if result["error"]:
-        return {"measured": False, "text": f"{NOT_MEASURED}: the step failed ({result['error']}).", "table": []}
+        return part(f"{NOT_MEASURED}: the step failed ({result['error']}).")
     kinds = {"linear_attention": "GDN", "full_attention": "attention"}
     layers = ", ".join(f"{one['index']} ({kinds.get(one['type'], one['type'])})" for one in result["layers"])
     rows = result["rows"]
@@ -156,7 +161,7 @@ def bit_identity_summary(record: dict) -> dict[str, Any]:
                       share_text(r["bit_identical"], r["elements"]), str(r["max_ulp"]), diff,
                       number(r.get("unexplained"), ","), r["expected"],
                       "yes" if r["as_expected"] else "NO"])  # fmt: skip
-    return {"measured": True, "text": text, "table": table}
+    return part(text, table)
 
 
 NO_STATES = (
@@ -208,7 +213,7 @@ def departures_summary(record: dict) -> dict[str, Any]:
     headline, reference = record["plan"]["headline"], record["plan"]["reference"]
     statement = record["weights"].get("statement") or "Synthetic weights."
     if not any(r["states"] is not None for r in rows):
-        return {"measured": False, "text": f"{NO_STATES} {statement}", "table": []}
+        return part(f"{NO_STATES} {statement}")
     last = len(next(r["states"] for r in rows if r["states"] is not None)) - 2
     workload = next(w for w in record["workloads"] if w["id"] == headline)
     types = layer_types_of(record)
@@ -234,7 +239,7 @@ def departures_summary(record: dict) -> dict[str, Any]:
     missing = [r["stage"] for r in rows if r["timed"] and r["states"] is None]
     if missing:
         text += f" No per-state comparison for: {', '.join(missing)}."
-    return {"measured": True, "text": text, "table": table}
+    return part(text, table)
 
 
 # Kernel families in drawing order (the runner's ablations.timing.FAMILIES; a test checks the two agree).
@@ -269,7 +274,7 @@ def time_summary(record: dict) -> dict[str, Any]:
     """The table beside the time figure; `measured` false (with the reason) when the record has no families."""
     rows = time_rows(record)
     if not rows:
-        return {"measured": False, "text": NO_FAMILIES, "table": []}
+        return part(NO_FAMILIES)
     families = list(dict.fromkeys(f for r in rows for f in r["families"]))
     table = [["stage", "median ms", *(f"{FAMILY_TEXT.get(f, f)} ms (calls)" for f in families), "GPU idle ms",
               "host launch ms", "host / median", "× core", "× GEMM"]]  # fmt: skip
@@ -289,7 +294,7 @@ def time_summary(record: dict) -> dict[str, Any]:
     )
     if missing:
         text += f" No per-family times for: {', '.join(missing)}."
-    return {"measured": True, "text": text, "table": table}
+    return part(text, table)
 
 
 def targets_table(rows: list[dict[str, Any]]) -> Table:
@@ -510,6 +515,28 @@ def still_missing(record: dict, target_rows: list[dict[str, Any]]) -> list[str]:
     if record["plan"]["device"] == "cuda" and "probes" not in record:
         items.append("probes (engine checks, GEMM rows, hand-off, tiles): not measured by the runner yet")
     return items
+
+
+def gemm_over_graphs(root: Path) -> dict[str, Any] | None:
+    """The newest GPU record under `root/runs` in which `graphs` and `gemm` are both `ok`: per workload both timed,
+    the GEMM kernel ms per forward of each (`gemm_ms`, from the profiler) and their medians, each pair with its ratio
+    gemm / graphs; None (no table) when no record has both."""
+    both = [(path, r) for path, r in all_records(root / "runs") if r["plan"]["device"] == "cuda"
+            and all((stage_by_name(r, name) or {}).get("status") == "ok" for name in ("graphs", "gemm"))]  # fmt: skip
+    if not both:
+        return None
+    path, record = both[-1]
+    graphs, gemm = stage_by_name(record, "graphs"), stage_by_name(record, "gemm")
+    ratio = lambda old, new: number(None if old is None or new is None else new / old, ".3f", "×")
+    table = [["workload", "graphs GEMM ms", "gemm GEMM ms", "GEMM gemm / graphs", "graphs median ms",
+              "gemm median ms", "median gemm / graphs"]]  # fmt: skip
+    for workload in record["workloads"]:
+        old, new = measured(graphs, workload["id"]), measured(gemm, workload["id"])
+        if old and new:
+            table.append([workload["id"], ms(old.get("gemm_ms")), ms(new.get("gemm_ms")),
+                          ratio(old.get("gemm_ms"), new.get("gemm_ms")), ms(old["median_ms"]), ms(new["median_ms"]),
+                          ratio(old["median_ms"], new["median_ms"])])  # fmt: skip
+    return {"record": relative_path(path, root), "label": plan_label(record), "table": table}
 
 
 def figure_path(root: Path, kind: str, record: dict) -> Path:

@@ -16,7 +16,7 @@ import typst
 
 from ablations import records, targets
 from engine.stages import STAGE_LIST, get_stage
-from paper import build, figures, readme, tables
+from paper import build, figures, readme, serving, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
@@ -725,17 +725,9 @@ def test_a_record_without_the_fields_says_not_measured_and_still_gets_a_figure(r
     assert "Not measured in this record:" in states_text
 
 
-def _drawn_figure(monkeypatch, record: dict, path: Path):
-    kept = []
-    monkeypatch.setattr(figures, "_save", lambda fig, path, svg: kept.append(fig))
-    figures.states_figure(record, path, False)
-    (fig,) = kept
-    return fig
-
-
-def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure(monkeypatch, tmp_path):
+def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure():
     record = departures_record()
-    fig = _drawn_figure(monkeypatch, record, tmp_path / "states.png")
+    fig = figures.states_figure(record)
     (ax,) = fig.axes
     lines = {line.get_label(): line for line in ax.get_lines()}
     torch_line = lines["hf_torch: departs at embedding"]
@@ -760,7 +752,7 @@ def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departu
 
 
 def test_states_figure_is_written(tmp_path):
-    figures.states_figure(departures_record(), tmp_path / "states.png", False)
+    figures._save(figures.states_figure(departures_record()), tmp_path / "states.png", False)
     assert (tmp_path / "states.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -849,3 +841,92 @@ def test_attempts_recorded_after_the_newest_run_reach_the_report_table(results, 
     figures.main(["--results", str(results)])
     attempts = json.loads((results / "figures" / "summary.json").read_text())["attempts"]
     assert ["grid-slot-factor-4", "graphs", "slot factor 4", "rejected"] in [row[:4] for row in attempts]
+
+
+# --------------------------------------------------------------------------------- gemm against graphs, and serving
+def gemm_record(utc: str, *, gemm_ok: bool = True) -> dict:
+    """A GPU record that timed `graphs` and (unless `gemm_ok` is false: gate red) `gemm` on both workloads, each
+    workload with a GEMM kernel time (`gemm_ms`) of 0.4 of its median for graphs and 0.36 for gemm."""
+    medians = {"hf_fla": 100.0, "graphs": 40.0, "gemm": 38.0 if gemm_ok else None}
+    record = fake_record("gpu-27b", utc, gpu=True, medians=medians)
+    for stage in record["stages"]:
+        for w in stage["workloads"]:
+            w["gemm_ms"] = w["median_ms"] * {"hf_fla": 0.5, "graphs": 0.4, "gemm": 0.36}[stage["name"]]
+    return record
+
+
+def test_gemm_over_graphs_comes_from_the_newest_gpu_record_with_both_stages(results):
+    _write(results / "runs", "gemm-old.json", gemm_record("2026-11-30T12:00:00Z"))
+    newer = gemm_record("2026-11-30T13:00:00Z")
+    newer["stages"][2]["workloads"][1]["gemm_ms"] = None  # gemm's customer_service without a profiled GEMM time
+    _write(results / "runs", "gemm-new.json", newer)
+    _write(results / "runs", "gemm-red.json", gemm_record("2026-11-30T14:00:00Z", gemm_ok=False))
+    figures.main(["--results", str(results)])
+    summary = json.loads((results / "figures" / "summary.json").read_text())
+    gemm = summary["gemm_over_graphs"]
+    assert gemm["record"] == "runs/gemm-new.json"
+    # drone's medians are 40 and 38 ms (timed() takes the median of its samples), GEMM ms 0.4 x 40 and 0.36 x 38
+    assert gemm["table"][1] == ["drone", "16.00", "13.68", "0.855×", "40.00", "38.00", "0.950×"]
+    assert gemm["table"][2][:4] == ["customer_service", "48.00", "–", "–"] and gemm["table"][2][-1] == "0.950×"
+    block = readme.ladder(summary["plans"], gemm)
+    assert "(record `runs/gemm-new.json`, synthetic weights)" in block and "| drone | 16.00 | 13.68 | 0.855× |" in block
+    build.build(results)
+    (table,) = _query(results, "<gemm-over-graphs>")
+    assert "0.855×" in json.dumps(table, ensure_ascii=False)
+
+
+def test_without_a_record_of_both_stages_there_is_no_gemm_table(results):
+    _write(results / "runs", "gemm-red.json", gemm_record("2026-11-30T14:00:00Z", gemm_ok=False))
+    figures.main(["--results", str(results)])
+    summary = json.loads((results / "figures" / "summary.json").read_text())
+    assert summary["gemm_over_graphs"] is None
+    assert "GEMM kernel time per forward" not in readme.ladder(summary["plans"], summary["gemm_over_graphs"])
+    build.build(results)
+    assert _query(results, "<gemm-over-graphs>") == []
+
+
+def jevbench_summary(label: str, gpu: bool, p50: float, agreement: dict | None = None) -> dict:
+    """A `python -m ablations.jevbench` summary.json with the fields the serving block reads."""
+    latency = {"n": 10, "mean_ms": p50, "p50_ms": p50, "p95_ms": 1.5 * p50, "max_ms": 2 * p50}
+    second = {"tasks": 10, "answered": 9, "latency": latency} | ({"agreement": agreement} if agreement else {})
+    return {"run": {"label": label, "reference": "results/jevbench/ref/" if agreement else None},
+            "passes": {"1": second, "2": second}, "environment": {"gpu": "NVIDIA H200" if gpu else None,
+                                                                    "cpu": "Test CPU"}}  # fmt: skip
+
+
+def test_the_serving_block_has_the_newest_jevbench_run_per_backend_and_device(tmp_path):
+    agreement = {"compared": 9, "argmax_agreement": 8, "max_abs_dp": 0.0042}
+    runs = {"20261130T1000Z-old-graphs": jevbench_summary("graphs", True, 50.0),
+            "20261130T1100Z-new-graphs": jevbench_summary("graphs", True, 25.0, agreement),
+            "20261130T0900Z-cpu-graphs": jevbench_summary("graphs", False, 900.0),
+            "20261130T0800Z-one-pass": jevbench_summary("tree", True, 30.0)}  # fmt: skip
+    del runs["20261130T0800Z-one-pass"]["passes"]["2"]
+    for name, summary in runs.items():
+        (tmp_path / "jevbench" / name).mkdir(parents=True)
+        (tmp_path / "jevbench" / name / "summary.json").write_text(json.dumps(summary))
+    table = serving.jevbench_table(tmp_path)
+    assert table[1:] == [
+        ["tree", "NVIDIA H200", "jevbench/20261130T0800Z-one-pass", "no pass 2", "–", "–", "–", "–"],
+        ["graphs", "CPU only (Test CPU)", "jevbench/20261130T0900Z-cpu-graphs", "9 of 10", "900.0 / 1350.0 / 1800.0",
+         "–", "–", "–"],
+        ["graphs", "NVIDIA H200", "jevbench/20261130T1100Z-new-graphs", "9 of 10", "25.0 / 37.5 / 50.0", "8 of 9",
+         "4.20e-03", "ref"],
+    ]  # fmt: skip
+    sweep = {"device": "gpu", "label": "graphs on NVIDIA H200", "record": "serving/run", "targets": "At 8 clients: x.",
+             "table": [["clients"], ["1"]]}  # fmt: skip
+    block = readme.serving(table, [sweep, sweep | {"device": "cpu", "record": "serving/cpu-run"}])
+    assert "synthetic weights: latency and agreement, not accuracy" in block
+    assert "| graphs | NVIDIA H200 | jevbench/20261130T1100Z-new-graphs |" in block and "old-graphs" not in block
+    assert "Client sweep, graphs on NVIDIA H200 (run `serving/run`" in block and "serving/cpu-run" not in block
+    assert serving.jevbench_table(tmp_path / "empty") == [serving.JEVBENCH_HEADER]
+    assert "No JevBench run yet." in readme.serving([serving.JEVBENCH_HEADER], [])
+
+
+def test_the_readme_carries_the_generated_serving_block_of_the_committed_runs():
+    """README.md's serving block is exactly what paper.figures writes from results/jevbench and results/serving."""
+    from paper.tables import REPO
+
+    root, text = REPO / "results", (REPO / "README.md").read_text()
+    block = readme.serving(serving.jevbench_table(root), serving.serving_summary(root))
+    assert readme.replace_between_markers(text, block, readme.SERVING_BLOCK) == text
+    assert "| graphs | NVIDIA H200 |" in block
