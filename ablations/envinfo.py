@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ablations.records import README_BLOCK
+from ablations.records import GENERATED_BLOCKS, README_BLOCK
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = "results/"  # every tracked file under it is written by runs
@@ -48,12 +48,18 @@ def _version(package: str) -> str | None:
 
 
 def _outside_readme_block(text: str | None) -> str | None:
-    """README text with the generated block cut out (markers kept) and the ends stripped (as `_run` strips git's
-    output); None unless each marker occurs once, in order."""
-    start, end = README_BLOCK
-    if text is None or text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+    """README text with the generated blocks (`GENERATED_BLOCKS`) cut out (markers kept) and the ends stripped (as
+    `_run` strips git's output); None unless the ladder block's markers occur once each, in order, and every other
+    block's occur so too or not at all."""
+    if text is None:
         return None
-    return (text[: text.index(start)] + text[text.index(end) :]).strip()
+    for start, end in GENERATED_BLOCKS:
+        if (start, end) != README_BLOCK and text.count(start) == text.count(end) == 0:
+            continue
+        if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+            return None
+        text = text[: text.index(start) + len(start)] + text[text.index(end) :]
+    return text.strip()
 
 
 def code_dirty(root: Path = REPO) -> bool:

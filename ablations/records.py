@@ -315,6 +315,8 @@ STATUS_TEXT = {"gate-red": "gate red", "unavailable": "unavailable", "error": "e
                "pending": "not reached (run stopped)"}  # fmt: skip
 # The README block that `paper.figures` rewrites from the records (a run's dirty flag ignores it, ablations/envinfo.py).
 README_BLOCK = ("<!-- results:ladder -->", "<!-- /results:ladder -->")
+SERVING_BLOCK = ("<!-- results:serving -->", "<!-- /results:serving -->")
+GENERATED_BLOCKS = (README_BLOCK, SERVING_BLOCK)  # the README's parts paper.figures writes
 DASH = "–"  # a number that is absent
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ablations import records
 from ablations.records import README_BLOCK
 
 README_START, README_END = README_BLOCK
-SERVING_BLOCK = ("<!-- results:serving -->", "<!-- /results:serving -->")
+SERVING_BLOCK = records.SERVING_BLOCK  # the serving block paper.figures writes
 SYNTHETIC = "synthetic weights: latency and agreement, not accuracy"
 
 

@@ -78,6 +78,21 @@ def test_the_readme_block_is_the_one_the_figures_write():
     assert envinfo.README_BLOCK == (readme.README_START, readme.README_END)
 
 
+def test_the_serving_block_is_an_output_too(tmp_path):
+    """The serving block paper.figures writes leaves the checkout clean when it changes; text beside it does not."""
+    from ablations.records import SERVING_BLOCK
+
+    _committed_checkout(tmp_path)
+    readme = tmp_path / "README.md"
+    start, end = SERVING_BLOCK
+    readme.write_text(readme.read_text() + f"\n{start}\nold serving\n{end}\ntail\n")
+    _git(tmp_path, "commit", "-qam", "serving block")
+    readme.write_text(readme.read_text().replace("old serving", "new serving\n| a | b |"))
+    assert envinfo.code_dirty(tmp_path) is False
+    readme.write_text(readme.read_text().replace("tail", "edited tail"))
+    assert envinfo.code_dirty(tmp_path) is True
+
+
 def test_a_copy_inside_another_repository_records_no_commit_of_it(tmp_path, monkeypatch):
     """An exported copy placed inside another git checkout: that checkout's commit is not this code's."""
     outer = tmp_path / "other"
