@@ -5,7 +5,7 @@ The plans a request needs are the batches its backbone's `prepare` makes of it:
 * `reference.model.HFBackbone` (`hf_torch`, `hf_fla`): consecutive candidates in batches of `batch_size`, each padded to
   its longest, B candidates of L tokens: N = B * L rows;
 * `engine.backbone.EngineBackbone`, tree layout (`tree`, `graphs`, `gemm`): the request's prefix tree when it holds at
-  most `max_batch_rows` rows or has one question, else `engine.plan.split_questions`' batches of whole questions; per
+  most `max_batch_rows` rows or has one question, else `engine.planner.split_questions`' batches of whole questions; per
   batch N = its tree rows and G = its GDN chunks when every candidate path runs the core (`TreeLayout.rows`,
   `TreeLayout.chunks`: the replicated mode, the dearer of the two);
 * `EngineBackbone`, flat layout (`merged`, `fused`): consecutive candidates while the batch holds at most
@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.plan import split_questions, tree_layout
+from engine.plan import tree_layout
+from engine.planner import split_questions
 from reference.ops import GDN_CHUNK_SIZE
 from reference.request import RequestError
 from reference.shapes import ModelShapes
