@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ablations.timing import streaming_tbps
+from ablations import timing
 from engine.gemm_table import GEMM_SHAPES, SCHEMA_VERSION, SPLITK_SHAPES, load_gemm_table
 from engine.graphs import ROWS_GRID
 
@@ -156,7 +156,7 @@ def tuned_ceilings(ceilings: dict, measurements: Iterable[Measurement], rows_gri
             fastest[m.shape] = min(fastest.get(m.shape, math.inf), m.time_us)
     rates = {s: 2 * GEMM_SHAPES[s][0] * GEMM_SHAPES[s][1] * top / (t * 1e-6) / 1e12 for s, t in fastest.items()}
     return ceilings | {
-        "stream_tbps": streaming_tbps(ceilings),
+        "stream_tbps": timing.streaming_tbps(ceilings),
         "bf16_tflops": max([ceilings["bf16_tflops"], *rates.values()]),
         "bf16_candidate_tflops": rates,
         "candidate_rows": top,
@@ -164,15 +164,11 @@ def tuned_ceilings(ceilings: dict, measurements: Iterable[Measurement], rows_gri
 
 
 def floors_us(ceilings: dict, shapes: Iterable[str], rows_grid: tuple[int, ...]) -> dict[tuple[str, int], float]:
-    """Floor (us) per (shape, rows): max(bf16 weight bytes / streaming rate, 2 n k rows / bf16 rate)."""
-    out = {}
-    for shape in shapes:
-        n, k = GEMM_SHAPES[shape]
-        for rows in rows_grid:
-            stream = 2 * n * k / (ceilings["stream_tbps"] * 1e12)
-            compute = 2 * n * k * rows / (ceilings["bf16_tflops"] * 1e12)
-            out[(shape, rows)] = 1e6 * max(stream, compute)
-    return out
+    """Floor (us) per (shape, rows): the runner's `timing.floors` of one bf16 GEMM (n k weights, 2 n k bytes)."""
+    return {
+        (shape, rows): 1e3 * timing.floors(2 * n * k, n * k, rows, ceilings)["floor_ms"]
+        for shape in shapes for n, k in [GEMM_SHAPES[shape]] for rows in rows_grid
+    }  # fmt: skip
 
 
 def below_floor(measurements: Iterable[Measurement], floors: dict[tuple[str, int], float]) -> list[dict]:
@@ -476,7 +472,7 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
            "stem": first["stem"]}  # fmt: skip
     skipped = [s for r in records for s in r["skipped"]]
     ceilings = first["ceilings"] | {  # the best of every merged process: each measured its own
-        "stream_tbps": max(streaming_tbps(r["ceilings"]) for r in records),
+        "stream_tbps": max(timing.streaming_tbps(r["ceilings"]) for r in records),
         "bf16_tflops": max(r["ceilings"]["bf16_tflops"] for r in records),
     }
     return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped)
@@ -503,7 +499,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from ablations import timing
     from engine import gemm
     from engine.stages import config_of
 

@@ -207,6 +207,16 @@ def l2norm_fla(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | N
     return (x_f * rstd).to(output_dtype or x.dtype)
 
 
+def _check_gdn_shapes(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor) -> None:  # fmt: skip
+    """Raise unless q, k are [T, Hk, K], v [T, Hv, V] with Hk dividing Hv, and g, beta [T, Hv]."""
+    seq_len, num_k_heads, _ = q.shape
+    if k.shape != q.shape or v.shape[0] != seq_len or v.shape[1] % num_k_heads:
+        raise ValueError(f"{name}: q {q.shape}, k {k.shape}, v {v.shape} do not fit [T, Hk, K] / [T, Hv, V]")
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"{name}: g {g.shape} and beta {beta.shape} must be [T, Hv] = {tuple(v.shape[:2])}")
+
+
 def gdn_core_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,11 +235,7 @@ def gdn_core_torch(
     final state fp32 [Hv, K, V] when output_final_state else None). HF picks FLA's kernel for this op whenever `fla`
     imports; this function always calls the torch function underneath the hub-kernel wrapper.
     """
-    seq_len, num_k_heads, _ = q.shape
-    if k.shape != q.shape or v.shape[0] != seq_len or v.shape[1] % num_k_heads:
-        raise ValueError(f"gdn_core_torch: q {q.shape}, k {k.shape}, v {v.shape} do not fit [T, Hk, K] / [T, Hv, V]")
-    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
-        raise ValueError(f"gdn_core_torch: g {g.shape} and beta {beta.shape} must be [T, Hv] = {tuple(v.shape[:2])}")
+    _check_gdn_shapes("gdn_core_torch", q, k, v, g, beta)
     chunk_rule = _hf_torch_function("torch_chunk_gated_delta_rule")
     o, state = chunk_rule(
         q[None],
@@ -261,12 +267,9 @@ def gdn_recurrent(
     S ← exp(g_t) S;  v'_t = β_t (v_t − Sᵀ k_t);  S ← S + k_t v'_tᵀ;  o_t = scale · Sᵀ q_t.
     Returns (o [T, Hv, V] fp32, final state [Hv, K, V] fp32); nothing is rounded.
     """
+    _check_gdn_shapes("gdn_recurrent", q, k, v, g, beta)
     seq_len, num_k_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != seq_len or num_v_heads % num_k_heads:
-        raise ValueError(f"gdn_recurrent: q {q.shape}, k {k.shape}, v {v.shape} do not fit [T, Hk, K] / [T, Hv, V]")
-    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
-        raise ValueError(f"gdn_recurrent: g {g.shape} and beta {beta.shape} must be [T, Hv] = {tuple(v.shape[:2])}")
     groups = num_v_heads // num_k_heads
     q, k = (t.float().repeat_interleave(groups, dim=1) for t in (q, k))
     v, g, beta = v.float(), g.float(), beta.float()
