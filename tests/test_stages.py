@@ -234,8 +234,10 @@ def test_switches_are_derived_from_the_deltas():
 
 def test_everything_but_sets_a_stages_delta_back_on_the_top_stage():
     top = top_stage().config
-    assert top_stage().name == "graphs"
-    assert everything_but("graphs") == config_of("tree")
+    assert top_stage().name == "gemm"
+    assert everything_but("gemm") == config_of("graphs")
+    assert everything_but("gemm").delta(top) == {"gemm": "cublas_row_invariant"}
+    assert everything_but("graphs") == config_of("tree").replace(gemm="tuned")
     assert everything_but("graphs").delta(top) == {"graphs": False}
     for name in ("tree", "fused"):  # the graphs replay bucketed tree plans over the fused kernels only
         with pytest.raises(ValueError, match="graphs=True replays bucketed tree plans"):

@@ -216,7 +216,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bitwise", against="graphs"),  # a split-K table makes it bounded: engine/stages/gemm.md
         gate="tests/test_gemm_stage.py::test_gemm_stage_matches_graphs_bitwise_without_split",
         gpu_gate="tests/test_gpu_gemm_tuned.py::test_gemm_stage_matches_graphs_bitwise",
-        status="unmeasured",
+        status="kept",  # H200 record 20261203T090047Z: bitwise vs graphs on 14 of 14 workloads (engine/stages/gemm.md)
     ),
     Stage(
         name="core",
@@ -227,7 +227,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bounded", against="graphs", metric="hidden_rel_rmse", bound=0.031),
         gate="tests/test_core_stage.py::test_core_stage_close_to_graphs",
         gpu_gate="tests/test_gpu_gdn_chunk.py::test_core_stage_close_to_graphs",
-        status="unmeasured",
+        status="opt-in",  # H200 record 20261203T090047Z: gate green, slower than gemm where graphs serve (core.md)
     ),
 )
 
