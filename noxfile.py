@@ -72,9 +72,9 @@ def gpu_tests(session: nox.Session) -> None:
 @nox.session(python=False)
 def tune_gemm(session: nox.Session) -> None:
     """The GEMM tuner of stage `gemm` on a CUDA GPU: candidates record and table under results/gemm/. On the H200:
-    `nox --no-venv -s tune_gemm -- --shapes gdn_in,attn_in` (options: `python -m ablations.tune_gemm --help`)."""
+    `nox --no-venv -s tune_gemm -- --shapes gdn_in,attn_in` (options: `python -m measure.tune_gemm --help`)."""
     python = _lab_python(session)
-    session.run(python, "-m", "ablations.tune_gemm", *session.posargs)
+    session.run(python, "-m", "measure.tune_gemm", *session.posargs)
 
 
 @nox.session
@@ -147,4 +147,4 @@ def replicas(session: nox.Session) -> None:
 def jevbench(session: nox.Session) -> None:
     """JevBench public tasks against a running server, both passes; records under results/jevbench/."""
     python = _lab_python(session)
-    session.run(python, "-m", "ablations.jevbench", *session.posargs)
+    session.run(python, "-m", "bench.jevbench", *session.posargs)

@@ -27,7 +27,7 @@ first imported, so the pin must come before any import of fla (`reference.model`
   `graph_cache` and the server's `/health` show it. Plain `triton.autotune` kernels of FLA cannot be pinned; their
   keys always count as autotuned.
 
-The command that writes a set is a lab tool, `python -m ablations.dump_fla_configs results/fla-configs` (on the GPU:
+The command that writes a set is a lab tool, `python -m measure.dump_fla_configs results/fla-configs` (on the GPU:
 build `graphs` on the 27B shapes with synthetic weights as the runner does, autotune afresh, warm up, dump). The
 committed sets live in `results/fla-configs/<GPU>/`.
 
@@ -90,7 +90,7 @@ def pin_fla_configs(root: str | os.PathLike = PINNED_ROOT, *, gpu_name: str | No
     if not has_set:
         reason = f"no pinned FLA configs for {gpu_name} ({directory / MANIFEST} missing): FLA autotunes"
         if not _told_unpinned:
-            LOG.warning("%s; write them with `python -m ablations.dump_fla_configs %s`", reason, root)
+            LOG.warning("%s; write them with `python -m measure.dump_fla_configs %s`", reason, root)
             _told_unpinned = True
         return {"pinned": False, "dir": str(directory), "reason": reason}
     os.environ["FLA_CACHE_MODE"] = "strict"

@@ -11,7 +11,7 @@ Choices (`EngineConfig.gemm`):
   counts requests have (tests/test_gpu_gemm_rows.py). The tree is bitwise against the flat layout only because of
   this, so a stage that claims it (`tree` and after) must run in such a process.
 * `tuned` (stage `gemm`, issue 14): the kernel a GEMM tuning table (`engine/gemm_table.py`, written on the GPU by
-  `python -m ablations.tune_gemm`) chose for the GEMM's shape and the call's row bucket, through `GemmDispatch`. It
+  `python -m measure.tune_gemm`) chose for the GEMM's shape and the call's row bucket, through `GemmDispatch`. It
   runs in the same workspace-free process, since the table's `cublas` choices and the fallback are that call.
 
 cuBLAS reads the variable once per process, when it first sizes a workspace, so the setting is process state, not a
@@ -133,7 +133,7 @@ def device_name(device: torch.device) -> str:
 
 def default_table_path(name: str, directory: Path = TABLE_DIR) -> Path | None:
     """Where stage `gemm` finds its table: `$JEVLAB_GEMM_TABLE` when set, else the newest committed table of this GPU
-    under results/gemm/ (`<utc>-<gpu slug>-<commit>-table.json`, as `python -m ablations.tune_gemm` names them; the
+    under results/gemm/ (`<utc>-<gpu slug>-<commit>-table.json`, as `python -m measure.tune_gemm` names them; the
     UTC stamp sorts by name), else None."""
     if os.environ.get(TABLE_ENV):
         return Path(os.environ[TABLE_ENV])

@@ -1,6 +1,6 @@
 """The GEMM tuning table: which kernel each of the 27B's GEMM shapes runs at each row bucket, as a GPU tuner chose it.
 
-Written by the tuner (`python -m ablations.tune_gemm`, `nox -s tune_gemm` on the GPU) as
+Written by the tuner (`python -m measure.tune_gemm`, `nox -s tune_gemm` on the GPU) as
 results/gemm/<utc>-<gpu>-<commit>-table.json and read by stage `gemm` (`EngineConfig.gemm="tuned"`) through
 `engine.gemm.build_dispatch`, which finds it at `engine.gemm.default_table_path` (the newest table of this GPU there,
 or `$JEVLAB_GEMM_TABLE`). A table holds for the GEMM code it was tuned with: tests/test_gemm_stage.py

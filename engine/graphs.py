@@ -28,7 +28,7 @@ candidates. The classes and factors were picked on the request shapes of the pub
 six Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over
 states of 0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per
 capture plus about 25 s of eager warm-up allows about 280 graphs; 264 take about 66-87 s of capture. `python -m
-ablations.grid_coverage` recomputes the padding of every capacity for both grids (results/graphs/grid-coverage.json;
+measure.grid_coverage` recomputes the padding of every capacity for both grids (results/graphs/grid-coverage.json;
 padded / real, new grid, previous in brackets):
 
 | set | plans | held | rows | slots | sequences | chunks | nodes | keys | reads |

@@ -1,7 +1,7 @@
 """The report's serving section from concurrency runs alone (results/serving/*/summary.json, written by
-`python -m ablations.concurrency`): per device the newest run, its table and its figure (requests/s and client
+`python -m bench.concurrency`): per device the newest run, its table and its figure (requests/s and client
 latency against clients); and the JevBench runs' table (results/jevbench/*/summary.json, `python -m
-ablations.jevbench`). No torch, no GPU, no model code."""
+bench.jevbench`). No torch, no GPU, no model code."""
 
 from __future__ import annotations
 

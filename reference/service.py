@@ -186,7 +186,7 @@ def backbone_tensors(backbone: Backbone) -> list[torch.Tensor]:
     backbone dict was consumed."""
     merged = getattr(backbone, "weights", None)
     if merged is None or not hasattr(merged, "named_tensors"):
-        return []  # a stand-in backbone with no weights at all (e.g. ablations/overhead.py): nothing to report
+        return []  # a stand-in backbone with no weights at all (e.g. bench/overhead.py): nothing to report
     return [tensor for _, tensor in merged.named_tensors()]
 
 
@@ -317,7 +317,7 @@ class DecisionModel:
         upper bound on any tree's).
 
         Cost: linear in the queue, and only as far as the batch reaches (`queue_rows` is lazy: each request's tokens
-        are read once, each prefix's layout joined from per-request summaries; ablations/batch_packing.py, `timing` in
+        are read once, each prefix's layout joined from per-request summaries; measure/batch_packing.py, `timing` in
         results/batching/batch-packing.json).
         """
         if not queue:

@@ -354,8 +354,8 @@ def test_the_masked_sdpa_is_not_batch_invariant(tiny):
 
 
 def test_batch_packing_tool_drains_a_queue(tiny):
-    """`ablations.batch_packing.pack`: every request in exactly one forward, and batched rows never above alone."""
-    from ablations.batch_packing import pack
+    """`measure.batch_packing.pack`: every request in exactly one forward, and batched rows never above alone."""
+    from measure.batch_packing import pack
 
     rng = random.Random(12)
     bodies = [request_body(rng, 4 + 3 * i, 1) for i in range(5)] + [request_body(rng, 150, 3)]
@@ -366,9 +366,9 @@ def test_batch_packing_tool_drains_a_queue(tiny):
 
 
 def test_batch_packing_timing_reports_the_rules_own_admissions(tiny):
-    """`ablations.batch_packing.time_batch_requests`: every window timed `repeats` times, the admitted count the
+    """`measure.batch_packing.time_batch_requests`: every window timed `repeats` times, the admitted count the
     rule's own."""
-    from ablations.batch_packing import time_batch_requests
+    from measure.batch_packing import time_batch_requests
 
     rng = random.Random(13)
     bodies = [request_body(rng, 3 + 2 * i, 1) for i in range(9)]

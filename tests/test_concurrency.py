@@ -1,5 +1,5 @@
-"""The concurrency runner (ablations/concurrency.py: the client sweep and the batching comparison) and the report's
-serving section (paper/serving.py), on the CPU against servers without a forward (ablations.overhead's precomputed
+"""The concurrency runner (bench/concurrency.py: the client sweep and the batching comparison) and the report's
+serving section (paper/serving.py), on the CPU against servers without a forward (bench.overhead's precomputed
 hidden states: fast, synthetic answers)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ablations import concurrency
-from ablations.overhead import overhead_model
+from bench import concurrency
+from bench.overhead import overhead_model
 from engine.server import DecisionServer
 from paper import serving
 from reference.data import jevbench_tasks

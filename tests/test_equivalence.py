@@ -1,4 +1,4 @@
-"""ablations/equivalence.py on made-up records: identical numerics pass, one changed bit or a missing pair fails."""
+"""measure/equivalence.py on made-up records: identical numerics pass, one changed bit or a missing pair fails."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ablations.equivalence import compare
+from measure.equivalence import compare
 
 
 def record(plan: str = "cpu-tiny") -> dict:

@@ -1,12 +1,12 @@
-"""ablations/fuzz_server.py: a small seeded campaign with no findings, the classifier's own checks, idle connections
+"""bench/fuzz_server.py: a small seeded campaign with no findings, the classifier's own checks, idle connections
 at a smaller scale, and issue 15's amplification bodies against their time and memory targets."""
 
 from __future__ import annotations
 
 import pytest
 
-from ablations.fuzz_cases import FAMILIES, Case, generate_cases
-from ablations.fuzz_server import (
+from bench.fuzz_cases import FAMILIES, Case, generate_cases
+from bench.fuzz_server import (
     AMPLIFICATION_TARGET_MB,
     AMPLIFICATION_TARGET_S,
     BURST_TARGET_MS,
@@ -22,7 +22,7 @@ from ablations.fuzz_server import (
     run_campaign,
     run_idle,
 )
-from ablations.overhead import overhead_model
+from bench.overhead import overhead_model
 from reference.service import default_model
 from reference.shapes import TINY
 

@@ -1,4 +1,4 @@
-"""CPU tests of the GEMM tuner (ablations/tune_gemm.py): its cuBLASLt candidates from fake heuristic offers (the
+"""CPU tests of the GEMM tuner (measure/tune_gemm.py): its cuBLASLt candidates from fake heuristic offers (the
 non-split query, the explicit set, buckets without a non-split offer recorded), and its selection law and outputs on
 synthetic measurements: the per-bucket mix only of kernels bitwise with F.linear, one kernel or one split per shape
 otherwise, the ship rule, the written table accepted by the engine's loader, and candidates of several device calls
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ablations import tune_gemm
-from ablations.tune_gemm import Measurement, cublaslt_candidates, heuristic_offers, kernel_key, select_table
 from engine.gemm import NO_ALGORITHM_OFFERED, NO_SPLIT_K_MASK, offered_algorithms
 from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, load_gemm_table
+from measure import tune_gemm
+from measure.tune_gemm import Measurement, cublaslt_candidates, heuristic_offers, kernel_key, select_table
 
 GRID = (64, 128, 256)
 CUBLAS = {"family": "cublas"}

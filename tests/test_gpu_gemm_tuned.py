@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from ablations.tune_gemm import NON_SPLIT_LIMIT
 from ablations.workloads import get_workload, jevbench_panel
 from engine import gemm
 from engine.gemm_table import GEMM_SHAPES, SPLITK_SHAPES, load_gemm_table
 from engine.graphs import ROWS_GRID
 from engine.stages import build_engine, config_of
 from engine.weights import MergedWeights, Weight
+from measure.tune_gemm import NON_SPLIT_LIMIT
 from reference.ops import splitk_delta
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S

@@ -1,12 +1,13 @@
 """The lab's import graph, read from the source with `ast` (nothing is imported): no cycle, no import up a floor.
 
-Floors, lowest first: `reference` and `kernels` (0), `engine` (1), `ablations` (2), `paper` (3); tests and notebooks
-sit above all and are not walked. A module may import any package on its own floor or a lower one (`kernels` reads
-`reference`'s constants); an import of a higher floor is refused. Every import counts, whether at the top of a module
-or inside a function: a deferred import is still a dependency. A cycle is a strongly connected set of more than one
-module in the graph of module -> lab module it imports (a `from package import name` names the submodule
-`package.name` where that file exists, else the package's `__init__`). The registry builds the backbone, so the
-backbone (and what it imports) never reaches the registry.
+Floors, lowest first: `reference` and `kernels` (0), `engine` (1), `ablations` (2: the ladder), and on 3 what may read
+the ladder (its environment, workloads, plans, probes, timing, records): the measurement tools, `bench` (the server from
+outside) and `measure` (the engine and kernels), and `paper`. Tests and notebooks sit above all and are not walked. A
+module may import any package on its own floor or a lower one (`kernels` reads `reference`'s constants); an import of a
+higher floor is refused. Every import counts, whether at the top of a module or inside a function: a deferred import is
+still a dependency. A cycle is a strongly connected set of more than one module in the graph of module -> lab module it
+imports (a `from package import name` names the submodule `package.name` where that file exists, else the package's
+`__init__`). The registry builds the backbone, so the backbone (and what it imports) never reaches the registry.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"reference": 0, "kernels": 0, "engine": 1, "ablations": 2, "paper": 3}
+FLOORS = {"reference": 0, "kernels": 0, "engine": 1, "ablations": 2, "bench": 3, "measure": 3, "paper": 3}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-import ablations.jevbench as jevbench
-from ablations.jevbench import (
+import bench.jevbench as jevbench
+from bench.jevbench import (
     agreement,
     build_question,
     check_task,

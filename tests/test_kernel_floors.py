@@ -1,11 +1,11 @@
-"""`ablations.kernel_floors`: the bytes-moved floors of the prep and element-wise kernels (issue 22, item 3), on the
+"""`measure.kernel_floors`: the bytes-moved floors of the prep and element-wise kernels (issue 22, item 3), on the
 drone bucket's sizes and on a small record built here."""
 
 from __future__ import annotations
 
 import pytest
 
-from ablations import kernel_floors
+from measure import kernel_floors
 from reference.shapes import QWEN38_27B as S
 
 

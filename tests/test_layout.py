@@ -35,7 +35,26 @@ def test_transformers_does_not_mistake_our_kernels_for_the_hub_package():
 
 
 def test_required_top_level_folders_exist():
-    for name in ["kernels", "reference", "ablations", "paper", "notebooks", "tests", "results", "engine"]:
+    for name in [
+        "reference",
+        "kernels",
+        "engine",
+        "ablations",
+        "bench",
+        "measure",
+        "paper",
+        "notebooks",
+        "tests",
+        "results",
+    ]:
         assert (REPO / name).is_dir(), name
     for name in ["noxfile.py", "README.md", "pyproject.toml", ".ci/run"]:
         assert (REPO / name).is_file(), name
+
+
+def test_ablations_holds_the_ladder_and_nothing_else():
+    """The runner and what it needs (`bit_identity.py` is the runner's step 7: the per-kernel table of every record
+    whose plan runs `fused`); the measurement tools are `bench/` (the server from outside) and `measure/` (the engine
+    and kernels)."""
+    ladder = set("__init__ run plans records targets probes timing workloads envinfo bit_identity".split())
+    assert {path.stem for path in (REPO / "ablations").glob("*.py")} == ladder

@@ -886,7 +886,7 @@ def test_without_a_record_of_both_stages_there_is_no_gemm_table(results):
 
 
 def jevbench_summary(label: str, gpu: bool, p50: float, agreement: dict | None = None) -> dict:
-    """A `python -m ablations.jevbench` summary.json with the fields the serving block reads."""
+    """A `python -m bench.jevbench` summary.json with the fields the serving block reads."""
     latency = {"n": 10, "mean_ms": p50, "p50_ms": p50, "p95_ms": 1.5 * p50, "max_ms": 2 * p50}
     second = {"tasks": 10, "answered": 9, "latency": latency} | ({"agreement": agreement} if agreement else {})
     return {"run": {"label": label, "reference": "results/jevbench/ref/" if agreement else None},

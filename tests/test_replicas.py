@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: `nox -s replicas` runs these tests")
 
-from ablations.jevbench import post_json, request_body  # noqa: E402
+from bench.jevbench import post_json, request_body  # noqa: E402
 from engine import replicas  # noqa: E402
 from reference.data import jevbench_tasks  # noqa: E402
 from reference.service import default_model  # noqa: E402

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ablations.amplification import amplification_body, many_candidates_body
+from bench.amplification import amplification_body, many_candidates_body
 from engine.serve.app import MAX_BODY_BYTES
 from engine.server import DecisionServer, model_from_arguments, parse_arguments
 from reference.request import MODEL_NOT_LOADED, RequestError, parse_json_strict

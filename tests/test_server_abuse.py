@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ablations.fuzz_server import parse_answers
+from bench.fuzz_server import parse_answers
 from engine.server import DecisionServer
 from reference.service import default_model
 from tests.server_client import TIMEOUT_S, address, call, exchange, post, short_request, wait_until

@@ -13,8 +13,8 @@ import time
 import pytest
 
 import engine.serve.admission as admission
-from ablations.amplification import long_state_body
-from ablations.jevbench import request_body
+from bench.amplification import long_state_body
+from bench.jevbench import request_body
 from engine.serve.admission import AdmissionBound, PlanCost, memory_bound, plan_bytes, row_bytes
 from engine.server import DecisionServer, build_decision_model, parse_arguments
 from engine.server import app_options as server_app_options

@@ -22,9 +22,9 @@ import pytest
 from starlette.testclient import TestClient
 
 import engine.serve.protocol
-from ablations.fuzz_server import parse_answers
-from ablations.jevbench import request_body
-from ablations.overhead import MAX_TRANSPORT_RATIO, MAX_WORK_RATIO, TARGET_P50_MS, measure_overhead
+from bench.fuzz_server import parse_answers
+from bench.jevbench import request_body
+from bench.overhead import MAX_TRANSPORT_RATIO, MAX_WORK_RATIO, TARGET_P50_MS, measure_overhead
 from engine.serve.app import DecisionApp, build_app
 from engine.server import DecisionServer, build_decision_model
 from reference.data import jevbench_tasks
@@ -95,7 +95,7 @@ def pipelined_statuses(server, raw: bytes, heads: list[bool] | None = None) -> l
 
 
 def test_pipelined_requests_before_a_refused_one_are_answered_first(server):
-    """ablations.fuzz_server's finding: a request the parser refuses (an unknown method, a bad chunk, an oversize
+    """bench.fuzz_server's finding: a request the parser refuses (an unknown method, a bad chunk, an oversize
     head) behind pipelined ones used to be answered at once, in place of the earlier requests' answers, which were
     dropped: a client read `501` as the answer to its `GET /health`. Now the earlier ones are answered in order, then
     the refusal, then the connection closes."""
@@ -115,7 +115,7 @@ def test_pipelined_requests_before_a_refused_one_are_answered_first(server):
 
 
 def test_a_trailing_slash_is_an_unknown_path(server):
-    """ablations.fuzz_server's finding: Starlette redirected `/v1/systemone/` with a 307 without a body (a JSON
+    """bench.fuzz_server's finding: Starlette redirected `/v1/systemone/` with a 307 without a body (a JSON
     answer is promised); every unknown path is a 404."""
     assert post(server, short_request(4), path="/v1/systemone/")[::2] == (404, {"error": "not found"})
     assert call(server, "GET", "/health/")[::2] == (404, {"error": "not found"})
@@ -282,7 +282,7 @@ def test_the_app_runs_under_another_asgi_server():
 
 
 def test_overhead_without_forward_transport_and_work_within_bounds_in_bare_exchanges():
-    """The wall-clock 2 ms target moves with the machine (ablations/overhead.py); the server's cost in bare loopback
+    """The wall-clock 2 ms target moves with the machine (bench/overhead.py); the server's cost in bare loopback
     exchanges of the same bytes, timed interleaved in the same process, is bounded in its two parts: the transport
     (HTTP framing, queue, worker hand-off) and the server's own work (decide), whose sum moves with the machine's
     balance of CPU and system-call speed. One measurement swings with the machine's moment (transport 1.03-1.46 in

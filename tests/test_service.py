@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ablations.amplification import amplification_body, many_candidates_body
-from ablations.jevbench import request_body
+from bench.amplification import amplification_body, many_candidates_body
+from bench.jevbench import request_body
 from reference import request as request_module
 from reference import service
 from reference.data import jevbench_tasks, open_jev_workloads

@@ -22,7 +22,7 @@ the server). Should the batched forward fail, each request is answered alone, so
 `--batching off` turns batching across requests off: the worker takes one request at a time from the queue and answers
 it with its own forward (`answer_many` of that request alone, the path `decide` takes), without looking at the queue
 behind it or asking `batch_requests`; validation, the queue, deadlines, 503s and metrics are unchanged. It is the
-server without the batcher that issue 15's one-client target compares with (`ablations/concurrency.py
+server without the batcher that issue 15's one-client target compares with (`bench/concurrency.py
 --compare-batching`).
 
 Each request carries its own future, so an answer can only go back to the request it came from. The queue bound
@@ -61,7 +61,7 @@ from reference.service import ForwardAbandoned
 DEFAULT_QUEUE_SIZE = 64
 # A forward takes at most this many queued requests: deciding how many costs the worker thread a pass over the queue
 # as far as the batch reaches (`DecisionModel.batch_requests`, linear in the queue; its time at 1, 4, 8 and 16 queued
-# JevBench requests: `timing` in results/batching/batch-packing.json, from ablations/batch_packing.py).
+# JevBench requests: `timing` in results/batching/batch-packing.json, from measure/batch_packing.py).
 MAX_BATCH_REQUESTS = 16
 # torch intra-op threads of the worker thread when the model runs on the CPU (`DecisionWorker`). Once the main thread
 # has run an OpenMP region (loading the model does), a second thread's parallel regions cost about 0.1 ms more each

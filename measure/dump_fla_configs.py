@@ -1,6 +1,6 @@
 """Write a pinned set of FLA autotune configs for this GPU (`engine.fla_configs`: the pin, the file format).
 
-    python -m ablations.dump_fla_configs results/fla-configs   # on the GPU
+    python -m measure.dump_fla_configs results/fla-configs   # on the GPU
 
 `build_warm_backbone` builds a registry stage (default `graphs`) on CUDA as the runner does (plan `gpu-27b`'s shapes
 and weight seed, `prepare_process`) and warms it up; the command first switches FLA's config cache off (whatever the
@@ -56,14 +56,14 @@ def dump_command(root: Path, stage: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ablations.dump_fla_configs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.dump_fla_configs", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path, help="folder of pinned sets, one sub-folder per GPU (results/fla-configs)")
     parser.add_argument("--stage", default="graphs", help="the registry stage to warm up (default graphs)")
     args = parser.parse_args(argv)
     try:
         manifest = dump_command(args.root, args.stage)
     except RuntimeError as error:  # no CUDA, fla imported too early, a stage without a warm-up: say why
-        print(f"ablations.dump_fla_configs: {error}", file=sys.stderr)
+        print(f"measure.dump_fla_configs: {error}", file=sys.stderr)
         return 2
     print(json.dumps(manifest, indent=1, sort_keys=True))
     return 0

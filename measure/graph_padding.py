@@ -1,11 +1,11 @@
 """Where the padding cost of the `graphs` stage comes from (H200, about 3 minutes):
 
-    python3 -m ablations.graph_padding          # JSON to $OUT/padding-cost.json (or the current folder)
+    python3 -m measure.graph_padding          # JSON to $OUT/padding-cost.json (or the current folder)
 
 One process, 27B synthetic weights (seed 0). Per workload, the request's own unpadded plan captured as one graph
 (`exact_ms`), then the request laid out at five buckets, each captured on the request's own padded plan and replayed
 (median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket, with its candidate classes),
-`previous_grid` (the bucket of the grid it replaced, `ablations.grid_coverage.previous_grid`: the one the first
+`previous_grid` (the bucket of the grid it replaced, `measure.grid_coverage.previous_grid`: the one the first
 records measured), `grid_but_actual_max_qk` (the grid's bucket with the attention maxima of the request),
 `grid_rows_minimal_rest` (the grid's rows, every other capacity just what the request and one dummy node need) and
 `one_dummy_row_minimal_rest` (one dummy row); then `served`: `engine.forward` of the prepared request through the
@@ -15,6 +15,7 @@ replay's output is compared bit for bit with the exact-plan graph's. The JSON ho
 versions, time: `ablations.envinfo`) beside the workloads.
 """
 
+import argparse
 import dataclasses
 import json
 import math
@@ -24,13 +25,13 @@ from functools import partial
 import torch
 
 from ablations import envinfo
-from ablations.grid_coverage import previous_grid
 from ablations.probes import cuda_time_ms
 from ablations.workloads import get_workload
 from engine.graphs import capture_forward, default_grid, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
 from engine.stages import build_engine, prepare_process
 from engine.weights import MergedWeights
+from measure.grid_coverage import previous_grid
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
@@ -67,7 +68,9 @@ WORKLOADS = (
 )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m measure.graph_padding", description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)  # no options: --help and a refusal of unknown ones
     prepare_process(["graphs"], "cuda")
     merged = MergedWeights.from_decision_weights(synthetic_weights(S, seed=0, device="cuda"))
     engine = build_engine(merged, "graphs")

@@ -3,7 +3,7 @@ or activation memory.
 
 The first two are refused by the admission budgets of `reference.service` (422 before any prompt is built), the last by
 the server's cost bound (engine/serve/admission.py: 422 before it is queued); the server tests, the service tests and
-`ablations.fuzz_server` (time to the 422 and the memory it costs) send them.
+`bench.fuzz_server` (time to the 422 and the memory it costs) send them.
 """
 
 from __future__ import annotations

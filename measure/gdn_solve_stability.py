@@ -1,6 +1,6 @@
 """The in-chunk solve of `kernels/gdn_chunk.py` on the CPU: recursive block inversion against a Neumann product.
 
-    python -m ablations.gdn_solve_stability          # writes results/gdn-chunk/solve-stability-cpu.json
+    python -m measure.gdn_solve_stability          # writes results/gdn-chunk/solve-stability-cpu.json
 
 Both compute T = (I + A)⁻¹ for one 64-row chunk's strictly lower A = strict_lower(diag(β) K Kᵀ ⊙ e^(γ_r − γ_s)) with
 10 dense 64 x 64 x 64 products in fp32 (torch on the CPU, IEEE), exact in real arithmetic:
@@ -14,6 +14,7 @@ The same fp32 figures as the kernel's fp32 mode, where the interpreter's dots ar
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -64,7 +65,9 @@ def neumann_inverse(a: torch.Tensor) -> torch.Tensor:
     return product
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m measure.gdn_solve_stability", description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)  # no options: --help and a refusal of unknown ones
     cases = []
     for regime in ("typical", "correlated"):
         for seed in SEEDS:

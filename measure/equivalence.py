@@ -1,6 +1,6 @@
 """Compare two run records of one plan for a refactor that must change no bit (results/equivalence/README.md).
 
-    python -m ablations.equivalence BEFORE.json AFTER.json [--out results/equivalence]
+    python -m measure.equivalence BEFORE.json AFTER.json [--out results/equivalence]
 
 Per stage and workload of either record: whether both timed it, and whether the numerics are equal: the
 probabilities, the row count, the fidelity against the plan's reference (`max_abs_dp`, `hidden_rel_rmse`,
@@ -43,7 +43,7 @@ def compare(before: dict, after: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ablations.equivalence", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.equivalence", description=__doc__.split("\n\n")[0])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--out", type=Path, help="copy both records into this folder")

@@ -1,14 +1,14 @@
 """Serving under concurrency: JevBench public tasks from 1, 4, 8 and 16 clients at once against one decision server.
 
-    python -m ablations.concurrency [--endpoint http://127.0.0.1:8791 | --serve-backend graphs [--shapes ...]
-                                     | --serve-precomputed] [--clients 1,4,8,16 | --compare-batching [--blocks N]]
-                                    [--tasks easy,original] [--limit N] [--out results/serving] [--label NAME]
+    python -m bench.concurrency [--endpoint http://127.0.0.1:8791 | --serve-backend graphs [--shapes ...]
+                                 | --serve-precomputed] [--clients 1,4,8,16 | --compare-batching [--blocks N]]
+                                [--tasks easy,original] [--limit N] [--out results/serving] [--label NAME]
 
 First the alone pass: every task once, one request at a time; it warms the server (the issue's "second pass" is every
 pass after it) and gives each task's answer alone, the reference of every later answer. Then, per client count k, k
 client threads each send every task once, client i starting at task i*n/k and wrapping around (so that at any moment the
 clients ask for different tasks), each request on a new connection as JevBench connects, the next one as soon as the
-last answered (`ablations.jevbench.run_task`: built, sent, read and mapped as JevBench does). Per k: requests/s over the
+last answered (`bench.jevbench.run_task`: built, sent, read and mapped as JevBench does). Per k: requests/s over the
 wall clock from the first request sent to the last answer read, the client latency of every request (mean/P50/P95/max),
 the statuses, and how many answers are bit-identical to the same task's answer alone (every probability the same float).
 The server's own view, where it says (metadata.batch), is averaged: requests per forward.
@@ -26,7 +26,7 @@ latency and how many answers are bit-identical to the task's answer alone from t
 difference (on - off) with a 95% bootstrap interval over the (block, task) pairs and per block; no `per_clients`, so
 the report's serving section (paper/serving.py) does not take it for a sweep. On a CPU that difference is the
 batcher's host-side cost (the queue hand-off, gathering the queue, the batch join) beside the CPU's forward; what the
-batcher costs on the GPU needs the same run there. `--serve-precomputed` serves `ablations.overhead`'s precomputed
+batcher costs on the GPU needs the same run there. `--serve-precomputed` serves `bench.overhead`'s precomputed
 hidden states (no forward: the server's own time alone), which resolves that difference where a CPU forward's noise
 would not.
 
@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from ablations import envinfo
-from ablations.jevbench import environment, load_tasks, run_task, server_identity, write_run
-from ablations.overhead import latency_stats, overhead_model
+from bench.jevbench import environment, load_tasks, run_task, server_identity, write_run
+from bench.overhead import latency_stats, overhead_model
 from engine.server import DecisionServer, add_model_arguments, default_shapes_name, model_from_arguments
 from reference.data import REPO
 from reference.service import DecisionModel
@@ -312,7 +312,9 @@ def parse_clients(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.concurrency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--endpoint", default=None, help="server base URL (default: --serve-backend in this process)")
     parser.add_argument("--tasks", default=None, help="comma-separated JSONL files or tiers (default: easy,original)")
     parser.add_argument("--limit", type=int, default=None, help="the first N tasks only")
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serve-precomputed",
         action="store_true",
-        help="serve ablations.overhead's precomputed hidden states in this process (no forward: the server's own time)",
+        help="serve bench.overhead's precomputed hidden states in this process (no forward: the server's own time)",
     )
     add_model_arguments(
         parser,

@@ -1,12 +1,12 @@
 """A fuzz campaign against the decision server over raw sockets, idle connections, and the amplification bodies.
 
-    python -m ablations.fuzz_server [--cases N] [--seed S] [--shapes tiny|qwen3.8-27b] [--backend STAGE]
-                                    [--body-timeout S] [--idle N] [--out results/server/fuzz.json]
+    python -m bench.fuzz_server [--cases N] [--seed S] [--shapes tiny|qwen3.8-27b] [--backend STAGE]
+                                [--body-timeout S] [--idle N] [--out results/server/fuzz.json]
 
 Four sections, each against its own in-process `DecisionServer` on a free loopback port:
 
 * `campaign`: `--cases` seeded malformed requests (and one valid control after every ten) sent one at a time, each on
-  a new connection, drawn evenly from the families of `FAMILIES` (ablations/fuzz_cases.py): mutated JSON bodies,
+  a new connection, drawn evenly from the families of `FAMILIES` (bench/fuzz_cases.py): mutated JSON bodies,
   broken framing, bad request lines and targets, header abuse, slow clients, pipelined requests. The model is
   `overhead_model` (no forward, so an answer takes about a millisecond) or, with `--backend`, that stage over the tiny
   twin. The server's body timeout and head timeout are `--body-timeout` (default 1 s; the head timeout is
@@ -35,7 +35,7 @@ Four sections, each against its own in-process `DecisionServer` on a free loopba
   client's time is recorded beside it) and the worker's depth (sampled every 1 ms) never above the bound; once the
   worker is released, every queued request is answered 200.
 
-* `amplification`: issue 15's and issue 23's bodies (`ablations.amplification`) to a server over the tiny twin
+* `amplification`: issue 15's and issue 23's bodies (`bench.amplification`) to a server over the tiny twin
   `DecisionModel` (`hf_torch`, synthetic weights): time to the 422 and the process's resident-memory growth while the
   server handles it, sampled from `/proc/self/status` VmRSS by a thread every 1 ms (the peak over the request minus the
   value just before it), while a second client sends short requests whose latency during the big request is compared
@@ -72,10 +72,10 @@ from typing import Any
 
 import engine.serve.protocol
 from ablations import envinfo
-from ablations.amplification import amplification_body, long_state_body, many_candidates_body
-from ablations.fuzz_cases import CONTROL_EVERY, FAMILIES, Case, generate_cases, http_request, short_request
-from ablations.jevbench import request_body
-from ablations.overhead import latency_stats, overhead_model
+from bench.amplification import amplification_body, long_state_body, many_candidates_body
+from bench.fuzz_cases import CONTROL_EVERY, FAMILIES, Case, generate_cases, http_request, short_request
+from bench.jevbench import request_body
+from bench.overhead import latency_stats, overhead_model
 from engine.server import DecisionServer, build_decision_model
 from reference.data import jevbench_tasks, open_jev_workloads
 from reference.request import RequestError
@@ -801,7 +801,9 @@ def print_table(record: dict[str, Any], out: Any = sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fuzz_server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default=TINY.name, help="shapes of the overhead model")
@@ -815,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     fast = campaign_model(args.shapes, args.backend)
     record: dict[str, Any] = {
         "what": "fuzz campaign, idle connections, a burst and amplification bodies against engine.server "
-        "(ablations/fuzz_server.py)",
+        "(bench/fuzz_server.py)",
         "config": {
             "cases": args.cases,
             "seed": args.seed,

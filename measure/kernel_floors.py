@@ -1,6 +1,6 @@
 """Bytes-moved floors of the prep and element-wise kernels, against their measured time in a run record (issue 22).
 
-    python -m ablations.kernel_floors RECORD.json        # writes results/kernel-floors/<record stem>.json
+    python -m measure.kernel_floors RECORD.json        # writes results/kernel-floors/<record stem>.json
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The bytes per call, from the shapes
@@ -92,7 +92,7 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ablations.kernel_floors", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.kernel_floors", description=__doc__.split("\n\n")[0])
     parser.add_argument("record", type=Path, help="a run record with a timed `graphs` stage")
     parser.add_argument("--stage", default="graphs")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """How well the `graphs` bucket grid (engine/graphs.py) holds the request shapes it was chosen on.
 
-    python -m ablations.grid_coverage [--out results/graphs/grid-coverage.json]
+    python -m measure.grid_coverage [--out results/graphs/grid-coverage.json]
 
 Workload sets: the public JevBench tiers (every task), the six Open-Jev requests, our two synthetic workloads, and
 60 generated requests (seeded: 1-16 questions of 2-64 options over states of 0-16k tokens). Each request is
@@ -119,7 +119,11 @@ def coverage_table(plans: Iterable[tuple[str, TreeLayout]], grid: Sequence[Bucke
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m measure.grid_coverage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     plans = []

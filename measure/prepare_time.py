@@ -1,6 +1,6 @@
 """Host time of the `graphs` stage's `prepare` on the tiny twin (CPU, about 25 s):
 
-    python -m ablations.prepare_time [--out results/graphs/prepare-time.json] [--calls 200]
+    python -m measure.prepare_time [--out results/graphs/prepare-time.json] [--calls 200]
 
 The engine `engine.stages.build_engine(MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=1)),
 "graphs")`; per workload of `WORKLOADS` (the ladder's `graphs` workloads: drone, context-128-choice-2 / -8,
@@ -74,7 +74,9 @@ def search_time(candidates, groups, grid) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m measure.prepare_time", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args(argv)

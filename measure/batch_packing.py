@@ -1,6 +1,6 @@
 """How `reference.service.DecisionModel.batch_requests` packs a queue of requests into forwards (host only, no forward).
 
-    python -m ablations.batch_packing [--out results/batching/batch-packing.json]
+    python -m measure.batch_packing [--out results/batching/batch-packing.json]
 
 Queues: the public JevBench tiers (every task, one question each, in task order) and the six Open-Jev requests. Each
 request is compiled as the server does (`DecisionModel.compile`, tiny twin: the rows depend on the tokens and the config
@@ -98,7 +98,11 @@ def tiny_models() -> dict[str, DecisionModel]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m measure.batch_packing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per queue window")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The fuzz cases of `ablations.fuzz_server`: seeded malformed requests in six families, and the valid controls.
+"""The fuzz cases of `bench.fuzz_server`: seeded malformed requests in six families, and the valid controls.
 
 `generate_cases(count, seed, port)` draws `count` cases evenly from `FAMILIES` (mutated JSON bodies, broken framing,
 bad request lines and targets, header abuse, slow clients, pipelined requests) with one valid control after every

@@ -6,7 +6,7 @@ JSON parsing, validation, prompt building, tokenization, the fp32 head and softm
 worker hand-off, and no forward. Target: at most 2 ms at P50 over the JevBench public tasks.
 
 `measure_overhead` reports, per request body, the client's wall clock over HTTP and, beside it, `decide` called
-directly (no HTTP, no queue) so the HTTP share can be read off. `python -m ablations.jevbench --overhead` runs it over
+directly (no HTTP, no queue) so the HTTP share can be read off. `python -m bench.jevbench --overhead` runs it over
 the JevBench tasks and writes `results/server/overhead.json`.
 
 The floor: right after each request, the same client sends the same body to a bare `http.server` on loopback that

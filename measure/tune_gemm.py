@@ -1,8 +1,8 @@
 """The GEMM tuner of stage `gemm` (issue 14): measure every candidate kernel of every GEMM shape at every row bucket of
 the graphs grid on this GPU, select a table by the row-invariance law, and write it under results/gemm/.
 
-    python -m ablations.tune_gemm [--shapes gdn_in,out] [--buckets 64,96,227] [--calls 10] [--replays 7]
-    python -m ablations.tune_gemm --from-candidates results/gemm/A-candidates.json results/gemm/B-candidates.json
+    python -m measure.tune_gemm [--shapes gdn_in,out] [--buckets 64,96,227] [--calls 10] [--replays 7]
+    python -m measure.tune_gemm --from-candidates results/gemm/A-candidates.json results/gemm/B-candidates.json
     nox --no-venv -s tune_gemm -- [the same options]          (on the H200)
 
 Candidates per (shape, bucket rows), in a process without a cuBLAS workspace (`engine.gemm.prepare_process`, as the
@@ -479,7 +479,7 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.tune_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", help=f"comma-separated subset of {list(GEMM_SHAPES)} (default: all)")
     parser.add_argument("--buckets", help="comma-separated subset of engine.graphs.ROWS_GRID (default: all)")
     parser.add_argument("--calls", type=int, default=10, help="GEMM calls per captured graph")

@@ -1,7 +1,7 @@
 """Per-layer GDN-core time on the GPU: FLA's five forward kernels against the fused kernel of stage `core`.
 
-    python -m ablations.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
-    python -m ablations.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
+    python -m measure.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
+    python -m measure.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
 
 What is timed: one GDN layer's core call as the `graphs` stage makes it, on the replicated schedule of the request's
 bucketed plan (`engine.plan.plan_tree(..., bucket=...)`, the bucket `engine.graphs.default_grid` picks: drone
@@ -142,7 +142,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ablations.gdn_chunk_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.gdn_chunk_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--calls", type=int, default=10, help="core calls per captured graph (layers)")
     parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")

@@ -1,8 +1,8 @@
 """JevBench runner: the public tasks against a decision server, as JevBench's TypeSafe adapter drives it.
 
-    python -m ablations.jevbench [--endpoint http://127.0.0.1:8791 | --serve-backend hf_fla [--shapes ...]]
-                                 [--tasks easy,original | a.jsonl,b.jsonl] [--passes 2] [--out results/jevbench]
-                                 [--reference RUN_DIR_OR_RECORDS] [--label NAME]
+    python -m bench.jevbench [--endpoint http://127.0.0.1:8791 | --serve-backend hf_fla [--shapes ...]]
+                             [--tasks easy,original | a.jsonl,b.jsonl] [--passes 2] [--out results/jevbench]
+                             [--reference RUN_DIR_OR_RECORDS] [--label NAME]
 
 Each task is one request to `{endpoint}/v1/systemone`: `{"model", "state", "questions": {"decision": question}}`, on a
 new connection, one task at a time, no retries (contract §11.2). The latency is the client's wall clock around the
@@ -18,7 +18,7 @@ agreement and max |dp| against that run; plus the environment from `ablations.en
 every probability is meaningless for accuracy: such a run is compared with a reference run, never scored for accuracy.
 
 `--serve-backend` builds the model and starts the server in this process on a free local port first, so one command on
-the H200 gives a run (`python -m ablations.jevbench --serve-backend hf_fla --max-length 16384`).
+the H200 gives a run (`python -m bench.jevbench --serve-backend hf_fla --max-length 16384`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ablations import envinfo
-from ablations.overhead import latency_stats, measure_overhead
+from bench.overhead import latency_stats, measure_overhead
 from engine.server import DecisionServer, add_model_arguments, model_from_arguments
 from reference.data import REPO, jevbench_tasks
 from reference.shapes import get_shapes
@@ -456,7 +456,7 @@ def environment() -> dict:
 
 
 def record_overhead(tasks: list[dict], *, shapes_name: str, rounds: int, out: Path) -> dict:
-    """Measure the server overhead (`ablations.overhead`) on the JevBench bodies; write it with the environment."""
+    """Measure the server overhead (`bench.overhead`) on the JevBench bodies; write it with the environment."""
 
     bodies = [request_body(task, "open-jev") for task in tasks]
     result = measure_overhead(bodies, shapes=get_shapes(shapes_name), rounds=rounds)
@@ -468,7 +468,9 @@ def record_overhead(tasks: list[dict], *, shapes_name: str, rounds: int, out: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.jevbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--endpoint", default=None, help=f"server base URL (default {DEFAULT_ENDPOINT})")
     parser.add_argument("--tasks", default=None, help="comma-separated JSONL files or tiers (default: easy,original)")
     parser.add_argument("--passes", type=int, default=2)
