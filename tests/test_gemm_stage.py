@@ -5,6 +5,7 @@ fallback on a missing, foreign or broken table (one warning, no crash)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import subprocess
@@ -250,12 +251,25 @@ REVALIDATED = {
 }
 
 
+def code_of(source: str) -> str:
+    """A Python source's code without its comments and docstrings (the AST with every leading string statement of
+    the module, a class or a function removed): what the interpreter runs, whatever the prose says."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def test_committed_tables_were_tuned_on_todays_gemm_code():
-    """A table holds for code whose GEMM calls are those it was tuned with: the seam that runs each choice
-    (engine/gemm.py) and the merged weights it runs them on (engine/weights.py) must be unchanged since the table's
-    commit, or since the commit of its GPU re-check (`REVALIDATED`, with the log that must exist); the tree here is
-    compared, uncommitted edits included. A change there means tuning (or re-checking) again on the GPU
-    (engine/stages/gemm.md, "Validity"). Shapes are checked by the loader."""
+    """A table holds for code whose GEMM calls are those it was tuned with: the code (not the comments or docstrings:
+    `code_of`) of the seam that runs each choice (engine/gemm.py) and of the merged weights it runs them on
+    (engine/weights.py) must be unchanged since the table's commit, or since the commit of its GPU re-check
+    (`REVALIDATED`, with the log that must exist); the tree here is compared, uncommitted edits included. A change
+    there means tuning (or re-checking) again on the GPU (engine/stages/gemm.md, "Validity"). Shapes are checked by
+    the loader."""
     repo = Path(__file__).resolve().parents[1]
     if not (repo / ".git").exists():
         pytest.skip("not a git checkout (a device copy): the commit check runs in CI")
@@ -268,9 +282,17 @@ def test_committed_tables_were_tuned_on_todays_gemm_code():
             assert " passed" in (repo / log).read_text() and " failed" not in (repo / log).read_text(), log
         known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo, capture_output=True)
         assert known.returncode == 0, f"{path.name}: commit {commit} is not in this clone's history"
-        diff = subprocess.run(["git", "diff", "--stat", commit, "--", *GEMM_CODE], cwd=repo, capture_output=True,
-                              text=True, check=True)  # fmt: skip
-        assert diff.stdout == "", f"{path.name}: checked at {commit[:7]}; the GEMM code changed since:\n{diff.stdout}"
+        for name in GEMM_CODE:
+            then = subprocess.run(["git", "show", f"{commit}:{name}"], cwd=repo, capture_output=True, text=True,
+                                  check=True).stdout  # fmt: skip
+            changed = code_of(then) != code_of((repo / name).read_text())
+            assert not changed, f"{path.name}: checked at {commit[:7]}; the code of {name} changed since"
+
+
+def test_the_table_check_sees_code_and_not_prose():
+    source = '"""Doc."""\n\ndef f(x):\n    """Doc."""\n    return x + 1  # note\n'
+    assert code_of(source) == code_of(source.replace("Doc.", "Other words.").replace("# note", ""))
+    assert code_of(source) != code_of(source.replace("x + 1", "x + 2"))
 
 
 class FakeMatmul:

@@ -293,8 +293,8 @@ def test_one_builder_builds_every_cpu_stage():
         assert isinstance(built[name], EngineBackbone) and built[name].config == config_of(name).on("cpu")
         assert built[name].name == name
     assert built["graphs"].grid and built["graphs"].graphs is None  # bucketed plans, run eagerly on the CPU
-    ablation = build_backbone(everything_but("graphs"), ctx)
-    assert ablation.name == "tree"
+    assert build_backbone(everything_but("gemm"), ctx).name == "graphs"
+    assert build_backbone(everything_but("graphs"), ctx).name == "tree[gemm=tuned]"  # the nearest stage, and its delta
     nearest = build_backbone(config_of("merged", layout="tree"), ctx)
     assert nearest.name == "merged[layout=tree]"  # the nearest stage, and what differs
 
