@@ -169,7 +169,7 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
 
 def variant_launches() -> list[tuple[str, Callable[[], Any]]]:
     """(label, call) of the probe variants that the engine does not launch by default, at the 27B shapes: the GDN
-    core's split schedule (`kernels.gdn_chunk_split`, two launches a call) as `ablations.gdn_chunk_probe` runs it,
+    core's split schedule (`kernels.gdn_chunk_split`, two launches a call) as `measure.gdn_chunk_probe` runs it,
     BV = V with 8 warps and BV 64 with 4 warps, on drone's bucket (18 sequences, 26 chunks) and a 5-sequence hand-off
     call with initial and final states (7 chunks)."""
     from kernels.gdn_chunk import gdn_chunk_forward

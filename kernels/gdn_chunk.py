@@ -67,43 +67,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, round_to_bf16, to_bf16, to_f32
+from kernels import gdn_chunk_split
+from kernels.gdn_chunk_operands import LOG2_CHUNK, RCP_LN2, _bf16_point, _loaded_operand, _operand
+from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
-LOG2_CHUNK = tl.constexpr(6)
-RCP_LN2 = tl.constexpr(1.4426950216)  # FLA's constant (fla.ops.utils.constant.RCP_LN2): γ in log2 units
 NUM_WARPS = 8
 NUM_STAGES = 2
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 SCHEDULES = ("fused", "split")  # one launch; two (kernels.gdn_chunk_split): w/u per chunk in parallel, then the state
-
-
-@triton.jit
-def _bf16_point(x, ROUND: tl.constexpr):
-    """A rounding point: x rounded to bf16 (kept as fp32) when ROUND, else x."""
-    if ROUND:
-        x = round_to_bf16(x)
-    return x
-
-
-@triton.jit
-def _operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
-    """x (fp32, bf16-exact when ROUND) as a dot operand: bf16 on CUDA when ROUND (exact), else fp32."""
-    if ROUND and not TORCH_CPU:
-        y = x.to(tl.bfloat16)
-    else:
-        y = x
-    return y
-
-
-@triton.jit
-def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
-    """A loaded bf16 tile as a dot operand: itself on CUDA when ROUND, else fp32 (exact)."""
-    if ROUND and not TORCH_CPU:
-        y = x16
-    else:
-        y = to_f32(x16)
-    return y
 
 
 @triton.jit
@@ -297,8 +269,6 @@ def gdn_chunk_forward(
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
     if schedule == "split":
-        from kernels import gdn_chunk_split  # imports this module's device functions
-
         if chunk_indices is None:
             chunk_indices = gdn_chunk_split.chunk_indices_of(
                 cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu

@@ -31,7 +31,7 @@ dot of both kernels the fused kernel's MMA version, instruction shape and precis
 layout at BV 64 / 4 warps; at BV 128 / 8 warps the w and u dots of the first launch are laid over warps [4, 2] where
 the fused kernel has [8, 1] (same instruction, same k order). tests/test_gpu_gdn_chunk.py
 `test_split_schedule_is_the_fused_kernel_bit_for_bit` and the probe's `bit_equal_share_vs_twin`
-(`ablations.gdn_chunk_probe`) check it. Untimed (engine/stages/core.md, "Split schedule").
+(`measure.gdn_chunk_probe`) check it. Untimed (engine/stages/core.md, "Split schedule").
 
 The chunk index must come from the caller (the plan's, built on the host with the plan: no host sync, so the launch
 can be captured in a CUDA graph); `chunk_indices_of` builds it from host bounds for other callers.
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdn_chunk import LOG2_CHUNK, RCP_LN2, _bf16_point, _loaded_operand, _operand
+from kernels.gdn_chunk_operands import LOG2_CHUNK, RCP_LN2, _bf16_point, _loaded_operand, _operand
 from kernels.numerics import to_bf16, to_f32
 
 
