@@ -19,9 +19,6 @@ from ablations.records import DASH, headline_of, measured, ms, sci, stage_by_nam
 
 MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
 NO_FAMILIES_SHORT = "no per-family kernel times in this record (older runner or CPU run)"
-# Stages the ladder plans after the registry's (ARCHITECTURE.md): the report names each as not built while the registry
-# lacks it (issue 14's `gemm` is registered now, as `unmeasured` until an H200 record times it).
-NOT_YET_BUILT: tuple[str, ...] = ()
 NO_PROBES = "not measured by the runner yet (this record has no probes)"
 
 

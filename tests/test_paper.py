@@ -19,10 +19,10 @@ from engine.stages import STAGE_LIST, get_stage
 from paper import build, figures, readme, serving, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SECTIONS = ["Method", "Environment", "Latency ladder", "Where the time goes", "Kernels and GPU-busy time", "Targets",
-            "Correctness", "Where each path departs", "Probes", "Stages", "Serving", "Failed attempts",
-            "Limits"]  # fmt: skip
-PARTIAL_TEXT = "partial run: stopped before completion; fused timed on 1 of 2 workloads; tree not reached"
+SECTIONS = ["Method", "Records", "Serving", "Failed attempts", "Limits"]
+PARTIAL_TEXT = (
+    "partial run: stopped before completion; fused pending: timed on 1 of 2 workloads; tree not reached (run stopped)"
+)
 
 
 def timed(workload_id: str, median: float, *, gpu: bool, rows: int = 971) -> dict:
@@ -122,7 +122,7 @@ def results(tmp_path: Path) -> Path:
 def test_figures_from_the_newest_complete_record_and_a_newer_partial_one(results):
     assert figures.main(["--results", str(results)]) == 0
     for name in ("gpu-27b-partial", "gpu-27b", "cpu-tiny"):
-        for kind in ("ladder", "workloads", "kernels", "time", "states"):
+        for kind in figures.FIGURES:
             png = results / "figures" / f"{kind}-{name}.png"
             assert png.read_bytes()[:8] == PNG_MAGIC, png
     summary = json.loads((results / "figures" / "summary.json").read_text())
@@ -135,7 +135,9 @@ def test_figures_from_the_newest_complete_record_and_a_newer_partial_one(results
     assert (partial["partial"], gpu["partial"], cpu["partial"]) == (True, False, False)
     assert partial["label"] == "gpu-27b on NVIDIA H200 — partial run" and gpu["label"] == "gpu-27b on NVIDIA H200"
     assert (partial["completeness"], gpu["completeness"]) == (PARTIAL_TEXT, "complete run")
-    assert summary["newest_utc"] == "2026-11-30T11:00:00Z" and summary["synthetic"] is True
+    assert summary["newest_utc"] == "2026-11-30T11:00:00Z"
+    assert (partial["headline_stages"], gpu["headline_stages"]) == (["hf_torch", "hf_fla", "merged", "fused"],
+                                                                    ["hf_torch", "hf_fla", "merged"])  # fmt: skip
 
 
 def _write(runs: Path, name: str, record: dict) -> None:
@@ -217,11 +219,11 @@ def _titles(monkeypatch) -> list[str]:
     """Per figure drawn (in order), its titles and texts joined (figures._save is wrapped for the test)."""
     texts, save = [], figures._save
 
-    def keep_texts(fig, path, svg):
+    def keep_texts(fig, path):
         parts = [fig.get_suptitle(), *(ax.get_title() for ax in fig.axes)]
         parts += [text.get_text() for ax in fig.axes for text in ax.texts]
         texts.append(" | ".join(parts))
-        save(fig, path, svg)
+        save(fig, path)
 
     monkeypatch.setattr(figures, "_save", keep_texts)
     return texts
@@ -230,7 +232,7 @@ def _titles(monkeypatch) -> list[str]:
 def test_partial_figures_say_so_and_draw_the_pending_stage_where_it_was_timed(results, monkeypatch):
     texts = _titles(monkeypatch)
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    partial_titles, complete_titles = texts[:5], texts[5:]
+    partial_titles, complete_titles = texts[: len(figures.FIGURES)], texts[len(figures.FIGURES) :]
     assert all(PARTIAL_TEXT.upper() in t for t in partial_titles)
     assert not any("PARTIAL" in t for t in complete_titles)
     assert "not reached\n(run stopped)" in partial_titles[0]  # the ladder's tree slot
@@ -240,30 +242,23 @@ def test_partial_figures_say_so_and_draw_the_pending_stage_where_it_was_timed(re
     assert by_stage["fused"]["status"] == "pending: timed on 1 of 2 workloads"
     assert by_stage["fused"]["median ms"] == "60.00" and by_stage["fused"]["× vs hf_fla"] == "1.67×"
     assert by_stage["tree"]["status"] == "not reached (run stopped)" and by_stage["tree"]["median ms"] == records.DASH
-    assert partial["workloads"][0][-1] == "fused (partial: 1 of 2)"
-    assert partial["workloads"][2][-1] == records.DASH  # fused never reached customer_service
-    assert "fused (partial: 1 of 2)" in {row[0] for row in partial["correctness"][1:]}
+    assert "fused (partial: 1 of 2)" in {row[0] for row in partial["exactness"][1:]}
+    assert "tree (not reached (run stopped))" in {row[0] for row in partial["exactness"][1:]}
 
 
-def test_time_table_families_idle_and_host_time(results, monkeypatch):
+def test_kernel_profile_families_idle_and_host_time(results, monkeypatch):
     texts = _titles(monkeypatch)
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    partial, complete = json.loads((results / "figures" / "summary.json").read_text())["plans"]
-    time = partial["time"]
-    assert time["measured"]
-    header, *rows = time["table"]
-    assert header[:7] == ["stage", "median ms", "GEMM ms (calls)", "GDN core ms (calls)", "attention core ms (calls)",
-                          "our ms (calls)", "other ms (calls)"]  # fmt: skip
-    by_stage = {row[0]: dict(zip(header, row)) for row in rows}
-    assert list(by_stage) == ["hf_torch", "hf_fla", "merged", "fused (partial: 1 of 2)"]
-    fused = by_stage["fused (partial: 1 of 2)"]
-    assert fused["GEMM ms (calls)"] == "40.00 (0)" and fused["our ms (calls)"] == "4.00 (30)"
-    assert fused["GPU idle ms"] == "9.00"  # 60 - (40 + 5 + 1 + 4 + 1)
-    assert fused["host launch ms"] == "45.00" and fused["host / median"] == "75%" and fused["× core"] == "1.30×"
-    assert by_stage["hf_torch"]["GPU idle ms"] == "8.00" and by_stage["hf_fla"]["GPU idle ms"] == "8.00"
-    assert not complete["time"]["measured"] and complete["time"]["text"] == tables.NO_FAMILIES
+    rows = {r["heading"]: r for r in tables.time_rows(records.read_record(results / "runs" / "running.json"))}
+    assert list(rows) == ["hf_torch", "hf_fla", "merged", "fused (partial: 1 of 2)"]
+    fused = rows["fused (partial: 1 of 2)"]
+    assert list(fused["families"]) == list(tables.FAMILIES) and fused["families"]["ours"]["ms_per_forward"] == 4.0
+    assert fused["idle_ms"] == 9.0  # 60 - (40 + 5 + 1 + 4 + 1)
+    assert fused["host_median_ms"] == 45.0 and fused["core_multiple"] == pytest.approx(60.0 / 46.0)
+    assert rows["hf_torch"]["idle_ms"] == 8.0 and rows["hf_fla"]["idle_ms"] == 8.0
+    assert tables.time_rows(records.read_record(results / "runs" / "new.json")) == []
     time_texts = [t for t in texts if "Where the time goes" in t]
-    assert len(time_texts) == 2 and "No per-family kernel times" in time_texts[1]
+    assert len(time_texts) == 2 and tables.NO_FAMILIES in time_texts[1]
 
 
 def test_gpu_idle_is_clipped_at_zero():
@@ -276,7 +271,7 @@ def test_gpu_idle_is_clipped_at_zero():
 def test_family_order_is_the_runners():
     from ablations.timing import CORE_FAMILIES, FAMILIES
 
-    assert set(tables.FAMILY_ORDER) == set(FAMILIES) and set(CORE_FAMILIES) <= set(tables.FAMILY_ORDER)
+    assert set(tables.FAMILIES) == set(FAMILIES) and set(CORE_FAMILIES) <= set(tables.FAMILIES)
 
 
 def _outcomes(record: dict) -> dict[str, str]:
@@ -449,8 +444,8 @@ def test_ladder_table_speedups_floors_and_untimed_stages(results):
     assert by_stage["merged"]["× floor"] == "4.3" and by_stage["merged"]["kernels"] == "4,000"
     assert by_stage["fused"]["status"] == "gate-red" and by_stage["fused"]["median ms"] == records.DASH
     assert by_stage["fused"]["gate"] == "red"
-    correctness_stages = {row[0] for row in gpu["correctness"][1:]}
-    assert correctness_stages == {"hf_torch", "hf_fla", "merged"}
+    assert [row[0] for row in gpu["exactness"][1:]] == ["hf_torch", "hf_fla", "merged", "fused (gate-red)"]
+    assert gpu["exactness"][3][2:5] == ["1.00e-03", "2.00e-03", records.DASH]  # merged: |dp|, RMSE, no vs_builds_on
 
 
 def test_cpu_record_has_no_kernel_counts(results):
@@ -458,7 +453,7 @@ def test_cpu_record_has_no_kernel_counts(results):
     (cpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     header, *rows = cpu["ladder"]
     assert all(dict(zip(header, row))["kernels"] == records.DASH for row in rows)
-    assert ["machine", "CPU only (Test CPU)"] in cpu["environment"]
+    assert "CPU only (Test CPU), CPU Test CPU (16 cores)" in cpu["run"] and "3 warm-up and 30 timed runs" in cpu["run"]
 
 
 def test_a_named_record_and_the_results_variable(results, monkeypatch):
@@ -488,7 +483,7 @@ def _query(results: Path, selector: str, field: str | None = None):
             selector,
             field=field,
             root=str(results),
-            sys_inputs={"summary": "/" + build.SUMMARY},
+            sys_inputs={"summary": "/" + figures.SUMMARY_FILE},
         )
     )
 
@@ -507,8 +502,7 @@ def test_report_builds_a_pdf_with_every_section_and_the_synthetic_statement(resu
     assert any(h == "gpu-27b on NVIDIA H200" for h in plan_headings)
     assert any(h == "gpu-27b on NVIDIA H200 — partial run" for h in plan_headings)
     assert len(_query(results, "<targets-table>")) == 3
-    assert len(_query(results, "<time-table>")) == 1 and len(_query(results, "<time-not-measured>")) == 2
-    assert len(_query(results, "<probe-not-measured>")) == 2 * len(tables.PROBE_TABLES)  # no probes in these records
+    assert _query(results, "<gemm-over-graphs>") == [] and len(_query(results, "<jevbench-table>")) == 1
 
 
 def test_report_without_records_says_so(tmp_path):
@@ -539,17 +533,14 @@ def test_the_readme_carries_the_generated_ladder_of_the_committed_records():
     """README.md's ladder block is exactly what paper.figures writes from the committed records (never hand-edited)."""
     from paper.figures import plan_summary, select_records
     from paper.readme import README_END, README_START, replace_between_markers
-    from paper.readme import ladder as readme_ladder
     from paper.tables import REPO
 
     root = REPO / "results"
-    readme = (REPO / "README.md").read_text()
+    text = (REPO / "README.md").read_text()
     plans = [plan_summary(record, path, root) for path, record in select_records(root, None, [])]
-    assert replace_between_markers(readme, readme_ladder(plans)) == readme
-    assert readme.index(README_START) < readme.index(README_END)
-
-
-BIT_IDENTITY_HEADING = "Fused kernels against their reference compositions on captured activations"
+    summary = {"plans": plans, "gemm_over_graphs": tables.gemm_over_graphs(root)}
+    assert replace_between_markers(text, readme.ladder(summary)) == text
+    assert text.index(README_START) < text.index(README_END)
 
 
 def bit_identity(error: str | None = None) -> dict:
@@ -580,7 +571,7 @@ def test_bit_identity_table_reaches_the_summary_and_the_report(results):
     bits = gpu["bit_identity"]
     assert (
         bits["measured"]
-        and "drone request (7 candidates, 971 real tokens) at layers 0 (GDN), 3 (attention)" in (bits["text"])
+        and "of drone (7 candidates, 971 tokens) at layers 0 (GDN), 3 (attention): 2 of 2 outputs" in (bits["text"])
     )
     header, bitwise, one_off = bits["table"]
     assert header[:5] == ["layer", "kernel", "output", "elements", "bit-identical"]
@@ -589,9 +580,7 @@ def test_bit_identity_table_reaches_the_summary_and_the_report(results):
     assert not cpu["bit_identity"]["measured"] and cpu["bit_identity"]["text"].startswith("Not measured in this record")
     build.build(results)
     assert len(_query(results, "<bit-identity-table>")) == 1
-    assert len(_query(results, "<bit-identity-not-measured>")) == 2
-    subheadings = [h["text"] for h in _query(results, "heading.where(level: 3)", "body")]
-    assert subheadings.count(BIT_IDENTITY_HEADING) == 3
+    assert len(_query(results, "<bit-identity-missing>")) == 2
 
 
 def test_a_failed_bit_identity_step_is_reported_as_not_measured(results):
@@ -599,23 +588,9 @@ def test_a_failed_bit_identity_step_is_reported_as_not_measured(results):
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
     (_, gpu) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     assert not gpu["bit_identity"]["measured"]
-    assert gpu["bit_identity"]["text"] == "Not measured in this record: the step failed (RuntimeError: out of memory)."
+    assert gpu["bit_identity"]["text"] == "Not measured in this record (RuntimeError: out of memory)."
     build.build(results)
-    assert "RuntimeError: out of memory" in json.dumps(_query(results, "<bit-identity-not-measured>"))
-
-
-def test_a_summary_written_before_the_bit_identity_step_still_builds(results):
-    """The committed summary.json predates the field: the report says the table is not measured."""
-    figures.main(["--results", str(results)])
-    path = results / "figures" / "summary.json"
-    summary = json.loads(path.read_text())
-    for plan in summary["plans"]:
-        del plan["bit_identity"]
-    path.write_text(json.dumps(summary))
-    build.build(results)
-    missing = _query(results, "<bit-identity-not-measured>")
-    assert len(missing) == 3 and "Not measured in this record" in json.dumps(missing)
-    assert not _query(results, "<bit-identity-table>")
+    assert "RuntimeError: out of memory" in json.dumps(_query(results, "<bit-identity-missing>"))
 
 
 def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_report(results):
@@ -625,10 +600,7 @@ def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_re
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
     partial, _ = json.loads((results / "figures" / "summary.json").read_text())["plans"]
     bits = partial["bit_identity"]
-    assert (
-        "1 of 2 outputs meet" in bits["text"]
-        and "NOT as declared (1, marked NO below): layer 3 attn_prep.q" in (bits["text"])
-    )
+    assert "1 of 2 outputs meet" in bits["text"] and "NOT as declared: layer 3 attn_prep.q." in (bits["text"])
     assert [row[-1] for row in bits["table"][1:]] == ["yes", "NO"]
     build.build(results)
     (table,) = _query(results, "<bit-identity-table>")
@@ -637,14 +609,33 @@ def test_a_kernel_off_its_declared_exactness_is_marked_in_the_summary_and_the_re
 
 def test_the_readme_block_carries_both_records_partial_first(results):
     figures.main(["--results", str(results), "--plan", "gpu-27b"])
-    block = readme.ladder(json.loads((results / "figures" / "summary.json").read_text())["plans"])
+    block = readme.ladder(json.loads((results / "figures" / "summary.json").read_text()))
     partial_at = block.index("**gpu-27b on NVIDIA H200 — partial run**")
     complete_at = block.index("**gpu-27b on NVIDIA H200**")
     assert partial_at < complete_at
-    assert f"(record `runs/running.json`, {PARTIAL_TEXT}; synthetic weights)" in block
-    assert "(record `runs/new.json`, complete run; synthetic weights)" in block
+    assert f"(record `runs/running.json`, {PARTIAL_TEXT}; synthetic weights)" in block  # it timed fused, new.json not
+    assert "median of 30 CUDA-event timings (record `runs/new.json`, complete run; synthetic weights)" in block
     assert "![ladder](results/figures/ladder-gpu-27b-partial.png)" in block
     assert "![ladder](results/figures/ladder-gpu-27b.png)" in block
+
+
+def test_a_partial_record_that_timed_nothing_new_on_the_headline_stays_out_of_the_readme(results):
+    """The partial run cut inside hf_fla: the complete record timed hf_torch and hf_fla, so only the report has it."""
+    cut = fake_record("gpu-27b", "2026-11-30T12:00:00Z", gpu=True, medians={"hf_torch": 170.0, "hf_fla": 110.0})
+    cut["complete"] = False
+    cut["stages"][1] |= {"status": "pending", "workloads": cut["stages"][1]["workloads"][:1]}
+    _write(results / "runs", "cut.json", cut)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    summary = json.loads((results / "figures" / "summary.json").read_text())
+    assert [p["record"] for p in summary["plans"]] == ["runs/cut.json", "runs/new.json"]  # the report shows both
+    assert [p["record"] for p in readme.shown_plans(summary["plans"])] == ["runs/new.json"]
+    assert "runs/cut.json" not in readme.ladder(summary)
+    cut["stages"][1]["workloads"] = []  # hf_fla never reached drone either: still nothing new
+    _write(results / "runs", "cut.json", cut)
+    figures.main(["--results", str(results), "--plan", "gpu-27b"])
+    assert "runs/cut.json" not in readme.ladder(json.loads((results / "figures" / "summary.json").read_text()))
+    alone = [p for p in summary["plans"] if p["partial"]]  # a plan with no complete record shows its partial one
+    assert readme.shown_plans(alone) == alone
 
 
 # ------------------------------------------------------------------------------------------ where each path departs
@@ -676,107 +667,14 @@ def departures_record() -> dict:
     return record
 
 
-def test_departures_table_names_the_first_departing_state_and_handles_zeros():
-    summary = tables.departures_summary(departures_record())
-    assert summary["measured"]
-    header, *rows = summary["table"]
-    assert header == ["stage", "first departing state", "rel RMSE layer 1", "rel RMSE layer 64",
-                      "rel RMSE final norm", "largest rel RMSE (state)", "max |dp| vs hf_fla"]  # fmt: skip
-    by_stage = {row[0]: row[1:] for row in rows}
-    assert list(by_stage) == ["hf_torch", "merged", "fused", "tree"]  # not the reference
-    assert by_stage["hf_torch"] == ["embedding", "2.00e-03", "6.50e-02", "6.60e-02", "6.60e-02 (final norm)",
-                                    "2.50e-03"]  # fmt: skip
-    assert by_stage["merged"] == ["final norm", "0", "0", "4.00e-04", "4.00e-04 (final norm)", "1.00e-03"]
-    assert by_stage["fused"] == ["not timed: gate red", *[records.DASH] * 5]
-    assert by_stage["tree"] == ["none: bitwise", "0", "0", "0", "0", "1.00e-03"]
-    text = summary["text"]
-    assert text.startswith("Against hf_fla (the plan's reference), on the drone request")
-    assert "all 7 candidates (971 tokens)" in text and "after the k-th of 64 layers" in text
-    assert "Full-attention layers: 4, 8, 12," in text and "Synthetic weights." in text
-    assert "No per-state comparison" not in text
-
-
-def test_departures_layer_k_and_a_stage_without_the_fields():
-    cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0, "merged": 40.0,
-                                                                                "fused": 50.0})  # fmt: skip
-    peak = [0.0, 0.0, 0.0, 0.0, 3e-4, 9e-3, 2e-3, 2e-3, 2e-3, 2.2e-3]  # largest after layer 5, not at the end
-    with_states(cpu, "merged", peak, 4)
-    summary = tables.departures_summary(cpu)
-    by_stage = {row[0]: row[1:] for row in summary["table"][1:]}
-    assert by_stage["merged"] == ["layer 4", "0", "2.00e-03", "2.20e-03", "9.00e-03 (layer 5)", "1.00e-03"]
-    assert by_stage["fused"] == ["not measured", *[records.DASH] * 4, "1.00e-03"]
-    assert summary["table"][0][-1] == "max |dp| vs hf_torch"
-    assert summary["text"].endswith("No per-state comparison for: fused.")
-    # fake_record's weights say qwen3.8-27b (64 layers): a pattern that does not fit 10 states is not shown
-    assert "Full-attention" not in summary["text"]
-    cpu["weights"]["shapes"] = "tiny"
-    assert "Full-attention layers: 4, 8; the others are Gated DeltaNet." in tables.departures_summary(cpu)["text"]
-    assert [tables.state_name(i, 10) for i in (0, 1, 8, 9)] == ["embedding", "layer 1", "layer 8", "final norm"]
-
-
-def test_a_record_without_the_fields_says_not_measured_and_still_gets_a_figure(results, monkeypatch):
-    texts = _titles(monkeypatch)
-    figures.main(["--results", str(results), "--plan", "cpu-tiny"])
-    (cpu,) = json.loads((results / "figures" / "summary.json").read_text())["plans"]
-    assert cpu["departures"] == {"measured": False, "text": f"{tables.NO_STATES} Synthetic weights.", "table": []}
-    assert cpu["figures"]["states"] == "/figures/states-cpu-tiny.png"
-    assert (results / "figures" / "states-cpu-tiny.png").read_bytes()[:8] == PNG_MAGIC
-    (states_text,) = [t for t in texts if "Where each path departs" in t]
-    assert "Not measured in this record:" in states_text
-
-
-def test_states_figure_draws_zeros_on_the_floor_band_and_stars_the_first_departure():
-    record = departures_record()
-    fig = figures.states_figure(record)
-    (ax,) = fig.axes
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    torch_line = lines["hf_torch: departs at embedding"]
-    merged_line = lines["merged: departs at final norm"]
-    tree_line = lines["tree: bit-identical throughout"]
-    floor = min(tree_line.get_ydata())
-    assert 0 < floor < 2e-3 / 10  # below the smallest non-zero value, on a log axis
-    for line in (torch_line, merged_line, tree_line):
-        assert len(line.get_xdata()) == GPU_STATES  # every state drawn, zeros included
-    assert list(tree_line.get_ydata()) == [floor] * GPU_STATES
-    assert list(merged_line.get_ydata()) == [floor] * 65 + [4e-4]
-    assert list(torch_line.get_ydata()) == departing(GPU_STATES, 0)
-    stars = [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines() if line.get_marker() == "*"]
-    assert ([0], [1e-3]) in stars and ([65], [4e-4]) in stars and len(stars) == 3  # 2 departures + legend entry
-    assert "0: bit-identical" in [label.get_text() for label in ax.get_yticklabels()]
-    assert ax.get_yscale() == "log" and ax.get_ylim()[0] < floor
-    ticks = [label.get_text() for label in ax.get_xticklabels()]
-    assert ticks[:3] == ["embedding", "1", "4"] and ticks[-2:] == ["64", "final norm"]
-    shaded = [p for p in ax.patches if p.get_label() == "full-attention layer (others Gated DeltaNet)"]
-    assert len(shaded) == 1 and len(ax.patches) == 16 + 1  # 16 attention layers + the floor band
-    assert "Where each path departs from hf_fla" in ax.get_title() and "synthetic weights" in ax.get_title()
-
-
-def test_states_figure_is_written(tmp_path):
-    figures._save(figures.states_figure(departures_record()), tmp_path / "states.png", False)
-    assert (tmp_path / "states.png").read_bytes()[:8] == PNG_MAGIC
-
-
-def test_the_departures_section_in_the_report(results):
-    path = results / "runs" / "new.json"
-    record = json.loads(path.read_text())
-    stages = {s["name"]: s for s in record["stages"]}
-    stages["hf_fla"]["workloads"][0] |= {"state_rel_rmse": departing(GPU_STATES, None), "first_departing_state": None}
-    for name, first in (("hf_torch", 2), ("merged", 4)):
-        stages[name]["workloads"][0] |= {"state_rel_rmse": departing(GPU_STATES, first), "first_departing_state": first}
-    records.write_record(record, path)
-    figures.main(["--results", str(results)])
-    build.build(results)
-    (table,) = _query(results, "<departures-table>")
-    assert "layer 2" in json.dumps(table) and "layer 4" in json.dumps(table)
-    assert len(_query(results, "<departures-not-measured>")) == 2  # the partial GPU and the CPU record
-    summary_path = results / "figures" / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    for plan in summary["plans"]:
-        del plan["departures"]  # a summary written before this section
-    summary_path.write_text(json.dumps(summary))
-    build.build(results)
-    missing = _query(results, "<departures-not-measured>")
-    assert len(missing) == 3 and "predates the per-state comparison" in json.dumps(missing)
+def test_exactness_names_the_first_departing_state_on_the_headline():
+    header, *rows = tables.exactness_table(departures_record())
+    assert header[-1] == "first state departing from hf_fla"
+    by_stage = {row[0]: row[-1] for row in rows}
+    assert by_stage == {"hf_torch": "0 of 65", "hf_fla": "none: bitwise", "merged": "65 of 65",
+                        "fused (gate-red)": records.DASH, "tree": "none: bitwise"}  # fmt: skip
+    cpu = fake_record("cpu-tiny", "2026-11-30T08:00:00Z", gpu=False, medians={"hf_torch": 30.0})
+    assert tables.exactness_table(cpu)[1][-1] == records.DASH  # no per-state comparison in the record
 
 
 def test_paper_figures_imports_no_torch():
@@ -788,31 +686,16 @@ def test_paper_figures_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tables.REPO)
 
 
-def test_probe_tables_come_from_the_record_and_say_when_not_measured():
+def test_a_record_without_probes_takes_those_of_a_newer_record_of_its_plan():
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
-    none = {t["title"]: t for t in tables.probe_tables(record, [])}
-    assert all(t["table"] == [] and t["text"].startswith("Not measured by the runner yet") for t in none.values())
-    record["probes"] = {"engine_checks": FAKE_ENGINE, "gemm_rows": FAKE_GEMM_ROWS,
-                        "kernel_tiles": {"error": "exit 1: boom", "seconds": 2.0}}  # fmt: skip
-    found = {t["title"]: t for t in tables.probe_tables(record, [])}
-    engine = found["Whole-model checks of the engine"]
-    assert engine["table"][1] == ["fused vs hf_fla", "1", "3.00e-02", "5.00e-03"]
-    assert "NOT bit-identical at every state" in engine["text"]
-    gemm = found["cuBLAS row-count invariance (27B GEMM shapes)"]
-    assert gemm["table"][1] == ["down (5120 × 17408)", "1", "0 of 1", "1 of 1", "68.0 → 75.0"]
-    assert found["Tile shapes of the costliest fused kernels"]["text"] == "The kernel_tiles probe failed: exit 1: boom"
-    assert found["GDN state hand-off against prefilling once"]["table"] == []
-    # a record without probes takes those of a newer record of its plan, and names it (fabricated inputs)
+    record["probes"] = {"engine_checks": FAKE_ENGINE, "gemm_rows": FAKE_GEMM_ROWS}
     older = fake_record("gpu-27b", "2026-11-29T10:00:00Z", gpu=True, medians={"hf_fla": 100.0})
     later = [(Path("results/runs/probe-run.json"), record)]
-    borrowed = {t["title"]: t for t in tables.probe_tables(older, later)}
-    assert borrowed["Whole-model checks of the engine"]["table"] == engine["table"]
-    assert "from runs/probe-run.json" in borrowed["Whole-model checks of the engine"]["text"]
     assert targets.probes_of(older, later) == (record["probes"], later[0][0])
-    assert targets.probes_of(older, []) == ({}, None)
+    assert targets.probes_of(older, []) == ({}, None) and targets.probes_of(record, []) == (record["probes"], None)
 
 
-def test_overview_speedups_per_workload_class_exactness_and_what_is_missing(monkeypatch):
+def test_overview_speedups_per_workload_class_exactness_and_what_is_missing():
     medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": None, "tree": 40.0}
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
     header, *rows = tables.class_speedups(record)
@@ -823,14 +706,15 @@ def test_overview_speedups_per_workload_class_exactness_and_what_is_missing(monk
     header, *rows = tables.class_speedups(record)
     assert header == ["stage", "ungrouped (1)", "jevbench (1)"] and rows[2][1:] == ["1.25× (1)", "1.25× (1)"]
     assert "fused" not in by_stage  # gate red: not timed
-    header, *rows = tables.measured_exactness(record)
+    header, *rows = tables.exactness_table(record)
     assert rows[3][0] == "fused (gate-red)"
     missing = tables.still_missing(record, targets.evaluate(record))
     assert "stage fused: gate-red" in missing
-    assert "stages registered but never measured: gemm, core" in missing
-    monkeypatch.setattr(targets, "NOT_YET_BUILT", ("fp8",))
-    assert "stages not built yet: fp8" in tables.still_missing(record, targets.evaluate(record))
-    assert any(m.startswith("probes (") for m in missing)
+    assert not any(item.startswith("stages registered but never measured") for item in missing)  # none is now
+    record["registry"].append({**get_stage("core").describe(), "name": "fp8", "registry_status": "unmeasured"})
+    missing = tables.still_missing(record, targets.evaluate(record))
+    assert missing[-1] == "stages registered but never measured: fp8"
+    assert "issue 4 target not measured: kernels per fused forward <= 700 (–)" in missing
 
 
 def test_attempts_recorded_after_the_newest_run_reach_the_report_table(results, monkeypatch):
@@ -868,7 +752,7 @@ def test_gemm_over_graphs_comes_from_the_newest_gpu_record_with_both_stages(resu
     # drone's medians are 40 and 38 ms (timed() takes the median of its samples), GEMM ms 0.4 x 40 and 0.36 x 38
     assert gemm["table"][1] == ["drone", "16.00", "13.68", "0.855×", "40.00", "38.00", "0.950×"]
     assert gemm["table"][2][:4] == ["customer_service", "48.00", "–", "–"] and gemm["table"][2][-1] == "0.950×"
-    block = readme.ladder(summary["plans"], gemm)
+    block = readme.ladder(summary)
     assert "(record `runs/gemm-new.json`, synthetic weights)" in block and "| drone | 16.00 | 13.68 | 0.855× |" in block
     build.build(results)
     (table,) = _query(results, "<gemm-over-graphs>")
@@ -880,7 +764,7 @@ def test_without_a_record_of_both_stages_there_is_no_gemm_table(results):
     figures.main(["--results", str(results)])
     summary = json.loads((results / "figures" / "summary.json").read_text())
     assert summary["gemm_over_graphs"] is None
-    assert "GEMM kernel time per forward" not in readme.ladder(summary["plans"], summary["gemm_over_graphs"])
+    assert "GEMM kernel time per forward" not in readme.ladder(summary)
     build.build(results)
     assert _query(results, "<gemm-over-graphs>") == []
 
@@ -914,12 +798,14 @@ def test_the_serving_block_has_the_newest_jevbench_run_per_backend_and_device(tm
     ]  # fmt: skip
     sweep = {"device": "gpu", "label": "graphs on NVIDIA H200", "record": "serving/run", "targets": "At 8 clients: x.",
              "table": [["clients"], ["1"]]}  # fmt: skip
-    block = readme.serving(table, [sweep, sweep | {"device": "cpu", "record": "serving/cpu-run"}])
+    block = readme.serving(
+        {"jevbench": table, "serving": [sweep, sweep | {"device": "cpu", "record": "serving/cpu-run"}]}
+    )
     assert "synthetic weights: latency and agreement, not accuracy" in block
     assert "| graphs | NVIDIA H200 | jevbench/20261130T1100Z-new-graphs |" in block and "old-graphs" not in block
     assert "Client sweep, graphs on NVIDIA H200 (run `serving/run`" in block and "serving/cpu-run" not in block
     assert serving.jevbench_table(tmp_path / "empty") == [serving.JEVBENCH_HEADER]
-    assert "No JevBench run yet." in readme.serving([serving.JEVBENCH_HEADER], [])
+    assert "No JevBench run yet." in readme.serving({"jevbench": [serving.JEVBENCH_HEADER], "serving": []})
 
 
 def test_the_readme_carries_the_generated_serving_block_of_the_committed_runs():
@@ -927,6 +813,6 @@ def test_the_readme_carries_the_generated_serving_block_of_the_committed_runs():
     from paper.tables import REPO
 
     root, text = REPO / "results", (REPO / "README.md").read_text()
-    block = readme.serving(serving.jevbench_table(root), serving.serving_summary(root))
+    block = readme.serving({"jevbench": serving.jevbench_table(root), "serving": serving.serving_summary(root)})
     assert readme.replace_between_markers(text, block, readme.SERVING_BLOCK) == text
     assert "| graphs | NVIDIA H200 |" in block
