@@ -28,7 +28,9 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    `profile_runs` calls under torch.profiler for kernels per forward and GPU-busy time (GPU only). A `graphs` stage
    also records each workload's bucket and graph hit, its padded / real rows and, on CUDA, the replay time of the
    request's own unpadded plan captured as one graph (`exact_graph_ms`, the yardstick of its padding cost) with
-   whether that graph's output is bit-identical to the stage's.
+   whether that graph's output is bit-identical to the stage's. Wall-clock seconds per workload (`wall_s`: prepare,
+   outputs, warm-up, timed and profiled calls, the exact-plan graph) and per stage (build, capture, workloads), so a
+   device campaign can be planned from the record.
 5. Correctness against the plan's reference stage, per workload: max |dp| over every candidate probability (the
    service's readout: per-question softmax of score / T), the relative RMSE ||h - h_ref|| / ||h_ref|| of the
    final-norm hidden states at the read positions (fp64 over all candidates), and the number of questions whose
@@ -397,6 +399,7 @@ class Run:
         }
 
     def measure(self, stage: Stage, backbone: Any, workload: Workload) -> tuple[dict[str, Any], Outputs]:
+        started = time.perf_counter()
         decision_plan = self.decision_plans[workload.id]
         label = f"{stage.name}/{workload.id}"
         cuda = self.device == "cuda"
@@ -452,6 +455,7 @@ class Run:
             print(f"finding: {stage.name} / {workload.id}: {result['below_floor']}", file=sys.stderr)
         result |= {"max_abs_dp": None, "hidden_rel_rmse": None, "argmax_flips": None}
         result["probabilities"] = outputs.probabilities
+        result["wall_s"] = time.perf_counter() - started
         return result, outputs
 
     def graph_facts(self, backbone: Any, prepared: Any, decision_plan: Any, outputs: Outputs) -> dict[str, Any]:
@@ -595,7 +599,7 @@ class Run:
                 self.measure_bit_identity()
             if self.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
+            start = stage_start = time.perf_counter()
             try:
                 with timing.nvtx_range(f"{stage.name} build", self.device == "cuda"):
                     backbone = build_backbone(stage.name, self.ctx)
@@ -635,6 +639,7 @@ class Run:
                 bar.update(1)
                 self.write()
             entry["status"] = "ok" if entry["workloads"] else "error"
+            entry["wall_s"] = time.perf_counter() - stage_start  # build, capture and every workload
             if not entry["workloads"]:
                 entry["reason"] = "every workload failed: " + "; ".join(e["error"] for e in entry["workload_errors"])
             if self.device == "cuda":
