@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         for path in (args.before, args.after):
-            shutil.copy2(path, args.out / path.name)
+            if not (args.out / path.name).exists() or not (args.out / path.name).samefile(path):  # a kept one stays
+                shutil.copy2(path, args.out / path.name)
     return 0 if rows and all(r["status"] == "identical" for r in rows) else 1
 
 

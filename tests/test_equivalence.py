@@ -34,3 +34,21 @@ def test_one_changed_bit_or_a_missing_pair_is_reported():
     assert rows[1]["status"] == "differs" and rows[1]["differing"] == ["probabilities"]
     with pytest.raises(ValueError, match="two plans"):
         compare(before, record("gpu-27b"))
+
+
+def test_out_copies_both_records_and_keeps_one_already_there(tmp_path, capsys):
+    """`--out` on the folder that holds `before` (the kept record of an earlier comparison) copies only `after`."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from measure.equivalence import main
+
+    committed = Path(__file__).resolve().parents[1] / "results" / "equivalence" / "20261202T154512Z-cpu-7d751a0.json"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy2(committed, kept / "before.json")
+    shutil.copy2(committed, tmp_path / "after.json")
+    assert main([str(kept / "before.json"), str(tmp_path / "after.json"), "--out", str(kept)]) == 0
+    assert sorted(p.name for p in kept.iterdir()) == ["after.json", "before.json"]
+    assert json.loads(capsys.readouterr().out)["after"] == "7d751a0"
