@@ -56,6 +56,19 @@ TARGETS = (
            "graphs median <= 1.10x the exact-plan graph replay on every workload served by a graph", device="cuda"),
     Target("graphs_bitwise_vs_tree", 13, "graphs", "workloads_differing", 0,
            "graphs answers bit-identical to tree on every workload of the record"),
+    Target("gemm_bitwise_vs_graphs", 20, "gemm", "workloads_differing", 0,
+           "gemm answers bit-identical to graphs on every workload of the record"),
+    Target("core_drone_non_gemm_ms", 22, "core", "non_gemm_ms", 5.0,
+           "core kernel time outside the GEMMs on drone <= 5.0 ms", device="cuda"),
+    Target("core_drone_ms", 22, "core", "median_ms", 31.0, "core median on drone <= 31 ms", device="cuda"),
+    Target("core_customer_service_non_gemm_ms", 22, "core", "non_gemm_ms", 15.0,
+           "core kernel time outside the GEMMs on customer_service <= 15 ms", device="cuda",
+           workload="customer_service"),
+    Target("core_long_context_vs_graphs", 22, "core", "median_ms", "graphs",
+           "core median on long-10k-choice-5 <= graphs' median in the same record", device="cuda",
+           workload="long-10k-choice-5"),
+    Target("core_fidelity", 22, "core", "max_abs_dp", "fused",
+           "core max |dp| vs the reference <= fused's max |dp| in the same record"),
 )  # fmt: skip
 
 
@@ -141,6 +154,8 @@ def _workload_of(record: dict, target: Target) -> tuple[dict | None, str]:
 
 
 def median_ms(record: dict, target: Target, followups: Followups) -> Measure:
+    """The stage's median on the target's workload; a stage name as the limit is that stage's median on the same
+    workload in the same record."""
     w, why = _workload_of(record, target)
     if w is None:
         return Measure(None, note=why)
@@ -148,7 +163,31 @@ def median_ms(record: dict, target: Target, followups: Followups) -> Measure:
     graph = w.get("graph") or {}
     if graph:
         note += f"; bucket {graph.get('bucket')}, graph {'hit' if graph.get('hit') else 'miss'}"
-    return Measure(w["median_ms"], f"{ms(w['median_ms'])} ms", note.lstrip("; "))
+    measure = Measure(w["median_ms"], f"{ms(w['median_ms'])} ms", note.lstrip("; "))
+    if isinstance(target.limit, str):
+        other = stage_by_name(record, target.limit)
+        theirs = measured(other, w["id"]) if other else None
+        measure.limit = None if theirs is None else theirs["median_ms"]
+        measure.limit_text = DASH if theirs is None else f"{ms(theirs['median_ms'])} ms ({target.limit})"
+        if theirs is None:
+            measure.note = f"{target.limit} not timed on {w['id']} in the same record"
+    return measure
+
+
+def non_gemm_ms(record: dict, target: Target, followups: Followups) -> Measure:
+    """Kernel time per forward outside the GEMM family (our kernels, the GDN and attention cores, the rest): the
+    profiled call's per-family sums (ablations/timing.py, `KERNEL_FAMILIES`)."""
+    w, why = _workload_of(record, target)
+    families = None if w is None else w.get("kernel_families")
+    if not families:
+        return Measure(None, note=why or NO_FAMILIES_SHORT)
+    outside = {name: f["ms_per_forward"] for name, f in families.items() if name != "gemm"}
+    value = sum(outside.values())
+    note = (
+        ", ".join(f"{name} {ms(v)}" for name, v in outside.items())
+        + f" ms; GEMMs {ms(families['gemm']['ms_per_forward'])} ms"
+    )
+    return Measure(value, f"{ms(value)} ms", note)
 
 
 def time_share_of_hf_fla(record: dict, target: Target, followups: Followups) -> Measure:
@@ -293,6 +332,7 @@ METRICS: dict[str, tuple[Callable[[dict, Target, Followups], Measure], Callable[
     "workloads_differing": (workloads_differing, lambda limit: f"{limit} differing"),
     "handoff_busy_ratio": (handoff_busy_ratio, _times),
     "median_ms": (median_ms, lambda limit: f"{limit:g} ms"),
+    "non_gemm_ms": (non_gemm_ms, lambda limit: f"{limit:g} ms"),
     "time_share_of_hf_fla": (time_share_of_hf_fla, lambda limit: f"{limit:.3f}"),
     "exact_graph_multiple": (exact_graph_multiple, _times),
 }
@@ -331,7 +371,7 @@ def evaluate(record: dict, followups: Followups = ()) -> list[dict[str, Any]]:
             outcome = NOT_MEASURED
         else:
             outcome = MET if m.value <= limit else MISSED
-        limit_text = m.limit_text if isinstance(target.limit, str) else limit_format(target.limit)
+        limit_text = (m.limit_text or DASH) if isinstance(target.limit, str) else limit_format(target.limit)
         rows.append({"id": target.id, "issue": target.issue, "what": target.text, "value": m.value, "limit": limit,
                      "measured": m.shown if m.value is not None else DASH, "limit_text": limit_text,
                      "outcome": outcome, "note": m.note})  # fmt: skip

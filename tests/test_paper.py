@@ -282,7 +282,7 @@ def _headline(record: dict, stage: str) -> dict:
     return figures.measured(tables.stage_by_name(record, stage), "drone")
 
 
-GRAPHS_NOT_TIMED = {t.id: "not measured" for t in targets.TARGETS if t.stage == "graphs"}
+GRAPHS_NOT_TIMED = {t.id: "not measured" for t in targets.TARGETS if t.stage in ("graphs", "gemm", "core")}
 
 
 def test_graphs_targets_are_measured_on_the_newest_run_that_timed_graphs():
@@ -360,7 +360,41 @@ def test_targets_met_missed_and_not_measured():
     assert rows["tree_rows_share"]["measured"] == "45.1% (451 of 1,000 rows)"
     assert rows["tree_rows_share"]["note"] == "unshared rows: merged's packed rows"
     assert {t.id for t in targets.TARGETS} == set(rows)
-    assert {r["issue"] for r in rows.values()} == {4, 5, 13}
+    assert {r["issue"] for r in rows.values()} == {4, 5, 13, 20, 22}
+
+
+def test_core_targets_against_limits_and_the_stages_of_the_same_record():
+    """Issue 22's targets: kernel time outside the GEMMs (every family but `gemm`), the drone median, the median on a
+    workload against another stage's on it in the same record, and max |dp| against fused's; issue 20's gemm bitwise
+    vs graphs. Made-up times: what is tested is how a record is read."""
+    medians = {"hf_fla": 100.0, "fused": 60.0, "graphs": 40.0, "gemm": 39.0, "core": 30.0}
+    record = fake_record("gpu-27b", "2026-12-03T10:00:00Z", gpu=True, medians=medians)
+    core = _headline(record, "core")
+    add_families(core, 25.0, 2.0, 0.5, 2.0, 0.4, 31.0)  # outside the GEMMs: 4.9 ms, met
+    tables.stage_by_name(record, "core")["workloads"][1]["id"] = "long-10k-choice-5"  # 90 ms
+    tables.stage_by_name(record, "graphs")["workloads"][1]["id"] = "long-10k-choice-5"  # 120 ms
+    for w in tables.stage_by_name(record, "gemm")["workloads"]:
+        w["vs_builds_on"] = {"stage": "graphs", "bitwise": True, "max_abs_dp": 0.0}
+    core["max_abs_dp"], _headline(record, "fused")["max_abs_dp"] = 2e-3, 3e-3
+    rows = {row["id"]: row for row in targets.evaluate(record)}
+    assert {k: rows[k]["outcome"] for k in rows if rows[k]["issue"] in (20, 22)} == {
+        "gemm_bitwise_vs_graphs": "met", "core_drone_non_gemm_ms": "met", "core_drone_ms": "met",
+        "core_customer_service_non_gemm_ms": "not measured", "core_long_context_vs_graphs": "met",
+        "core_fidelity": "met"}  # fmt: skip
+    assert rows["core_drone_non_gemm_ms"]["measured"] == "4.90 ms"
+    assert rows["core_drone_non_gemm_ms"]["note"].endswith("other 0.400 ms; GEMMs 25.00 ms")
+    assert rows["core_long_context_vs_graphs"]["limit_text"] == "120.0 ms (graphs)"
+    add_families(core, 25.0, 3.0, 0.5, 2.0, 0.4, 31.0)
+    tables.stage_by_name(record, "graphs")["workloads"][1]["median_ms"] = 80.0
+    core["max_abs_dp"] = 4e-3
+    tables.stage_by_name(record, "gemm")["workloads"][1]["vs_builds_on"]["bitwise"] = False
+    rows = {row["id"]: row for row in targets.evaluate(record)}
+    assert [rows[k]["outcome"] for k in ("core_drone_non_gemm_ms", "core_long_context_vs_graphs", "core_fidelity",
+                                         "gemm_bitwise_vs_graphs")] == ["missed"] * 4  # fmt: skip
+    tables.stage_by_name(record, "graphs")["workloads"].pop()
+    row = {r["id"]: r for r in targets.evaluate(record)}["core_long_context_vs_graphs"]
+    assert (row["outcome"], row["limit_text"]) == ("not measured", "–")
+    assert row["note"] == "graphs not timed on long-10k-choice-5 in the same record"
 
 
 # Fabricated probe results (not measurements): the shapes the runner's probes write, with made-up numbers, to test
