@@ -52,7 +52,10 @@ in two launches (`kernels.gdn_chunk_split`: w/u for every chunk in parallel into
 bit-identical to it (tests/test_gdn_chunk_split.py); unmeasured on a GPU (engine/stages/core.md, "Split schedule").
 
 Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
-* v1 + split (this file; kernels/gdn_chunk_split.py v0): the kernel unchanged; `schedule="split"` and
+* v1 + split, shared body (this file): the chunk's steps (solve, w, u, output, state update) are the jit functions of
+  kernels/gdn_chunk_body.py, which both schedules call; the sm_90 PTX of every launch compile_check makes is the same
+  as before, line for line (debug info aside), so the GPU bits are unchanged.
+* v1 + split (kernels/gdn_chunk_split.py v0): the kernel unchanged; `schedule="split"` and
   `chunk_indices` added to `gdn_chunk_forward` and `GdnChunkCore` (which now hands the plan's chunk index on).
 * v1: q, k, v loaded where first used, q/k kept as the loaded bf16 tiles (dot operands on CUDA); spills
   1,372 bytes.
@@ -68,7 +71,17 @@ import triton
 import triton.language as tl
 
 from kernels import gdn_chunk_split
-from kernels.gdn_chunk_operands import LOG2_CHUNK, RCP_LN2, _bf16_point, _loaded_operand, _operand
+from kernels.gdn_chunk_body import (
+    RCP_LN2,
+    _bf16_point,
+    _chunk_inverse,
+    _chunk_output,
+    _chunk_state,
+    _chunk_u,
+    _chunk_w,
+    _loaded_operand,
+    _operand,
+)
 from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
@@ -144,25 +157,12 @@ def _gdn_chunk_fwd_kernel(
         k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
 
         # A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)), then T = (I + A)^-1 by recursive block inversion
-        b_a = tl.dot(k_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-        b_a = tl.where(lower, b_a * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0) * b_beta[:, None]
-        first = (o_t[:, None] // 2 == o_t[None, :] // 2) & lower
-        inverse = eye - tl.where(first, b_a, 0.0)
-        for level in tl.static_range(1, LOG2_CHUNK):
-            block = 1 << level
-            off = (o_t[:, None] // (2 * block) == o_t[None, :] // (2 * block)) & (
-                o_t[:, None] // block > o_t[None, :] // block
-            )
-            below = tl.dot(tl.where(off, b_a, 0.0), inverse, input_precision=SOLVE_PRECISION)
-            inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
-        t_op = _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
+        t_op = _chunk_inverse(k_op, b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU)
 
         # w = T (K beta 2^γ), u = T (V beta)
-        k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
-        b_w = _bf16_point(tl.dot(t_op, _operand(k_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+        b_w = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
         b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-        v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
-        b_u = _bf16_point(tl.dot(t_op, _operand(v_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+        b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
 
         # v' = u - w Sb; output from the chunk-start state; then the state update
         state_op = _operand(_bf16_point(state, ROUND), ROUND, TORCH_CPU)
@@ -170,24 +170,13 @@ def _gdn_chunk_fwd_kernel(
         q_op = _loaded_operand(
             tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
         )
-        inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
-        b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-        b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
-        intra = tl.dot(
-            _operand(_bf16_point(b_qk, ROUND), ROUND, TORCH_CPU),
-            _operand(_bf16_point(v_new, ROUND), ROUND, TORCH_CPU),
-            input_precision=DOT_PRECISION,
-        )
-        b_o = inter * scale + intra * scale
+        b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND, DOT_PRECISION, TORCH_CPU)
         o_ptrs = o + v_rows[:, None] + o_v[None, :]
         if ROUND:
             tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
         else:
             tl.store(o_ptrs, b_o, mask=valid[:, None])
-
-        v_decayed = _bf16_point(v_new * tl.exp2(g_last - b_gc)[:, None], ROUND)
-        state = state * tl.exp2(g_last)
-        state = tl.dot(tl.trans(k_op), _operand(v_decayed, ROUND, TORCH_CPU), state, input_precision=DOT_PRECISION)
+        state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
 
     if STORE_HT:
         tl.store(ht + state_offsets + state_tile, state)
@@ -269,11 +258,10 @@ def gdn_chunk_forward(
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
     if schedule == "split":
-        if chunk_indices is None:
-            chunk_indices = gdn_chunk_split.chunk_indices_of(
-                cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu
-            )
-            chunk_indices = chunk_indices.to(device)
+        if chunk_indices is None:  # FLA's varlen chunk index, the plan's layout; from the host bounds (a sync)
+            from fla.ops.utils.index import prepare_chunk_indices
+
+            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
         check_tensor(
             "gdn_chunk_forward: chunk_indices", chunk_indices, dtype=index_dtypes, shape=(None, 2), device=device,
             contiguous=True,

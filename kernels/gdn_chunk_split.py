@@ -34,11 +34,14 @@ the fused kernel has [8, 1] (same instruction, same k order). tests/test_gpu_gdn
 (`measure.gdn_chunk_probe`) check it. Untimed (engine/stages/core.md, "Split schedule").
 
 The chunk index must come from the caller (the plan's, built on the host with the plan: no host sync, so the launch
-can be captured in a CUDA graph); `chunk_indices_of` builds it from host bounds for other callers.
+can be captured in a CUDA graph); other callers get FLA's `prepare_chunk_indices` of their bounds (a host sync).
 
 Version history (ptxas -v for sm_90a at the 27B shapes, BV 128 / 8 warps: first launch 249 registers, no spills;
 second 404 bytes of spill stores, 48 at BV 64 / 4 warps; the one-kernel forward 1,372):
-* v0 (this file): the two kernels above; never run on a GPU.
+* v1 (this file): the steps shared with the one-kernel forward called from kernels/gdn_chunk_body.py instead of
+  copied (the same sm_90 PTX as v0, debug info aside); the chunk index from FLA's `prepare_chunk_indices` when the
+  caller has none. Never run on a GPU.
+* v0: the two kernels above with the one-kernel forward's chunk body copied line for line.
 """
 
 from __future__ import annotations
@@ -47,7 +50,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdn_chunk_operands import LOG2_CHUNK, RCP_LN2, _bf16_point, _loaded_operand, _operand
+from kernels.gdn_chunk_body import (
+    RCP_LN2,
+    _bf16_point,
+    _chunk_inverse,
+    _chunk_output,
+    _chunk_state,
+    _chunk_u,
+    _chunk_w,
+    _loaded_operand,
+    _operand,
+)
 from kernels.numerics import to_bf16, to_f32
 
 
@@ -92,7 +105,7 @@ def _gdn_chunk_wu_kernel(
     v_rows = (token * VALUE_HEADS + i_hv) * VALUE_DIM
     gate_rows = token * VALUE_HEADS + i_hv
 
-    # the one-kernel forward's chunk body up to u, line for line (kernels/gdn_chunk.py)
+    # the one-kernel forward's chunk body up to u: the same loads, then the shared steps (kernels/gdn_chunk_body.py)
     b_g = tl.load(g + gate_rows, mask=valid, other=0.0)
     b_cum = tl.cumsum(b_g, axis=0)  # stored before the scaling (below: what the compiler may fuse it into)
     b_gc = b_cum * RCP_LN2
@@ -100,21 +113,8 @@ def _gdn_chunk_wu_kernel(
     k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
     k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
 
-    b_a = tl.dot(k_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-    b_a = tl.where(lower, b_a * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0) * b_beta[:, None]
-    first = (o_t[:, None] // 2 == o_t[None, :] // 2) & lower
-    inverse = eye - tl.where(first, b_a, 0.0)
-    for level in tl.static_range(1, LOG2_CHUNK):
-        block = 1 << level
-        off = (o_t[:, None] // (2 * block) == o_t[None, :] // (2 * block)) & (
-            o_t[:, None] // block > o_t[None, :] // block
-        )
-        below = tl.dot(tl.where(off, b_a, 0.0), inverse, input_precision=SOLVE_PRECISION)
-        inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
-    t_op = _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
-
-    k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
-    b_w = _bf16_point(tl.dot(t_op, _operand(k_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+    t_op = _chunk_inverse(k_op, b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU)
+    b_w = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
     w_rows = (token * VALUE_HEADS + i_hv) * KEY_DIM
     if ROUND:
         tl.store(w_out + w_rows[:, None] + o_k[None, :], to_bf16(b_w), mask=valid[:, None])
@@ -123,8 +123,7 @@ def _gdn_chunk_wu_kernel(
     for i_v in tl.static_range(VALUE_DIM // BV):  # u per value block: the one-kernel forward's dot shapes
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-        v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
-        b_u = _bf16_point(tl.dot(t_op, _operand(v_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+        b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
         if ROUND:
             tl.store(u_out + v_rows[:, None] + o_v[None, :], to_bf16(b_u), mask=valid[:, None])
         else:
@@ -196,45 +195,22 @@ def _gdn_chunk_state_kernel(
         )
         b_u = to_f32(tl.load(u + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
 
-        # from here the one-kernel forward's chunk body, line for line (kernels/gdn_chunk.py)
+        # from here the one-kernel forward's chunk body: the shared steps (kernels/gdn_chunk_body.py)
         state_op = _operand(_bf16_point(state, ROUND), ROUND, TORCH_CPU)
         v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
         q_op = _loaded_operand(
             tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
         )
-        inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
-        b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
-        b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)
-        intra = tl.dot(
-            _operand(_bf16_point(b_qk, ROUND), ROUND, TORCH_CPU),
-            _operand(_bf16_point(v_new, ROUND), ROUND, TORCH_CPU),
-            input_precision=DOT_PRECISION,
-        )
-        b_o = inter * scale + intra * scale
+        b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND, DOT_PRECISION, TORCH_CPU)
         o_ptrs = o + v_rows[:, None] + o_v[None, :]
         if ROUND:
             tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
         else:
             tl.store(o_ptrs, b_o, mask=valid[:, None])
-
-        v_decayed = _bf16_point(v_new * tl.exp2(g_last - b_gc)[:, None], ROUND)
-        state = state * tl.exp2(g_last)
-        state = tl.dot(tl.trans(k_op), _operand(v_decayed, ROUND, TORCH_CPU), state, input_precision=DOT_PRECISION)
+        state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
 
     if STORE_HT:
         tl.store(ht + state_offsets + state_tile, state)
-
-
-def chunk_indices_of(cu_seqlens_cpu: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """FLA's varlen chunk index of host bounds [N + 1]: [C, 2] int64, (sequence, chunk within it) for every 64-row
-    chunk of every sequence in order (`fla.ops.utils.index.prepare_chunk_indices`; the plan's `GdnCall.chunk_indices`
-    is the same array, `engine.plan_arrays._chunk_layout`)."""
-    bounds = cu_seqlens_cpu.to(torch.int64)
-    counts = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
-    sequence = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), counts)
-    first = torch.cumsum(counts, 0) - counts
-    within = torch.arange(len(sequence), dtype=torch.int64) - first[sequence]
-    return torch.stack([sequence, within], dim=1)
 
 
 def launch_split(

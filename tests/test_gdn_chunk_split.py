@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (tests/test_kernels.py)
 
 import triton  # noqa: E402
+from fla.ops.utils.index import prepare_chunk_indices  # noqa: E402
 
 from kernels import gdn_chunk_split  # noqa: E402
 from kernels.gdn_chunk import GdnChunkCore, gdn_chunk_forward  # noqa: E402
@@ -101,14 +102,14 @@ def test_split_from_zero_states_and_a_single_sequence():
 
 def test_the_core_adapter_takes_the_plans_chunk_index():
     """`GdnChunkCore(schedule="split")` launches over the chunk index it is handed (the plan's `GdnCall.chunk_indices`,
-    `engine.plan_arrays._chunk_layout`, which `chunk_indices_of` reproduces) or builds one from `cu_seqlens_cpu`;
+    `engine.plan_arrays._chunk_layout`, FLA's `prepare_chunk_indices` layout) or builds FLA's from `cu_seqlens_cpu`;
     both give the fused kernel's bits, with and without states."""
     from engine.plan_arrays import _chunk_layout
 
     dims = DIMS["gva-1-2-k16-v32"]
     q, k, v, g, beta, cu, h0 = gdn_chunk_inputs((63, 0, 130), dims, seed=35)
     plan_indices, _ = _chunk_layout(cu.numpy(), 64)
-    built = gdn_chunk_split.chunk_indices_of(cu)
+    built = prepare_chunk_indices(cu, 64)
     assert np.array_equal(built.numpy(), plan_indices) and built.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2]]
     batch = [t[None] for t in (q, k, v, g, beta)]
     ref_o, ref_s = GdnChunkCore()(*batch, cu_seqlens=cu, initial_state=h0, output_final_state=True)

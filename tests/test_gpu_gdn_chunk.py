@@ -128,11 +128,11 @@ def test_split_schedule_is_the_fused_kernel_bit_for_bit(options):
     chunk index (claimed from the same code; under the interpreter tests/test_gdn_chunk_split.py; at BV 128 / 8 warps
     Triton lays the w and u dots of the first launch over warps [4, 2] where the fused kernel has [8, 1]: same
     instruction shape and the same k order, so the same bits are expected, not proven)."""
-    from kernels.gdn_chunk_split import chunk_indices_of
+    from fla.ops.utils.index import prepare_chunk_indices
 
     inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=25, device=DEVICE)
     fused = run(*inputs, **options)
-    chunk_indices = chunk_indices_of(inputs[5].cpu()).to(DEVICE)
+    chunk_indices = prepare_chunk_indices(inputs[5], 64, cu_seqlens_cpu=inputs[5].cpu())
     split = run(*inputs, schedule="split", chunk_indices=chunk_indices, **options)
     equal = float((split[0].view(torch.int16) == fused[0].view(torch.int16)).float().mean())
     print(f"split {options}: {equal:.6f} of outputs bit-equal to the fused kernel")
