@@ -30,8 +30,9 @@ families of a table's choice:
   `nvmath.linalg.advanced.Matmul`, planned once per (shape, bucket) at build time on CUDA and kept alive for the
   backbone's lifetime (the objects are used under graph capture; `Matmul.free()` after capture raised on the H200);
   each call repoints its operands (`reset_operands_unchecked`) and executes on torch's current stream; a call of
-  other rows than the plan's (eager, off the grid or above its largest bucket) runs in padded slices of the plan's
-  rows (`_run_cublaslt_rows`). nvmath is imported only when a table holds such a choice, only on CUDA; never on the
+  other rows than the plan's (eager, off the grid or above its largest bucket) runs `F.linear` when the tuner
+  measured the choice bitwise with it (the same bits at a launch's cost), else padded slices of the plan's rows
+  (`_run_cublaslt_rows`). nvmath is imported only when a table holds such a choice, only on CUDA; never on the
   CPU (a `cublaslt` choice there raises).
   cuBLASLt's heuristic is asked for algorithms with or without split-K (`offered_algorithms`: the reduction scheme
   mask), as the tuner asked it for the table's algorithm.
@@ -238,10 +239,15 @@ class GemmDispatch:
         return norms.residual_rmsnorm(residual, delta, weight)
 
     def _one_pass(self, x: Tensor, weight: Weight, shape: str, kernel: GemmKernel) -> Tensor:
+        """One bf16 result [N, out]. A cuBLASLt choice runs its plan when N is its bucket's rows (every graphed call);
+        a call of other rows (eager, off the grid or above it) runs `F.linear` where the tuner measured the choice
+        bitwise with it (the same bits, without padded slices), else the plan in slices (`_run_cublaslt_rows`)."""
         if kernel.family == "cublas":
             return F.linear(x, weight.data)
-        planned = self._choice_at(shape, x.shape[0]).rows
-        return _run_cublaslt_rows(self._lt[(shape, planned)], planned, x, weight.data, self.device)
+        choice = self._choice_at(shape, x.shape[0])
+        if x.shape[0] != choice.rows and choice.bitwise_f_linear:
+            return F.linear(x, weight.data)
+        return _run_cublaslt_rows(self._lt[(shape, choice.rows)], choice.rows, x, weight.data, self.device)
 
     def _plan_cublaslt(self, shape: str, choice: GemmChoice, plan_weights: dict[str, list[Tensor]]) -> Any:
         if len(plan_weights.get(shape, [])) != 1:

@@ -300,6 +300,7 @@ class FakeMatmul:
     (`reset_operands_unchecked` repoints, it does not reshape), and returns F.linear of the first M rows only."""
 
     planned: list[tuple[int, int]] = []
+    executed: list[int] = []
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor):
         self.rows, self.a, self.b = x.shape[0], x, weight.t()
@@ -310,20 +311,32 @@ class FakeMatmul:
         self.a, self.b = a, b
 
     def execute(self, stream=None) -> torch.Tensor:
+        FakeMatmul.executed.append(self.rows)
         return F.linear(self.a[: self.rows], self.b.t())
 
 
+@pytest.mark.parametrize("bitwise", [True, False])
 @pytest.mark.parametrize("rows", [2167, ROWS_GRID[-1], 700, 50])
-def test_cublaslt_choice_returns_every_row_at_any_row_count(tmp_path, monkeypatch, rows):
+def test_cublaslt_choice_returns_every_row_at_any_row_count(tmp_path, monkeypatch, rows, bitwise):
     """A cuBLASLt plan has its bucket's rows; a call above the largest bucket (2,167 rows failed on the H200 with
-    1,280 rows back) or off the grid (eager) must still return its own rows, each the plan's bits (F.linear here)."""
+    1,280 rows back) or off the grid (eager) must still return its own rows, each the plan's bits (F.linear here).
+    A call of its bucket's rows runs the plan once; any other call runs F.linear when the choice was measured
+    bitwise with it (no plan runs), else the plan in slices of its rows."""
     monkeypatch.setattr(gemm, "plan_cublaslt", lambda x, weight, wanted: FakeMatmul(x, weight))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    FakeMatmul.planned = []
+    FakeMatmul.planned, FakeMatmul.executed = [], []
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(48, 64, generator=gen).bfloat16()
-    table = load(tmp_path, {"gate_up": {"family": "cublaslt", "algorithm": ALGORITHM}})
+    data = table_data({"gate_up": {"family": "cublaslt", "algorithm": ALGORITHM}})
+    for bucket in data["shapes"]["gate_up"]["buckets"]:
+        bucket["bitwise_f_linear"] = bitwise
+    table = load_gemm_table(write_table(tmp_path, data), device_name="cpu")
     dispatch = gemm.GemmDispatch(table, torch.device("cuda"), {"gate_up": [w]}, "test")
     assert sorted(r for r, _ in FakeMatmul.planned) == list(ROWS_GRID)  # one plan per bucket, at build time
     got = dispatch.linear(x, Weight(w), "gate_up")
     assert got.shape == (rows, 48) and torch.equal(got, F.linear(x, w))
+    bucket = table.choice("gate_up", rows).rows
+    if rows == bucket:
+        assert FakeMatmul.executed == [bucket]
+    else:
+        assert FakeMatmul.executed == ([] if bitwise else [bucket] * -(-rows // bucket))
