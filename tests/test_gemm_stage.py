@@ -245,8 +245,8 @@ GEMM_CODE = ("engine/gemm.py", "engine/weights.py")  # what decides how each GEM
 # the check and its log (the stage's GPU gate, bitwise vs graphs on every gate workload, and tree vs flat).
 REVALIDATED = {
     "20261202T060138Z-nvidia-h200-2f9c178-table.json": (
-        "76c8ec14ab3acb73ad9cb18d1ecd611606d8a6c8",  # rows above the largest bucket or off a bucket run in slices
-        "results/gpu/20261202T1645Z-nvidia-h200-76c8ec1-gemm-stage-tests.log",
+        "8a0fb8cd3ac317f460624b42c74678fda0cbb388",  # off-bucket calls of a bitwise choice run F.linear
+        "results/gpu/20261203T1321Z-nvidia-h200-8a0fb8c-gemm-stage-tests.log",
     ),
 }
 
