@@ -3,7 +3,7 @@ machines (CI) that can only interpret the kernels.
 
     python -m kernels.compile_check                    # every launch of engine_launches(), for sm_90, installed Triton
     python -m kernels.compile_check --capability 103   # the same for sm_103 (B300); 100: B200
-    python -m kernels.compile_check --variants --usage  # also the probe's variants; registers and spills (ptxas -v)
+    python -m kernels.compile_check --usage            # also each compile's registers and spills (ptxas -v)
 
 How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
 at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
@@ -12,9 +12,8 @@ launch is then compiled by `triton.compile` for one target (sm_90 by default; `C
 tests check: the H200's sm_90, Blackwell's sm_100 and sm_103), down to a cubin with Triton's bundled ptxas, twice: with
 every pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and
 with none (unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does.
-Nothing runs. `--variants` adds the launches of kernel variants the engine does not run by default but the GPU probes
-time (`variant_launches`: the GDN core's two-launch split schedule; not in the CPU test, to keep its time); `--usage`
-prints each compile's registers, spill stores and spill loads as the target's ptxas -v reports them (aligned only).
+Nothing runs. `--usage` prints each compile's registers, spill stores and spill loads as the target's ptxas -v reports
+them (aligned only).
 
 Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
 fail to compile on the GPU (gdn_prep v2 under Triton 3.6: engine/stages/fused.md, "Kernel history"); a failure that
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import subprocess
 import sys
@@ -167,34 +165,6 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     return launches
 
 
-def variant_launches() -> list[tuple[str, Callable[[], Any]]]:
-    """(label, call) of the probe variants that the engine does not launch by default, at the 27B shapes: the GDN
-    core's split schedule (`kernels.gdn_chunk_split`, two launches a call) as `measure.gdn_chunk_probe` runs it,
-    BV = V with 8 warps and BV 64 with 4 warps, on drone's bucket (18 sequences, 26 chunks) and a 5-sequence hand-off
-    call with initial and final states (7 chunks)."""
-    from kernels.gdn_chunk import gdn_chunk_forward
-    from reference.shapes import QWEN38_27B as s
-
-    rows, hv, dk, dv = 337, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
-    qk, v = _meta(rows, s.linear_num_key_heads, dk), _meta(rows, hv, dv)
-    gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
-    launches = []
-    cases = itertools.product(((18, 26, False), (5, 7, True)), ((None, 8), (64, 4)))
-    for (sequences, chunks, handoff), (block, warps) in cases:
-
-        def call(sequences=sequences, chunks=chunks, handoff=handoff, block=block, warps=warps):
-            return gdn_chunk_forward(
-                qk, qk, v, *gates, _meta(sequences + 1, dtype=torch.int64),
-                initial_state=_meta(sequences, hv, dk, dv, dtype=torch.float32) if handoff else None,
-                output_final_state=handoff, schedule="split", chunk_indices=_meta(chunks, 2, dtype=torch.int64),
-                value_block=block, num_warps=warps,
-            )  # fmt: skip
-
-        tiles = f"bv{block or dv}-w{warps}"
-        launches.append((f"gdn_chunk split {tiles} {sequences} seqs{' handoff' if handoff else ''}", call))
-    return launches
-
-
 def compile_launch(launch: Launch, *, aligned: bool, capability: int = SM90):
     """Compile one captured launch for `capability` (Triton's own specialisation rules: pointers and integers that
     are multiples of 16 marked divisible when `aligned`, integers equal to 1 made constants); raises on failure."""
@@ -248,12 +218,9 @@ def ptxas_usage(compiled, capability: int = SM90) -> str:
     return f"{registers}; {spills}"
 
 
-def check(
-    capability: int = SM90, *, variants: bool = False, usage: bool = False
-) -> list[tuple[str, str, bool, str | None, str | None]]:
-    """(label, kernel name, aligned, None or the compiler's last error line, None or the usage) for every kernel
-    launched by a call of `engine_launches` (and of `variant_launches` with `variants`; two kernels a call for the
-    split schedule); the usage (`ptxas_usage`: registers and spills) of each aligned compile with `usage`."""
+def check(capability: int = SM90, *, usage: bool = False) -> list[tuple[str, str, bool, str | None, str | None]]:
+    """(label, kernel name, aligned, None or the compiler's last error line, None or the usage) for every launch of
+    `engine_launches`; the usage (`ptxas_usage`: registers and spills) of each aligned compile with `usage`."""
     import triton
 
     from kernels import activations
@@ -261,22 +228,21 @@ def check(
     if not isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
         raise RuntimeError("compile_check: the kernels were defined under TRITON_INTERPRET=1; run without it")
     results = []
-    for label, call in engine_launches() + (variant_launches() if variants else []):
+    for label, call in engine_launches():
         with captured_launches() as launches:
             call()
-        expected = 2 if " split " in label else 1
-        if len(launches) != expected:
-            raise RuntimeError(f"compile_check: {label} launched {len(launches)} kernels, expected {expected}")
-        for launch, aligned in itertools.product(launches, (True, False)):
+        if len(launches) != 1:
+            raise RuntimeError(f"compile_check: {label} launched {len(launches)} kernels, expected 1")
+        for aligned in (True, False):
             note = None
             try:
-                compiled = compile_launch(launch, aligned=aligned, capability=capability)
+                compiled = compile_launch(launches[0], aligned=aligned, capability=capability)
                 error = None
             except Exception as failure:  # CompilationError, RuntimeError from the pass manager: report either
                 error = (str(failure).strip().splitlines() or [repr(failure)])[-1]
             if error is None and usage and aligned:
                 note = ptxas_usage(compiled, capability)
-            results.append((label, launch.kernel.__name__, aligned, error, note))
+            results.append((label, launches[0].kernel.__name__, aligned, error, note))
     return results
 
 
@@ -298,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--capability", type=int, default=SM90, help="CUDA compute capability, e.g. 90, 100, 103")
-    parser.add_argument("--variants", action="store_true", help="also the probes' variants (variant_launches)")
     parser.add_argument("--usage", action="store_true", help="registers and spills per aligned compile (ptxas -v)")
     args = parser.parse_args(argv)
     capability = args.capability
@@ -309,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     if lacking:
         print(f"compile_check: {lacking}", file=sys.stderr)
         return 2
-    results = check(capability, variants=args.variants, usage=args.usage)
+    results = check(capability, usage=args.usage)
     print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")
     for label, name, aligned, error, note in results:
-        line = f"  {label:<42} {name:<26} {'aligned' if aligned else 'unaligned':<9} {error or 'ok'}"
+        line = f"  {label:<34} {name:<26} {'aligned' if aligned else 'unaligned':<9} {error or 'ok'}"
         print(line if note is None else f"{line}  [{note}]")
     failed = sum(error is not None for *_, error, _ in results)
     print(f"{len(results) - failed} compiled, {failed} failed")

@@ -47,16 +47,12 @@ Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H2
 Tiles: one value block of BV columns per program (`value_block`, default V: one program per (sequence, value head));
 smaller blocks split the state and the v/o columns over more programs and repeat the kkt, solve and w work per block.
 
-Schedules: `schedule="fused"` (default, stage `core`) is the kernel below; `schedule="split"` runs the same chunk body
-in two launches (`kernels.gdn_chunk_split`: w/u for every chunk in parallel into a workspace, then the state pass),
-bit-identical to it (tests/test_gdn_chunk_split.py); unmeasured on a GPU (engine/stages/core.md, "Split schedule").
-
 Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
-* v1 + split, shared body (this file): the chunk's steps (solve, w, u, output, state update) are the jit functions of
-  kernels/gdn_chunk_body.py, which both schedules call; the sm_90 PTX of every launch compile_check makes is the same
-  as before, line for line (debug info aside), so the GPU bits are unchanged.
-* v1 + split (kernels/gdn_chunk_split.py v0): the kernel unchanged; `schedule="split"` and
-  `chunk_indices` added to `gdn_chunk_forward` and `GdnChunkCore` (which now hands the plan's chunk index on).
+* v1, body in functions (this file): the chunk's steps (solve, w, u, output, state update) are the jit functions of
+  kernels/gdn_chunk_body.py; the sm_90 PTX of every launch compile_check makes is the same as before, line for line
+  (debug info aside), so the GPU bits are unchanged. A two-launch `schedule="split"` of the same body (w/u for every
+  chunk in parallel, then the state pass) was added and removed: not bitwise with this kernel on the H200 and no
+  faster than its best tiling (ablations/attempts.toml, `gdn-chunk-split-schedule`; code at commit 8a0fb8c).
 * v1: q, k, v loaded where first used, q/k kept as the loaded bf16 tiles (dot operands on CUDA); spills
   1,372 bytes.
 * v0 (never run): every tile converted to fp32 at its load and kept; spilled 1,680 bytes. The first compile for sm_90
@@ -70,7 +66,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gdn_chunk_split
 from kernels.gdn_chunk_body import (
     RCP_LN2,
     _bf16_point,
@@ -88,7 +83,6 @@ CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA
 NUM_WARPS = 8
 NUM_STAGES = 2
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
-SCHEDULES = ("fused", "split")  # one launch; two (kernels.gdn_chunk_split): w/u per chunk in parallel, then the state
 
 
 @triton.jit
@@ -200,19 +194,13 @@ def gdn_chunk_forward(
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
-    schedule: str = "fused",
-    chunk_indices: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
     q, k [T, Hk, K] bf16 (L2-normalised), v [T, Hv, V] bf16, g [T, Hv] fp32, beta [T, Hv] bf16, all contiguous;
     cu_seqlens [N + 1] int32/int64 on the same device; initial_state [N, Hv, K, V] fp32 contiguous or None. `out`
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
-    given. scale defaults to K ** -0.5. `schedule="fused"` launches one kernel, grid (V / value_block, Hv, N), without
-    a host sync. `schedule="split"` launches two (`kernels.gdn_chunk_split`: the same bits): w/u over the chunk index
-    `chunk_indices` [C, 2] int64 ((sequence, chunk within it), the plan's; without it one is built from
-    `cu_seqlens_cpu`, or from `cu_seqlens.cpu()`, a host sync that CUDA-graph capture refuses), then the state pass.
+    given. scale defaults to K ** -0.5. Launches one kernel, grid (V / value_block, Hv, N), without a host sync.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -240,8 +228,6 @@ def gdn_chunk_forward(
             f"gdn_chunk_forward: K, V and the value block must be powers of two >= 16 with the block dividing V, and "
             f"Hk must divide Hv; got K={key_dim} V={value_dim} block={value_block} Hk={key_heads} Hv={value_heads}"
         )
-    if schedule not in SCHEDULES:
-        raise ValueError(f"gdn_chunk_forward: schedule {schedule!r} is not one of {SCHEDULES}")
     if solve_precision not in SOLVE_PRECISIONS:
         raise ValueError(f"gdn_chunk_forward: solve_precision {solve_precision!r} is not one of {SOLVE_PRECISIONS}")
     state_shape = (num_seqs, value_heads, key_dim, value_dim)
@@ -257,22 +243,6 @@ def gdn_chunk_forward(
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
-    if schedule == "split":
-        if chunk_indices is None:  # FLA's varlen chunk index, the plan's layout; from the host bounds (a sync)
-            from fla.ops.utils.index import prepare_chunk_indices
-
-            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
-        check_tensor(
-            "gdn_chunk_forward: chunk_indices", chunk_indices, dtype=index_dtypes, shape=(None, 2), device=device,
-            contiguous=True,
-        )  # fmt: skip
-        with ieee_quiet(torch_cpu):
-            gdn_chunk_split.launch_split(
-                q, k, v, g, beta, o, initial_state, final, cu_seqlens, chunk_indices, scale=scale,
-                value_block=value_block, bf16_points=bf16_points, solve_precision=solve_precision,
-                num_warps=num_warps, num_stages=num_stages, torch_cpu=torch_cpu,
-            )  # fmt: skip
-        return o, final
     grid = (value_dim // value_block, value_heads, num_seqs)
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
@@ -308,8 +278,7 @@ class GdnChunkCore:
     `engine.tree.tree_gdn_core` call): q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv]; returns
     (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's chunk
     layout (`chunk_indices`, `chunk_offsets`, `cu_seqlens_cpu`) is accepted and not needed: the kernel walks each
-    sequence's chunks itself, except with `schedule="split"`, which launches over `chunk_indices` (pass the plan's:
-    no host sync). `options` go to every `gdn_chunk_forward` call (schedule, value_block, num_warps, ...)."""
+    sequence's chunks itself. `options` go to every `gdn_chunk_forward` call (value_block, num_warps, ...)."""
 
     def __init__(self, **options):
         self.options = options
@@ -348,8 +317,6 @@ class GdnChunkCore:
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            chunk_indices=chunk_indices,
-            cu_seqlens_cpu=cu_seqlens_cpu,
             **self.options,
         )
         return o[None], final

@@ -11,14 +11,13 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration and in the variants of `VARIANTS` (tiles, solve
-  precision, the two-launch `split` schedule over the plan's `chunk_indices`).
+  precision).
 Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers, without launch gaps) after two
 warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
 Errors per variant: relative RMSE and the share of bit-equal output elements against FLA, and the relative RMSE of
-both against the fp32 oracle `reference.ops.gdn_recurrent` on the candidate paths (not the dummy ones); for a split
-variant also the share of its output elements bit-equal to its one-launch twin (the same options without
-`schedule`): 1.0 is what kernels/gdn_chunk_split.py claims, tested under the interpreter only. Synthetic
-inputs: timings and numerics only.
+both against the fp32 oracle `reference.ops.gdn_recurrent` on the candidate paths (not the dummy ones). Synthetic
+inputs: timings and numerics only. (Records of 8a0fb8c also have the two-launch `split` variants, since removed:
+ablations/attempts.toml, `gdn-chunk-split-schedule`.)
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
     "bv64-w4": {"value_block": 64, "num_warps": 4},
     "bv32-w4": {"value_block": 32, "num_warps": 4},
     "tf32x3": {"solve_precision": "tf32x3"},
-    "split": {"schedule": "split"},  # two launches (kernels/gdn_chunk_split.py), the bits of its twin "stage"
-    "split-bv64-w4": {"schedule": "split", "value_block": 64, "num_warps": 4},
 }
 
 
@@ -127,13 +124,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
         for s, e in zip(bounds[:num_real], bounds[1 : num_real + 1])
     ])  # fmt: skip
     result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, real].float(), oracle)
-    outputs = {}
     for name, options in VARIANTS.items():
         core = GdnChunkCore(**options)
         o, _ = core(q, k, v, g, beta, **layout)
         us = graph_time_us(lambda core=core: core(q, k, v, g, beta, **layout), calls, rounds)
         mine, theirs = o[0, real], fla_o[0, real]
-        outputs[name] = mine
         result["variants"][name] = {
             "options": options,
             "us": us,
@@ -143,17 +138,8 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
             "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
         }
         figures = result["variants"][name]
-        twin = {key: value for key, value in options.items() if key != "schedule"}
-        twin = next((other for other, opts in VARIANTS.items() if opts == twin and other in outputs), None)
-        if "schedule" in options and twin is not None:
-            figures["fused_twin"] = twin
-            figures["bit_equal_share_vs_twin"] = float(
-                (mine.view(torch.int16) == outputs[twin].view(torch.int16)).float().mean()
-            )
-        print(f"{workload_id:<24} {name:<13} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  "
-              f"x{figures['speedup_vs_fla']:5.2f}  vs FLA {figures['rel_rmse_vs_fla']:.2e}"
-              + (f"  = {twin} {figures['bit_equal_share_vs_twin']:.4f}" if "fused_twin" in figures else ""),
-              flush=True)  # fmt: skip
+        print(f"{workload_id:<24} {name:<8} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  "
+              f"x{figures['speedup_vs_fla']:5.2f}  vs FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
     return result
 
 
