@@ -22,6 +22,9 @@ Every test prints its bit-identity table (`pytest -s` shows it).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,35 +102,46 @@ def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def compile_runs(request) -> Iterator[dict[int, subprocess.Popen]]:
+    """`python -m kernels.compile_check --capability N` started at once for every capability the session's
+    `test_kernels_compile_for` items ask for and ptxas can target: the targets compile side by side (two cores on CI)
+    instead of one after another. Subprocesses, because this process defined the kernels under TRITON_INTERPRET=1."""
+    pytest.importorskip("triton.backends.nvidia")
+    wanted = sorted({item.callspec.params["capability"] for item in request.session.items
+                     if getattr(item, "originalname", None) == "test_kernels_compile_for"})  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = {
+        capability: subprocess.Popen(
+            [sys.executable, "-m", "kernels.compile_check", "--capability", str(capability)],
+            env=env, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for capability in wanted if compile_check.ptxas_lacks(capability) is None
+    }  # fmt: skip
+    yield runs
+    for run in runs.values():
+        run.kill()
+        run.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", compile_check.CAPABILITIES)
-def test_kernels_compile_for(capability: int) -> None:
+def test_kernels_compile_for(capability: int, compile_runs) -> None:
     """`python -m kernels.compile_check --capability N`: every kernel, as the wrappers launch it at the 27B shapes
     (gdn_prep at every binary-search depth, with and without a row index; residual_rmsnorm_splitk at S = 1-4;
     gdn_chunk for drone's bucket and a hand-off call),
     compiles for sm_N with the installed Triton, aligned and unaligned (the interpreter never runs Triton's compiler
     passes, kernels/compile_check.py): sm_90 (H200), sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas
-    cannot target one. A subprocess, because this process defined the kernels under TRITON_INTERPRET=1. About 125 s
-    per target on the 2-core CI machine, and 25-60 s more for gdn_chunk's four compiles (measured on the loaded CPU)."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
+    cannot target one. The three targets compile in parallel (`compile_runs`): about 92-121 s each one after another
+    on the 2-core machine, together about the longest plus half."""
     lacking = compile_check.ptxas_lacks(capability)
     if lacking:
         pytest.skip(lacking)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--capability", str(capability)],
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(done.stdout)
-    lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines and lines[-1] == "74 compiled, 0 failed", done.stdout + done.stderr[-3000:]
+    run = compile_runs[capability]
+    stdout, stderr = run.communicate(timeout=900)
+    print(stdout)
+    lines = stdout.splitlines()
+    assert run.returncode == 0 and lines and lines[-1] == "74 compiled, 0 failed", stdout + stderr[-3000:]
     names = {line.split()[-3] for line in lines if line.endswith(" ok")}
     assert names == {f"_{k}_kernel" for k in ("silu_mul", "residual_rmsnorm", "gated_rmsnorm", "attn_prep",
                                               "attention_gate", "gdn_prep", "gdn_chunk_fwd")}  # fmt: skip
