@@ -16,7 +16,16 @@ Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's 
 warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
 Errors per variant: relative RMSE and the share of bit-equal output elements against FLA, and the relative RMSE of
 both against the fp32 oracle `reference.ops.gdn_recurrent` on the candidate paths (not the dummy ones). Synthetic
-inputs: timings and numerics only. (Records of 8a0fb8c also have the two-launch `split` variants, since removed:
+inputs: timings and numerics only.
+
+`--schedules` (issue 22, item 1: the recurrence once per row) times FLA's core instead over the request's unpadded
+tree plan in each GDN mode, as `engine.tree.tree_gdn_core` runs it (gathers, calls, state bank, scatter), both on the
+same packed-row inputs: `replicated` (one call over every candidate's whole path: what the `graphs` buckets hold) and
+`handoff` (the root once to its last 64-row boundary, each question node once, the leaves from their parent's fp32
+state: what stage `tree` runs eagerly for long contexts). Each schedule is captured in one CUDA graph of `--calls`
+layers; a schedule whose capture fails is timed eagerly (CUDA events over `--calls` back-to-back layers, launch gaps
+included) and the error is recorded. Errors: the share of bit-equal output rows' elements and the relative RMSE of
+`handoff` against `replicated`. (Records of 8a0fb8c also have the two-launch `split` variants, since removed:
 ablations/attempts.toml, `gdn-chunk-split-schedule`.)
 """
 
@@ -143,11 +152,75 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
     return result
 
 
+def eager_time_us(fn, calls: int, rounds: int) -> float:
+    """Median per-call GPU time of `calls` back-to-back eager calls of `fn` (launch gaps included), after two."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000.0 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def probe_schedules(workload_id: str, calls: int, rounds: int) -> dict:
+    """FLA's core over the workload's unpadded tree plan in the `replicated` and `handoff` modes (module docstring)."""
+    import torch
+
+    from ablations.probes import ENGINE_CORE_OPTIONS, engine_gdn_inputs
+    from ablations.workloads import get_workload
+    from engine.plan import plan_tree
+    from engine.tree import tree_gdn_core
+    from kernels.gdn_core import FlaForwardCore
+    from reference.service import request_candidates
+
+    plan = plan_tree(*request_candidates(get_workload(workload_id).request), device="cuda")
+    q, k, v, g, beta = engine_gdn_inputs(plan.num_rows, seed=24, device="cuda")
+    core, options = FlaForwardCore(), {"workspace": plan.arena.workspace, **ENGINE_CORE_OPTIONS}
+    plan.arena.workspace.begin_forward()  # one zeroed solve buffer per call layout, as a forward starts
+    result = {"workload": workload_id, "rows": plan.num_rows, "schedules": {}}
+    outputs = {}
+    for mode, schedule in plan.gdn.items():
+
+        def run(mode=mode):
+            return tree_gdn_core(q, k, v, g, beta, plan, mode=mode, core=core, chunk_offsets=True, **options)
+
+        outputs[mode] = run().clone()
+        figures = {"calls": len(schedule.calls), "chunks": schedule.chunks,
+                   "tokens": sum(c.num_tokens for c in schedule.calls)}  # fmt: skip
+        try:
+            figures["us"], figures["timer"] = graph_time_us(run, calls, rounds), "cuda-graph"
+        except Exception as error:  # a capture the eager schedule does not survive: say so, time it eagerly
+            torch.cuda.synchronize()
+            figures["capture_error"] = f"{type(error).__name__}: {error}"[:500]
+            figures["us"], figures["timer"] = eager_time_us(run, calls, rounds), "eager"
+        result["schedules"][mode] = figures
+        print(f"{workload_id:<24} {mode:<10} {figures['us']:8.1f} us ({figures['timer']}), {figures['calls']} calls, "
+              f"{figures['tokens']} tokens, {figures['chunks']} chunks", flush=True)  # fmt: skip
+    got, want = outputs["handoff"], outputs["replicated"]
+    result["handoff_vs_replicated"] = {
+        "bit_equal_share": float((got.view(torch.int16) == want.view(torch.int16)).float().mean()),
+        "rel_rmse": rel_rmse(got.float(), want.float()),
+        "time_ratio": result["schedules"]["handoff"]["us"] / result["schedules"]["replicated"]["us"],
+    }
+    print(f"{workload_id:<24} handoff / replicated {result['handoff_vs_replicated']}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.gdn_chunk_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--calls", type=int, default=10, help="core calls per captured graph (layers)")
     parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    parser.add_argument("--schedules", action="store_true", help="FLA's core in the replicated and handoff modes")
     args = parser.parse_args(argv)
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's deterministic Triton path (reference-math.md §4.3)
     import torch
@@ -162,10 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     env = collect("cuda")
     record = {"probe": "gdn_chunk", "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
+    probe = probe_schedules if args.schedules else probe_workload
+    if args.schedules:
+        record["probe"] = "gdn_tree_schedules"
     for workload_id in args.workloads.split(","):
         with torch.no_grad():
-            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds))
-    write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}.json")
+            record["workloads"].append(probe(workload_id, args.calls, args.rounds))
+    suffix = "-schedules" if args.schedules else ""
+    write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}{suffix}.json")
     return 0
 
 
