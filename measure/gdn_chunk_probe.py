@@ -23,10 +23,10 @@ tree plan in each GDN mode, as `engine.tree.tree_gdn_core` runs it (gathers, cal
 same packed-row inputs: `replicated` (one call over every candidate's whole path: what the `graphs` buckets hold) and
 `handoff` (the root once to its last 64-row boundary, each question node once, the leaves from their parent's fp32
 state: what stage `tree` runs eagerly for long contexts). Each schedule is captured in one CUDA graph of `--calls`
-layers; a schedule whose capture fails is timed eagerly (CUDA events over `--calls` back-to-back layers, launch gaps
-included) and the error is recorded. Errors: the share of bit-equal output rows' elements and the relative RMSE of
-`handoff` against `replicated`. (Records of 8a0fb8c also have the two-launch `split` variants, since removed:
-ablations/attempts.toml, `gdn-chunk-split-schedule`.)
+layers; a schedule whose capture fails is timed eagerly (`ablations.probes.cuda_time_ms`: CUDA events over
+`--calls` back-to-back layers, launch gaps included) and the error is recorded. Errors: the share of bit-equal output
+elements and the relative RMSE of `handoff` against `replicated`. (Records of 8a0fb8c also have the two-launch
+`split` variants, since removed: ablations/attempts.toml, `gdn-chunk-split-schedule`.)
 """
 
 from __future__ import annotations
@@ -152,30 +152,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
     return result
 
 
-def eager_time_us(fn, calls: int, rounds: int) -> float:
-    """Median per-call GPU time of `calls` back-to-back eager calls of `fn` (launch gaps included), after two."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1000.0 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def probe_schedules(workload_id: str, calls: int, rounds: int) -> dict:
     """FLA's core over the workload's unpadded tree plan in the `replicated` and `handoff` modes (module docstring)."""
     import torch
 
-    from ablations.probes import ENGINE_CORE_OPTIONS, engine_gdn_inputs
+    from ablations.probes import ENGINE_CORE_OPTIONS, cuda_time_ms, engine_gdn_inputs
     from ablations.workloads import get_workload
     from engine.plan import plan_tree
     from engine.tree import tree_gdn_core
@@ -201,7 +182,7 @@ def probe_schedules(workload_id: str, calls: int, rounds: int) -> dict:
         except Exception as error:  # a capture the eager schedule does not survive: say so, time it eagerly
             torch.cuda.synchronize()
             figures["capture_error"] = f"{type(error).__name__}: {error}"[:500]
-            figures["us"], figures["timer"] = eager_time_us(run, calls, rounds), "eager"
+            figures["us"], figures["timer"] = 1000.0 * cuda_time_ms(run, calls, rounds), "eager"
         result["schedules"][mode] = figures
         print(f"{workload_id:<24} {mode:<10} {figures['us']:8.1f} us ({figures['timer']}), {figures['calls']} calls, "
               f"{figures['tokens']} tokens, {figures['chunks']} chunks", flush=True)  # fmt: skip
