@@ -215,10 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     pin_fla_configs()  # before fla is imported: the committed configs of this GPU, if any
     torch.manual_seed(0)
     env = collect("cuda")
-    record = {"probe": "gdn_chunk", "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
-    probe = probe_schedules if args.schedules else probe_workload
-    if args.schedules:
-        record["probe"] = "gdn_tree_schedules"
+    name, probe = ("gdn_tree_schedules", probe_schedules) if args.schedules else ("gdn_chunk", probe_workload)
+    record = {"probe": name, "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
     for workload_id in args.workloads.split(","):
         with torch.no_grad():
             record["workloads"].append(probe(workload_id, args.calls, args.rounds))
