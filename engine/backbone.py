@@ -154,9 +154,9 @@ class _Ranges:
 #   residual_rmsnorm_splitk(residual [N, H], partials [S, N, H] fp32, weight [H]) -> the same, the delta reduced from
 #       split-K partials (fp32 sum in split order, one rounding; engine/gemm.py)
 #   silu_mul(gate_up [N, 2I]) -> [N, I]
-#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput) -> q, k [n, Hk, K], v [n, Hv, V] bf16; g fp32,
-#       beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA numerics) iff
-#       `qk_normalised`
+#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput, row_slot [N] | None) -> q, k [n, Hk, K], v [n, Hv, V]
+#       bf16; g fp32, beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA
+#       numerics) iff `qk_normalised`; row_slot (a tree's paths): each packed row's slot, so it is prepared once
 #   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V], o_rows [N] | None) -> [N, Hv V]; with o_rows,
 #       o is [L, Hv, V] and row r is normalised from o's row o_rows[r] (a tree's packed rows from their paths)
 #   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
@@ -184,8 +184,10 @@ class _ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.silu_mul(gate, up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput):
-        """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates."""
+    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None):
+        """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates.
+        `row_slot` is the Triton ops' way to the same values (each packed row once); the torch ops convolve every
+        slot."""
         s = self.shapes
         hv = s.linear_num_value_heads
         qkv, _, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
@@ -252,11 +254,29 @@ class _FusedOps:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return kernels.silu_mul(gate_up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput):
+    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None):
         """The prep kernel over the conv input (the projection read through the conv input's row index unless it is
         the packed rows), then the kept rows (none dropped for the paths, the history rows dropped for the node
-        segments)."""
+        segments). With `row_slot` (the paths of a tree): each packed row once at its representative slot, then
+        gathered to every path slot; the same bits as the kernel over every slot, which computes a shared row once
+        per path that holds it (kernels/gdn_prep.py v4)."""
         s = self.shapes
+        if row_slot is not None:
+            packed = kernels.gdn_prep(
+                proj,
+                layer.conv_weight,
+                layer.A_log,
+                layer.dt_bias,
+                conv.cu_seqlens_i32,
+                num_k_heads=s.linear_num_key_heads,
+                num_v_heads=s.linear_num_value_heads,
+                head_k_dim=s.linear_key_head_dim,
+                head_v_dim=s.linear_value_head_dim,
+                qk_l2norm=self.qk_normalised,
+                rows=conv.rows,
+                slots=row_slot,
+            )
+            return tuple(t[0].index_select(0, conv.rows) for t in packed)  # packed row -> every slot holding it
         out = kernels.gdn_prep(
             proj,
             layer.conv_weight,
@@ -566,7 +586,8 @@ class EngineBackbone:
         s, plan, rng = self.shapes, batch.plan, self._range
         if batch.gdn_mode == "replicated":
             with rng("gdn_prep"):
-                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths)  # every path's rows [L, ...]
+                row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
+                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths, row_slot)  # paths' rows [L, ...]
             with rng("gdn_core"):
                 call = plan.gdn["replicated"].calls[0]  # all paths, from position 0
                 o, _ = self._core(

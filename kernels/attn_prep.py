@@ -33,8 +33,11 @@ Batch invariance: BLOCK_T comes from the head width only, never from the row cou
 Versions (history: engine/stages/fused.md, "Kernel history"):
 * v1: grid (row block, head slot) over the H query, Hkv key and Hkv value head slots; the norm weight of a slot
   is picked by a scalar pointer select, so q and k norm weights must share a dtype.
-* v2 (this file): v1 plus optional key rows: k and v prepared straight in the prefix tree's key layout, bitwise
+* v2: v1 plus optional key rows: k and v prepared straight in the prefix tree's key layout, bitwise
   against the gathered outputs (tests/test_kernels.py; tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b).
+* v3 (this file): v2's per-row math on a one-dimensional grid that launches the query slots over the T rows and the
+  key and value slots over the K key rows; v2 launched every slot over max(T, K) rows, so with a tree's keys
+  (customer_service: T 1,152, K 7,000) most query programs only masked (engine/stages/core.md, "Prep kernels").
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _attn_prep_kernel(
     v_ptr,  # v like k
     key_rows_ptr,  # [K] int32 or int64: the proj row of each key row (unused without HAS_KEY_ROWS)
     tokens,
-    keys,  # K (unused without HAS_KEY_ROWS)
+    keys,  # K (T without HAS_KEY_ROWS)
     proj_sr,
     cos_sr,
     sin_sr,
@@ -90,19 +93,22 @@ def _attn_prep_kernel(
     HAS_KEY_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
-    slot = tl.program_id(1)
-    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
+    # one program per (row block, head slot): the query slots' blocks over the T rows first, then the key and value
+    # slots' blocks over the K key rows (T without key rows), so no program is launched past its slot's rows
+    program = tl.program_id(0)
+    query_blocks = tl.cdiv(tokens, BLOCK_T)
+    query_programs = query_blocks * HEADS
+    is_key_program = program >= query_programs
+    local = tl.where(is_key_program, program - query_programs, program)
+    blocks = tl.where(is_key_program, tl.cdiv(keys, BLOCK_T), query_blocks)
+    slot = tl.where(is_key_program, HEADS, 0) + local // blocks
+    token = ((local % blocks) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
+    token_ok = token < tl.where(is_key_program, keys, tokens)
     dim = tl.arange(0, BLOCK_D)
     if HAS_KEY_ROWS:  # key and value slots: output row j is proj row key_rows[j] (query slots: the rows themselves)
-        gathered = tl.load(key_rows_ptr + token, mask=token < keys, other=0).to(tl.int64)
-        if slot >= HEADS:
-            token_ok = token < keys
-            source = gathered  # [BLOCK_T]: input row (proj, cos, sin)
-        else:
-            token_ok = token < tokens
-            source = token
+        gathered = tl.load(key_rows_ptr + token, mask=token_ok & (token < keys), other=0).to(tl.int64)
+        source = tl.where(is_key_program, gathered, token)  # [BLOCK_T]: input row (proj, cos, sin)
     else:
-        token_ok = token < tokens
         source = token
     mask = token_ok[:, None] & (dim < HEAD_DIM)[None, :]
     row_base = proj_ptr + source[:, None] * proj_sr
@@ -153,6 +159,7 @@ def attn_prep(
     layout: str = "thd",
     key_rows: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k RMSNorm(1 + w) + partial RoPE + layout for attention, from the merged attention projection.
 
@@ -162,6 +169,8 @@ def attn_prep(
     those shapes, written in place. key_rows: optional [K] int32/int64 on proj's device ("thd" only): k and v are
     [K, Hkv, D], row j prepared from proj row key_rows[j], bit for bit what gathering the [T, ...] k and v would
     give (the prefix tree's keys: each node's path; values in [0, T) are not checked, a device sync).
+    tile: (rows per program, warps) instead of the width-derived default (16 / 8 rows, 4 warps): the tile probe's
+    variants (`measure.prep_probe`); a fixed tile, so still batch-invariant.
     Exactness: v bitwise; q, k bitwise except the fp32 sum-of-squares order of the norm (module docstring), against
     `reference.ops.apply_partial_rope(reference.ops.rmsnorm_1p(...))`.
     """
@@ -204,9 +213,10 @@ def attn_prep(
         return q, k, v
     torch_cpu = kernel_mode(_attn_prep_kernel, device)
     block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, tile_elements(torch_cpu) // (2 * block_d))  # from the width only: batch-invariant bits
+    block_t, num_warps = tile or (max(1, tile_elements(torch_cpu) // (2 * block_d)), 4)  # never from the row count
+    programs = triton.cdiv(tokens, block_t) * num_heads + triton.cdiv(keys, block_t) * 2 * num_kv_heads
     with ieee_quiet(torch_cpu):
-        _attn_prep_kernel[(triton.cdiv(max(tokens, keys), block_t), num_heads + 2 * num_kv_heads)](
+        _attn_prep_kernel[(programs,)](
             proj,
             q_norm_weight,
             k_norm_weight,
@@ -233,7 +243,7 @@ def attn_prep(
             BLOCK_D=block_d,
             HAS_KEY_ROWS=key_rows is not None,
             TORCH_CPU=torch_cpu,
-            num_warps=4,
+            num_warps=num_warps,
             **LAUNCH_OPTIONS,
         )
     return q, k, v

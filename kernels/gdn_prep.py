@@ -45,7 +45,12 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
 * v1: grid (row block, head slot); each row finds its sequence start by a binary search in cu_seqlens.
 * v2: v1 plus an optional row index (`rows`): the tree's candidate paths read through it, no gather first;
   bitwise against the gathered call (tests/test_kernels.py, tests/test_gpu_kernels.py).
-* v3 (this file): the row-index load masked by the row's validity at a clamped index (v2's bits; compiles on 3.6).
+* v3: the row-index load masked by the row's validity at a clamped index (v2's bits; compiles on 3.6).
+* v4 (this file): v3 plus optional output slots (`slots`): only the wanted conv-input rows are computed (v3's bits
+  per row). The kernel is bound by its per-element arithmetic (the 4-tap conv,
+  expf and IEEE division of the SiLU, two roundings by bits, the L2 norm: 971 rows took 33.9 us, 1.2 TB/s, in the
+  tile sweep of 9be5aba), so the tree's replicated paths (drone 1,074 slots for 352 rows, customer_service 5,778
+  for 1,152) are prepared once per packed row and gathered (engine/stages/core.md, "Prep kernels").
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def _gdn_prep_kernel(
     a_log_ptr,  # [Hv] bf16 or fp32
     dt_bias_ptr,  # [Hv] bf16 or fp32
     cu_seqlens_ptr,  # [N + 1] int32 or int64
-    rows_ptr,  # [T] int32 or int64: the proj row of each conv-input row (unused without HAS_ROWS)
+    rows_ptr,  # [M] int32 or int64: the proj row of each conv-input row (unused without HAS_ROWS)
+    slots_ptr,  # [T] int32 or int64: the conv-input row of each output row (unused without HAS_SLOTS)
     q_ptr,  # [T, Hk, K] bf16 contiguous
     k_ptr,  # [T, Hk, K] bf16 contiguous
     v_ptr,  # [T, Hv, V] bf16 contiguous
@@ -112,14 +118,19 @@ def _gdn_prep_kernel(
     SEARCH_STEPS: tl.constexpr,
     QK_L2NORM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
     slot = tl.program_id(1)
-    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
+    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
     token_ok = token < tokens
+    if HAS_SLOTS:  # output row t is the conv of conv-input row slots[t]
+        position = tl.load(slots_ptr + token, mask=token_ok, other=0).to(tl.int64)
+    else:
+        position = tl.minimum(token, tokens - 1)
     if slot < 2 * KEY_HEADS + VALUE_HEADS:
         # conv + silu (+ l2norm) of one q, k or v head
         is_qk = slot < 2 * KEY_HEADS
@@ -127,10 +138,10 @@ def _gdn_prep_kernel(
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < tl.where(is_qk, KEY_DIM, VALUE_DIM)
         channel = first_channel + dim
-        start = _sequence_start(cu_seqlens_ptr, tl.minimum(token, tokens - 1), num_seqs, SEARCH_STEPS)
+        start = _sequence_start(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS)
         conv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
         for tap in tl.static_range(WIDTH):
-            source = token - (WIDTH - 1) + tap  # oldest tap first
+            source = position - (WIDTH - 1) + tap  # oldest tap first
             source_ok = token_ok & (source >= start)
             if HAS_ROWS:  # the conv input's row `source` is proj's row rows[source]
                 source = tl.load(rows_ptr + tl.maximum(source, 0), mask=token_ok, other=0).to(tl.int64)
@@ -166,9 +177,9 @@ def _gdn_prep_kernel(
         gate_mask = token_ok[:, None] & head_ok[None, :]
         b_column = 2 * KEY_HEADS * KEY_DIM + 2 * VALUE_HEADS * VALUE_DIM  # b follows q | k | v | z
         if HAS_ROWS:
-            proj_row = tl.load(rows_ptr + token, mask=token_ok, other=0).to(tl.int64)
+            proj_row = tl.load(rows_ptr + position, mask=token_ok, other=0).to(tl.int64)
         else:
-            proj_row = token
+            proj_row = position
         row_offset = proj_row[:, None] * proj_sr + head[None, :]
         b = to_f32(tl.load(proj_ptr + row_offset + b_column, mask=gate_mask, other=0.0))
         a = to_f32(tl.load(proj_ptr + row_offset + b_column + VALUE_HEADS, mask=gate_mask, other=0.0))
@@ -198,7 +209,9 @@ def gdn_prep(
     qk_l2norm: bool = True,
     eps: float = 1e-6,
     rows: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
 
@@ -210,7 +223,14 @@ def gdn_prep(
     rows: optional [T] int32/int64 on proj's device: the conv input is `proj.index_select(0, rows)`, read through
     the index instead of gathered first (bitwise the same; the prefix tree's candidate paths). Values in
     [0, proj rows) are not checked (a device sync).
+    slots: optional [T] int32/int64 on proj's device: only the outputs of these conv-input rows are computed, output
+    row t being conv-input row slots[t] (with its own sequence's history), bit for bit that row of the call without
+    `slots`. The tree's packed rows, each prepared once at its representative path slot (`TreePlan.row_slot`) and
+    gathered to every path slot afterwards, instead of once per path that holds it. Values in [0, conv-input rows)
+    are not checked (a device sync).
     out: optional (q, k, v, g, beta) tensors of the output shapes below, written in place.
+    tile: (rows per program, warps) instead of the width-derived default (16 rows, 4 warps): the tile probe's
+    variants (`measure.prep_probe`); a fixed tile, so still batch-invariant.
     Returns q, k [1, T, Hk, K] bf16; v [1, T, Hv, V] bf16; g [1, T, Hv] fp32; beta [1, T, Hv] bf16.
     """
     if proj.ndim != 2 or conv_weight.ndim != 2:
@@ -218,7 +238,8 @@ def gdn_prep(
             f"gdn_prep: proj must be [T, P] and conv_weight [C, W], got {tuple(proj.shape)}, {tuple(conv_weight.shape)}"
         )
     device = proj.device
-    tokens = proj.shape[0] if rows is None else rows.shape[0]
+    conv_rows = proj.shape[0] if rows is None else rows.shape[0]
+    tokens = conv_rows if slots is None else slots.shape[0]
     conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
     width = conv_weight.shape[1]
     check_tensor(
@@ -230,6 +251,10 @@ def gdn_prep(
     )
     if rows is not None:
         check_tensor("gdn_prep: rows", rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+    if slots is not None:
+        check_tensor("gdn_prep: slots", slots, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+        if conv_rows == 0 and tokens > 0:
+            raise ValueError("gdn_prep: slots index an empty conv input")
     check_tensor(
         "gdn_prep: conv_weight (bf16 only: an fp32 weight makes HF convolve in fp32)",
         conv_weight,
@@ -266,7 +291,7 @@ def gdn_prep(
         return q, k, v, g, beta
     torch_cpu = kernel_mode(_gdn_prep_kernel, device)
     num_seqs = cu_seqlens.shape[0] - 1
-    block_t = tile_elements(torch_cpu) // 256  # from the widths only (K, V <= 256): batch-invariant bits
+    block_t, num_warps = tile or (tile_elements(torch_cpu) // 256, 4)  # widths only (K, V <= 256): batch-invariant
     grid = (triton.cdiv(tokens, block_t), 2 * num_k_heads + num_v_heads + 1)
     with ieee_quiet(torch_cpu):
         _gdn_prep_kernel[grid](
@@ -276,6 +301,7 @@ def gdn_prep(
             dt_bias,
             cu_seqlens,
             cu_seqlens if rows is None else rows,
+            cu_seqlens if slots is None else slots,
             q,
             k,
             v,
@@ -293,11 +319,12 @@ def gdn_prep(
             SEARCH_STEPS=(num_seqs - 1).bit_length(),
             QK_L2NORM=qk_l2norm,
             HAS_ROWS=rows is not None,
+            HAS_SLOTS=slots is not None,
             BLOCK_T=block_t,
             BLOCK_D=triton.next_power_of_2(max(head_k_dim, head_v_dim)),
             BLOCK_HV=triton.next_power_of_2(num_v_heads),
             TORCH_CPU=torch_cpu,
-            num_warps=4,
+            num_warps=num_warps,
             **LAUNCH_OPTIONS,
         )
     return q, k, v, g, beta

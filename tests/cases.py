@@ -163,10 +163,10 @@ def check_row_indexed_kernels(
     seed: int,
     index_dtype: torch.dtype,
 ) -> None:
-    """gdn_prep through `rows`, gated_rmsnorm through `o_rows` and attn_prep through `key_rows` (the prefix tree's
-    paths, read without a gather) against the same kernels on index_select-gathered copies: bit for bit, every output
-    written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an empty one allowed)
-    and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
+    """gdn_prep through `rows` (and at output `slots`), gated_rmsnorm through `o_rows` and attn_prep through `key_rows`
+    (the prefix tree's paths, read without a gather) against the same kernels on index_select-gathered copies: bit for
+    bit, every output written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an
+    empty one allowed) and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
     import kernels
 
     act = random_activations(shapes, [source_rows], device, seed=seed)
@@ -183,6 +183,14 @@ def check_row_indexed_kernels(
     indexed = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, out=poisoned, **gdn_dims(shapes))
     for name, got, want in zip("q k v g beta".split(), indexed, gathered):
         assert not got.isnan().any() and torch.equal(got, want), name
+    slots = torch.randint(0, len(rows), (out_rows,), generator=generator, device=device).to(index_dtype)
+    slots[-1] = len(rows) - 1  # the last conv-input row; random ones (with repeats) before it
+    poisoned = tuple(
+        torch.full((1, out_rows, *t.shape[2:]), float("nan"), dtype=t.dtype, device=device) for t in gathered
+    )
+    at_slots = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, slots=slots, out=poisoned, **gdn_dims(shapes))
+    for name, got, want in zip("q k v g beta".split(), at_slots, gathered):  # each slot's row, its own history
+        assert not got.isnan().any() and torch.equal(got, want[:, slots.long()]), f"{name} at slots"
 
     o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [source_rows, Hv, V]
     z = act["gdn_proj"][:out_rows, shapes.conv_dim : shapes.conv_dim + shapes.linear_value_dim]  # row-strided slice

@@ -175,3 +175,20 @@ def test_gpu_bit_identity_on_captured_drone_activations_27b() -> None:
     assert len(table) == 2 * 9 + 2 * 7  # GDN layer: 9 outputs, attention layer: 7
     assert all(r["elements"] > 0 and r["layer"] in layers for r in table)
     check_rows(table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload_id", ["drone", "customer_service"])
+def test_gpu_packed_prep_equals_every_slot_27b(workload_id: str) -> None:
+    """tests/test_kernels.py::test_packed_prep_equals_every_slot_on_a_bucketed_plan at the 27B widths on the GPU:
+    gdn_prep at `plan.row_slot` then gathered, and attn_prep over the rows then gathered at the key rows, equal the
+    kernels over every path slot and key entry, bit for bit, on the bucketed plan's real slots and keys."""
+    _require_compiled_kernels()
+    from measure.prep_probe import bit_equal_share, bucketed_plan, prep_ways
+
+    host, layout = bucketed_plan(workload_id)
+    for kernel, (ways, pairs) in prep_ways(host.to("cuda"), layout, QWEN38_27B).items():
+        every_slot, packed = (fn() for fn in ways.values())
+        assert not any(t.isnan().any() for t in packed), kernel
+        shares = [bit_equal_share(a, b) for a, b in pairs(every_slot, packed)]
+        assert shares == [1.0] * len(shares), (kernel, shares)

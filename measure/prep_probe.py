@@ -1,0 +1,196 @@
+"""The GDN and attention prep kernels on a bucketed tree plan: every path slot prepared, or each packed row once and
+gathered (issue 22, item 3).
+
+    python -m measure.prep_probe                 # writes results/prep-kernels/<utc>-<gpu>-<commit>.json
+    python -m measure.prep_probe --workloads drone --calls 10 --rounds 20
+
+What is timed, per workload, on the plan the `graphs` stage replays (`engine.plan.plan_tree(..., bucket=...)`, the
+bucket `engine.graphs.default_grid` picks) at the 27B shapes, with seeded random projections (synthetic: timings and
+numerics only), each way captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers), the
+per-call time the median over `--rounds` replays:
+* `gdn_prep` "paths": `kernels.gdn_prep` over every path slot of the replicated call (`conv_paths`, read through its
+  row index), what the engine ran before gdn_prep v4; "packed": the same kernel at each packed row's representative
+  slot (`slots=plan.row_slot`), then q, k, v, g, beta gathered to the path slots (`index_select` by
+  `conv_paths.rows`), what `engine.backbone` runs now.
+* `attn_prep` "key_rows": `kernels.attn_prep` with the tree's key rows (k and v prepared at every key entry, each
+  node's whole path); "packed": over the packed rows, then k and v gathered at the key rows.
+Each pair must be bit-equal over the real candidates' slots and keys (`bit_equal_share`, 1.0 expected: the same
+kernel math per row). Floors: bytes read and written once (`measure.kernel_floors`) over the copy rate this process
+measures (a device-to-device copy of 512 MiB in a CUDA graph, reads and writes counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
+
+
+def bucketed_plan(workload_id: str):
+    """The workload's plan at its bucket (host) and its unpadded tree layout (the real slots and keys)."""
+    from ablations.workloads import get_workload
+    from engine.graphs import GridIndex, default_grid
+    from engine.plan import plan_tree, tree_layout
+    from reference.service import request_candidates
+
+    candidates, groups = request_candidates(get_workload(workload_id).request)
+    layout = tree_layout(candidates, groups)
+    bucket = GridIndex(default_grid()).smallest(layout)
+    if bucket is None:
+        raise ValueError(f"{workload_id}: no bucket of the grid holds it")
+    return plan_tree(candidates, groups, bucket=bucket), layout
+
+
+def graph_time_us(fn, calls: int, rounds: int) -> float:
+    """Median per-call GPU time of `fn` captured `calls` times in one CUDA graph (two eager warm-up calls first)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000.0 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def copy_tbps(calls: int, rounds: int) -> float:
+    import torch
+
+    src = torch.empty(256 * 2**20, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), calls, rounds)
+    return 2 * src.numel() * 2 / us / 1e6
+
+
+def bit_equal_share(got, want) -> float:
+    import torch
+
+    same = got.view(torch.int16) == want.view(torch.int16) if got.dtype == torch.bfloat16 else got == want
+    return float(same.float().mean())
+
+
+def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
+    """Per kernel: its two ways (name -> a function returning its outputs) on seeded random inputs at `shapes` on the
+    plan's device, and a function that pairs two ways' outputs over the real slots / keys for the bit comparison."""
+    import torch
+
+    import kernels
+    from reference import ops
+
+    s, n, conv, nodes = shapes, plan.num_rows, plan.conv_paths, plan.attention
+    device = plan.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return (torch.randn(shape, generator=gen, device=device) * std + mean).bfloat16()
+
+    hv = s.linear_num_value_heads
+    gdn_proj, attn_proj = normal(n, s.gdn_in_width), normal(n, s.attn_in_width)
+    a_log = torch.log(1 + 15 * torch.rand(hv, generator=gen, device=device))
+    gdn_weights = (normal(s.conv_dim, s.linear_conv_kernel_dim, std=0.5), a_log, normal(hv, std=0.1, mean=1.0))
+    gdn_dims = {"num_k_heads": s.linear_num_key_heads, "num_v_heads": hv, "head_k_dim": s.linear_key_head_dim,
+                "head_v_dim": s.linear_value_head_dim}  # fmt: skip
+    cos, sin = ops.rope_cos_sin(plan.positions, s.rotary_dim, s.rope_theta)
+    attn_args = (attn_proj, normal(s.head_dim, std=0.1), normal(s.head_dim, std=0.1), cos, sin, s.rms_norm_eps)
+    attn_dims = {"num_heads": s.num_attention_heads, "num_kv_heads": s.num_key_value_heads, "head_dim": s.head_dim}
+
+    def gdn_paths():
+        return kernels.gdn_prep(gdn_proj, *gdn_weights, conv.cu_seqlens_i32, rows=conv.rows, **gdn_dims)
+
+    def gdn_packed():
+        packed = kernels.gdn_prep(gdn_proj, *gdn_weights, conv.cu_seqlens_i32, rows=conv.rows, slots=plan.row_slot,
+                                  **gdn_dims)  # fmt: skip
+        return tuple(t.index_select(1, conv.rows) for t in packed)
+
+    def attn_key_rows():
+        return kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
+
+    def attn_packed():
+        q, k, v = kernels.attn_prep(*attn_args, **attn_dims)
+        return q, k.index_select(0, nodes.key_rows), v.index_select(0, nodes.key_rows)
+
+    def real_slots(a, b):
+        return [(x[:, : layout.slots], y[:, : layout.slots]) for x, y in zip(a, b)]
+
+    def real_keys(a, b):  # q over every row; k and v over the real nodes' keys (the dummy node's come after)
+        return [(a[0], b[0])] + [(x[: layout.keys], y[: layout.keys]) for x, y in zip(a[1:], b[1:])]
+
+    return {
+        "gdn_prep": ({"paths": gdn_paths, "packed": gdn_packed}, real_slots),
+        "attn_prep": ({"key_rows": attn_key_rows, "packed": attn_packed}, real_keys),
+    }
+
+
+def probe_workload(workload_id: str, calls: int, rounds: int, tbps: float) -> dict:
+    import torch
+
+    from measure.kernel_floors import attn_prep_bytes, gdn_prep_bytes
+    from reference.shapes import QWEN38_27B
+
+    host, layout = bucketed_plan(workload_id)
+    plan = host.to("cuda")
+    n, slots, keys = plan.num_rows, len(plan.conv_paths.rows), plan.attention.num_keys
+    floors = {"gdn_prep": (gdn_prep_bytes(n, slots), gdn_prep_bytes(n, n)),
+              "attn_prep": (attn_prep_bytes(n, keys), attn_prep_bytes(n, n))}  # fmt: skip
+    result = {"workload": workload_id, "bucket": plan.bucket.name, "rows": n, "path_slots": slots, "keys": keys,
+              "real_slots": layout.slots, "real_keys": layout.keys, "kernels": {}}  # fmt: skip
+    for kernel, (ways, pairs) in prep_ways(plan, layout, QWEN38_27B).items():
+        first, second = (fn() for fn in ways.values())
+        nbytes, nbytes_once = floors[kernel]
+        equal = min(bit_equal_share(a, b) for a, b in pairs(first, second))
+        figures = {"bytes": nbytes, "floor_us": nbytes / tbps / 1e6, "bytes_once_per_row": nbytes_once,
+                   "floor_us_once_per_row": nbytes_once / tbps / 1e6, "bit_equal_share": equal, "ways": {}}  # fmt: skip
+        for name, fn in ways.items():
+            us = graph_time_us(fn, calls, rounds)
+            figures["ways"][name] = {"us": us, "x_floor": us / figures["floor_us"]}
+            print(f"{workload_id:<24} {kernel:<9} {name:<8} {us:8.1f} us  floor {figures['floor_us']:6.1f} us  "
+                  f"x{us / figures['floor_us']:5.2f}", flush=True)  # fmt: skip
+        print(f"{workload_id:<24} {kernel:<9} bit-equal share {figures['bit_equal_share']}", flush=True)
+        result["kernels"][kernel] = figures
+        torch.cuda.synchronize()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m measure.prep_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")
+    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("prep_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from ablations.envinfo import collect, record_stem, write_json
+
+    env = collect("cuda")
+    tbps = copy_tbps(args.calls, args.rounds)
+    print(f"copy rate {tbps:.3f} TB/s", flush=True)
+    record = {"probe": "prep_kernels", "env": env, "calls": args.calls, "rounds": args.rounds, "copy_tbps": tbps,
+              "workloads": []}  # fmt: skip
+    for workload_id in args.workloads.split(","):
+        with torch.no_grad():
+            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds, tbps))
+    write_json(record, REPO / "results" / "prep-kernels" / f"{record_stem(env)}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
