@@ -276,7 +276,7 @@ class _FusedOps:
                 rows=conv.rows,
                 slots=row_slot,
             )
-            return tuple(t[0].index_select(0, conv.rows) for t in packed)  # packed row -> every slot holding it
+            return tuple(t[0] for t in kernels.gather_slots(packed, conv.rows))  # to every slot holding it
         out = kernels.gdn_prep(
             proj,
             layer.conv_weight,

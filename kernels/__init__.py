@@ -10,6 +10,8 @@
 * `activations.attention_gate`: `attn * torch.sigmoid(gate)`. Bitwise.
 * `gdn_prep.gdn_prep`: conv1d + SiLU, split, FLA's q/k l2norm, beta, g, FLA varlen layout. v, beta, g bitwise (g on
   the GPU; a few fp32 ulp under the CPU interpreter); q/k bitwise except the sum-of-squares order.
+* `gdn_prep.gather_slots`: gdn_prep's five outputs moved from packed rows to the tree's path slots in one launch.
+  Bitwise (bits copied).
 * `gdn_chunk.gdn_chunk_forward` (and `GdnChunkCore`, its FLA-signature adapter): the chunked gated delta rule
   forward in one launch, the state in registers (stage `core`). Bounded against the fp32 oracle
   `reference.ops.gdn_recurrent`; bitwise batch-, padding- and prefix-invariant.
@@ -26,7 +28,7 @@ CPU: the kernels run in the Triton interpreter when TRITON_INTERPRET=1 is set be
 
 from kernels.activations import attention_gate, silu_mul
 from kernels.attn_prep import attention_gate_view, attn_prep
-from kernels.gdn_prep import gdn_prep
+from kernels.gdn_prep import gather_slots, gdn_prep
 from kernels.norms import gated_rmsnorm, residual_rmsnorm, residual_rmsnorm_splitk, rmsnorm_1p
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "attention_gate_view",
     "attn_prep",
     "gated_rmsnorm",
+    "gather_slots",
     "gdn_prep",
     "residual_rmsnorm",
     "residual_rmsnorm_splitk",

@@ -38,9 +38,11 @@ SM90 = 90
 CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300, sm_103, is the design target)
 META = torch.device("meta")
 SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
+SLOTS_SEQUENCE_COUNTS = (3, 17, 255)  # gdn_prep's output slots (the tree's packed rows): 2, 5 and 8 search steps
 SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16", torch.int32: "i32",
+          torch.int64: "i64"}  # fmt: skip
 
 
 @dataclass
@@ -153,15 +155,22 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
         launches.append((f"gdn_chunk {sequences} seqs{' handoff' if handoff else ''}", chunk_call))
     for sequences in SEQUENCE_COUNTS:
         cu_seqlens = _meta(sequences + 1, dtype=torch.int32)
-        for with_rows in (False, True):
+        ways = ((False, False), (True, False)) + (((True, True),) if sequences in SLOTS_SEQUENCE_COUNTS else ())
+        for with_rows, with_slots in ways:
             for l2norm in (True, False) if sequences == 1 and not with_rows else (True,):
-                label = f"gdn_prep {sequences} seqs{' rows' if with_rows else ''}{'' if l2norm else ' no-l2norm'}"
-                index = _meta(rows, dtype=torch.int64) if with_rows else None
+                label = (f"gdn_prep {sequences} seqs{' rows' if with_rows else ''}{' slots' if with_slots else ''}"
+                         f"{'' if l2norm else ' no-l2norm'}")  # fmt: skip
+                index = _meta(keys, dtype=torch.int64) if with_rows else None
+                slots = _meta(rows, dtype=torch.int64) if with_slots else None
 
-                def call(cu_seqlens=cu_seqlens, index=index, l2norm=l2norm):
-                    return kernels.gdn_prep(gdn_proj, *gdn_weights, cu_seqlens, rows=index, qk_l2norm=l2norm, **gdn)
+                def call(cu_seqlens=cu_seqlens, index=index, slots=slots, l2norm=l2norm):
+                    return kernels.gdn_prep(
+                        gdn_proj, *gdn_weights, cu_seqlens, rows=index, slots=slots, qk_l2norm=l2norm, **gdn
+                    )
 
                 launches.append((label, call))
+    prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
+    launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
     return launches
 
 

@@ -50,10 +50,13 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   per row). The kernel is bound by its per-element arithmetic (the 4-tap conv,
   expf and IEEE division of the SiLU, two roundings by bits, the L2 norm: 971 rows took 33.9 us, 1.2 TB/s, in the
   tile sweep of 9be5aba), so the tree's replicated paths (drone 1,074 slots for 352 rows, customer_service 5,778
-  for 1,152) are prepared once per packed row and gathered (engine/stages/core.md, "Prep kernels").
+  for 1,152) are prepared once per packed row and laid out on the paths by `gather_slots`, one launch that moves
+  the five outputs' bits (engine/stages/core.md, "Prep kernels").
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -328,3 +331,96 @@ def gdn_prep(
             **LAUNCH_OPTIONS,
         )
     return q, k, v, g, beta
+
+
+@triton.jit
+def _gather_slots_kernel(
+    q_ptr,  # [N, KEY_WIDTH] int16 (bf16 bits): the packed rows' outputs
+    k_ptr,
+    v_ptr,  # [N, VALUE_WIDTH] int16
+    g_ptr,  # [N, Hv] int32 (fp32 bits)
+    beta_ptr,  # [N, Hv] int16
+    q_out_ptr,  # [L, KEY_WIDTH] int16: the path slots
+    k_out_ptr,
+    v_out_ptr,
+    g_out_ptr,
+    beta_out_ptr,
+    rows_ptr,  # [L] int32 or int64: the packed row of each slot
+    slots,
+    KEY_WIDTH: tl.constexpr,  # Hk·K
+    VALUE_WIDTH: tl.constexpr,  # Hv·V
+    VALUE_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # divides KEY_WIDTH and VALUE_WIDTH
+    BLOCK_HV: tl.constexpr,
+):
+    part = tl.program_id(1)  # column block of q | k | v, then one for the gates
+    slot = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    slot_ok = slot < slots
+    row = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
+    key_parts: tl.constexpr = KEY_WIDTH // BLOCK_C
+    if part < 2 * key_parts + VALUE_WIDTH // BLOCK_C:
+        is_q = part < key_parts
+        is_k = (part >= key_parts) & (part < 2 * key_parts)
+        source = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
+        target = tl.where(is_q, q_out_ptr, tl.where(is_k, k_out_ptr, v_out_ptr))
+        width = tl.where(part < 2 * key_parts, KEY_WIDTH, VALUE_WIDTH)
+        column = (part - tl.where(is_q, 0, tl.where(is_k, key_parts, 2 * key_parts))) * BLOCK_C + tl.arange(0, BLOCK_C)
+        bits = tl.load(source + row[:, None] * width + column[None, :], mask=slot_ok[:, None], other=0)
+        tl.store(target + slot[:, None] * width + column[None, :], bits, mask=slot_ok[:, None])
+    else:
+        head = tl.arange(0, BLOCK_HV)
+        mask = slot_ok[:, None] & (head < VALUE_HEADS)[None, :]
+        g = tl.load(g_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
+        tl.store(g_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], g, mask=mask)
+        beta = tl.load(beta_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
+        tl.store(beta_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], beta, mask=mask)
+
+
+def gather_slots(
+    prepared: tuple[torch.Tensor, ...], rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gdn_prep`'s five outputs of N rows laid out at L slots, slot s holding row rows[s]: one launch that moves the
+    bits (int16 / int32 views), equal to `t.index_select(1, rows)` for each (tests/test_kernels.py). How each packed
+    row, prepared once at its representative slot (`gdn_prep(..., slots=...)`), reaches every path that holds it.
+
+    prepared: (q, k [1, N, Hk, K] bf16, v [1, N, Hv, V] bf16, g [1, N, Hv] fp32, beta [1, N, Hv] bf16), contiguous.
+    rows: [L] int32/int64 on their device, values in [0, N) (not checked: a device sync).
+    Returns the same five at L rows.
+    """
+    if len(prepared) != 5:
+        raise ValueError(f"gather_slots: need gdn_prep's (q, k, v, g, beta), got {len(prepared)} tensors")
+    q, k, v, g, beta = prepared
+    device, n = q.device, q.shape[1]
+    if q.ndim != 4 or v.ndim != 4 or q.shape[0] != 1:
+        raise ValueError(f"gather_slots: q and v must be [1, N, H, D], got {tuple(q.shape)}, {tuple(v.shape)}")
+    heads_v = v.shape[2]
+    expected = ((q, q.shape, torch.bfloat16), (k, q.shape, torch.bfloat16), (v, v.shape, torch.bfloat16),
+                (g, (1, n, heads_v), torch.float32), (beta, (1, n, heads_v), torch.bfloat16))  # fmt: skip
+    for name, (tensor, shape, dtype) in zip(("q", "k", "v", "g", "beta"), expected):
+        check_tensor(f"gather_slots: {name}", tensor, dtype=dtype, shape=tuple(shape), device=device, contiguous=True)
+    check_tensor("gather_slots: rows", rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+    slots = rows.shape[0]
+    out = tuple(torch.empty((1, slots, *t.shape[2:]), dtype=t.dtype, device=device) for t in prepared)
+    if slots == 0:
+        return out
+    key_width, value_width = q.shape[2] * q.shape[3], v.shape[2] * v.shape[3]
+    torch_cpu = kernel_mode(_gather_slots_kernel, device)
+    block_c = min(1024, math.gcd(key_width, value_width) & -math.gcd(key_width, value_width))  # a power of two
+    block_t = max(1, tile_elements(torch_cpu) // (4 * block_c))
+    grid = (triton.cdiv(slots, block_t), (2 * key_width + value_width) // block_c + 1)
+    bits = [t.view(torch.int32 if t.dtype == torch.float32 else torch.int16) for t in (*prepared, *out)]
+    _gather_slots_kernel[grid](
+        *bits,
+        rows,
+        slots,
+        KEY_WIDTH=key_width,
+        VALUE_WIDTH=value_width,
+        VALUE_HEADS=heads_v,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        BLOCK_HV=triton.next_power_of_2(heads_v),
+        num_warps=4,
+        **LAUNCH_OPTIONS,
+    )
+    return out

@@ -10,13 +10,15 @@ numerics only), each way captured in one CUDA graph of `--calls` back-to-back ca
 per-call time the median over `--rounds` replays:
 * `gdn_prep` "paths": `kernels.gdn_prep` over every path slot of the replicated call (`conv_paths`, read through its
   row index), what the engine ran before gdn_prep v4; "packed": the same kernel at each packed row's representative
-  slot (`slots=plan.row_slot`), then q, k, v, g, beta gathered to the path slots (`index_select` by
-  `conv_paths.rows`), what `engine.backbone` runs now.
+  slot (`slots=plan.row_slot`), then q, k, v, g, beta laid out on the path slots (`kernels.gather_slots` by
+  `conv_paths.rows`, one launch), what `engine.backbone` runs now (the record of f9b30ea gathered with five
+  `index_select` calls instead).
 * `attn_prep` "key_rows": `kernels.attn_prep` with the tree's key rows (k and v prepared at every key entry, each
   node's whole path); "packed": over the packed rows, then k and v gathered at the key rows.
 Each pair must be bit-equal over the real candidates' slots and keys (`bit_equal_share`, 1.0 expected: the same
 kernel math per row). Floors: bytes read and written once (`measure.kernel_floors`) over the copy rate this process
-measures (a device-to-device copy of 512 MiB in a CUDA graph, reads and writes counted).
+measures as the runner does (`copy_tbps`; the record of f9b30ea used a copy inside a CUDA graph, 2.76 TB/s, which
+understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
 """
 
 from __future__ import annotations
@@ -69,13 +71,19 @@ def graph_time_us(fn, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
-def copy_tbps(calls: int, rounds: int) -> float:
+def copy_tbps() -> float:
+    """The copy rate as the runner's ceilings measure it (`ablations.timing.measure_ceilings`: an eager 1 GiB
+    device-to-device copy, reads and writes counted). Not inside a CUDA graph: captured there, the same copy measured
+    2.76 TB/s in this probe's record of f9b30ea against the runner's 4.11 in the same campaign (cause not
+    established; a captured copy is a memcpy node, which may run on the copy engines)."""
     import torch
 
-    src = torch.empty(256 * 2**20, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), calls, rounds)
-    return 2 * src.numel() * 2 / us / 1e6
+    from ablations.timing import time_calls
+
+    source = torch.randint(0, 256, (2**30,), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    timed = time_calls(lambda: target.copy_(source), device="cuda", warmup=3, runs=20)
+    return 2 * source.numel() / (timed.median_ms * 1e-3) / 1e12
 
 
 def bit_equal_share(got, want) -> float:
@@ -116,7 +124,7 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
     def gdn_packed():
         packed = kernels.gdn_prep(gdn_proj, *gdn_weights, conv.cu_seqlens_i32, rows=conv.rows, slots=plan.row_slot,
                                   **gdn_dims)  # fmt: skip
-        return tuple(t.index_select(1, conv.rows) for t in packed)
+        return kernels.gather_slots(packed, conv.rows)
 
     def attn_key_rows():
         return kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from ablations.envinfo import collect, record_stem, write_json
 
     env = collect("cuda")
-    tbps = copy_tbps(args.calls, args.rounds)
+    tbps = copy_tbps()
     print(f"copy rate {tbps:.3f} TB/s", flush=True)
     record = {"probe": "prep_kernels", "env": env, "calls": args.calls, "rounds": args.rounds, "copy_tbps": tbps,
               "workloads": []}  # fmt: skip

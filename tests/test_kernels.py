@@ -102,6 +102,28 @@ def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
     )
 
 
+@pytest.mark.parametrize("shapes", [TINY, QWEN38_27B], ids=["tiny", "27b"])
+def test_gather_slots_equals_index_select(shapes) -> None:
+    """gather_slots against index_select on each of gdn_prep's outputs, bit for bit: random bits (NaN and inf
+    patterns included), 13 packed rows to 41 slots with repeats and every row used, int32 and int64 indices."""
+    generator = torch.Generator().manual_seed(7)
+    n, dims = 13, gdn_dims(shapes)
+    hk, hv, k_dim, v_dim = dims["num_k_heads"], dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
+
+    def random_bits(*shape, dtype):
+        bits = torch.randint(-(2**15), 2**15, shape, generator=generator, dtype=torch.int32)
+        return bits.to(torch.int16).view(dtype) if dtype == torch.bfloat16 else (bits * 65537).view(dtype)
+
+    prepared = (random_bits(1, n, hk, k_dim, dtype=torch.bfloat16), random_bits(1, n, hk, k_dim, dtype=torch.bfloat16),
+                random_bits(1, n, hv, v_dim, dtype=torch.bfloat16), random_bits(1, n, hv, dtype=torch.float32),
+                random_bits(1, n, hv, dtype=torch.bfloat16))  # fmt: skip
+    rows = torch.cat([torch.arange(n), torch.randint(0, n, (28,), generator=generator)])
+    for index in (rows.to(torch.int32), rows):
+        for got, want in zip(kernels.gather_slots(prepared, index), prepared, strict=True):
+            bits = torch.int32 if want.dtype == torch.float32 else torch.int16
+            assert torch.equal(got.view(bits), want.index_select(1, rows).view(bits))
+
+
 @pytest.mark.parametrize("workload_id", ["jevbench/easy-intent-00", "drone"])
 def test_packed_prep_equals_every_slot_on_a_bucketed_plan(workload_id: str) -> None:
     """What the engine runs on a `graphs` bucket (each packed row prepared once, then gathered: gdn_prep at
