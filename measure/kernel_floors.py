@@ -9,8 +9,9 @@ element read once and each output element written once (what reads hit in L2 or 
 * `_gdn_prep_kernel` (replicated mode: the projection read through the paths' row index, every path slot written;
   since gdn_prep v4 the kernel writes each packed row once and `_gather_slots_kernel` the path slots, so the floor is
   that of the pair and the measured time the prep kernel's alone): reads N·(conv_dim + 2·Hv)·2 (q|k|v, b, a of the
-  projection; z is left for the gated norm), the conv weight and the L int64 row indices; writes L·((2·Hk·K + Hv·V)·2 + Hv·(4 + 2)) (q, k, v bf16, g fp32, beta bf16). Also
-  given per packed row (L = N): the floor of a core that read packed rows instead of replicated paths.
+  projection; z is left for the gated norm), the conv weight and the L int64 row indices; writes
+  L·((2·Hk·K + Hv·V)·2 + Hv·(4 + 2)) (q, k, v bf16, g fp32, beta bf16). Also given per packed row (L = N): the floor
+  of a core that read packed rows instead of replicated paths.
 * `_attn_prep_kernel` (tree key layout): reads N·(H·D + 2·Hkv·D)·2 (query halves, k, v; the gate half is read later
   by the attention gate) and cos, sin N·r·2·2 and the K int64 key rows; writes q N·H·D·2 and k, v at the K key rows
   K·2·Hkv·D·2. Also given with K = N (keys written once per row: the prefix-once attention of issue 22, item 2).
