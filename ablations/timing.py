@@ -128,8 +128,15 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
 # Triton kernels in kernels/ (one of them contains "attention"). The GDN core is FLA's chunked kernels (the HF torch
 # fallback's GDN core is plain torch ops and lands in gemm / other). The attention core is FlashAttention or SDPA.
 KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
-    "ours": ("_residual_rmsnorm", "_silu_mul", "_gdn_prep", "_gated_rmsnorm", "_attn_prep", "_attention_gate",
-             "_gather_slots"),
+    "ours": (
+        "_residual_rmsnorm",
+        "_silu_mul",
+        "_gdn_prep",
+        "_gated_rmsnorm",
+        "_attn_prep",
+        "_attention_gate",
+        "_gather_slots",
+    ),
     "gdn_core": ("chunk_", "recompute_w_u", "solve_tril", "l2norm", "kkt"),
     "attention_core": ("flash", "fmha", "attention", "sdpa"),
     "gemm": ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas"),
