@@ -261,22 +261,6 @@ class _FusedOps:
         gathered to every path slot; the same bits as the kernel over every slot, which computes a shared row once
         per path that holds it (kernels/gdn_prep.py v4)."""
         s = self.shapes
-        if row_slot is not None:
-            packed = kernels.gdn_prep(
-                proj,
-                layer.conv_weight,
-                layer.A_log,
-                layer.dt_bias,
-                conv.cu_seqlens_i32,
-                num_k_heads=s.linear_num_key_heads,
-                num_v_heads=s.linear_num_value_heads,
-                head_k_dim=s.linear_key_head_dim,
-                head_v_dim=s.linear_value_head_dim,
-                qk_l2norm=self.qk_normalised,
-                rows=conv.rows,
-                slots=row_slot,
-            )
-            return tuple(t[0] for t in kernels.gather_slots(packed, conv.rows))  # to every slot holding it
         out = kernels.gdn_prep(
             proj,
             layer.conv_weight,
@@ -289,7 +273,10 @@ class _FusedOps:
             head_v_dim=s.linear_value_head_dim,
             qk_l2norm=self.qk_normalised,
             rows=None if conv.rows_are_packed else conv.rows,  # [M] proj rows of the conv input
+            slots=row_slot,  # [N] one slot per packed row, or None: every slot
         )
+        if row_slot is not None:
+            return tuple(t[0] for t in kernels.gather_slots(out, conv.rows))  # to every slot holding the row
         if conv.keep_all:
             return tuple(t[0] for t in out)
         return tuple(t[0].index_select(0, conv.keep) for t in out)

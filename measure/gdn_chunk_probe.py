@@ -49,8 +49,8 @@ VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
 }
 
 
-def bucketed_call(workload_id: str):
-    """The replicated GDN call of the workload's bucketed plan (host), its bucket and its real paths' count."""
+def bucketed_plan(workload_id: str):
+    """The workload's plan at its bucket (host) and its unpadded tree layout (the real slots and keys)."""
     from ablations.workloads import get_workload
     from engine.graphs import GridIndex, default_grid
     from engine.plan import plan_tree, tree_layout
@@ -61,8 +61,13 @@ def bucketed_call(workload_id: str):
     bucket = GridIndex(default_grid()).smallest(layout)
     if bucket is None:
         raise ValueError(f"{workload_id}: no bucket of the grid holds it")
-    plan = plan_tree(candidates, groups, bucket=bucket)
-    return plan.gdn["replicated"].calls[0], bucket, len(candidates)
+    return plan_tree(candidates, groups, bucket=bucket), layout
+
+
+def bucketed_call(workload_id: str):
+    """The replicated GDN call of the workload's bucketed plan (host), its bucket and its real paths' count."""
+    plan, layout = bucketed_plan(workload_id)
+    return plan.gdn["replicated"].calls[0], plan.bucket, len(layout.candidate_lens)
 
 
 def graph_time_us(fn, calls: int, rounds: int) -> float:

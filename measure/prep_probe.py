@@ -24,51 +24,13 @@ understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
+from measure.gdn_chunk_probe import bucketed_plan, graph_time_us
+
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
-
-
-def bucketed_plan(workload_id: str):
-    """The workload's plan at its bucket (host) and its unpadded tree layout (the real slots and keys)."""
-    from ablations.workloads import get_workload
-    from engine.graphs import GridIndex, default_grid
-    from engine.plan import plan_tree, tree_layout
-    from reference.service import request_candidates
-
-    candidates, groups = request_candidates(get_workload(workload_id).request)
-    layout = tree_layout(candidates, groups)
-    bucket = GridIndex(default_grid()).smallest(layout)
-    if bucket is None:
-        raise ValueError(f"{workload_id}: no bucket of the grid holds it")
-    return plan_tree(candidates, groups, bucket=bucket), layout
-
-
-def graph_time_us(fn, calls: int, rounds: int) -> float:
-    """Median per-call GPU time of `fn` captured `calls` times in one CUDA graph (two eager warm-up calls first)."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1000.0 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def copy_tbps() -> float:
