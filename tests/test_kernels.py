@@ -167,8 +167,8 @@ def compile_runs(request) -> Iterator[dict[int, subprocess.Popen]]:
 @pytest.mark.parametrize("capability", compile_check.CAPABILITIES)
 def test_kernels_compile_for(capability: int, compile_runs) -> None:
     """`python -m kernels.compile_check --capability N`: every kernel, as the wrappers launch it at the 27B shapes
-    (gdn_prep at every binary-search depth, with and without a row index; residual_rmsnorm_splitk at S = 1-4;
-    gdn_chunk for drone's bucket and a hand-off call),
+    (gdn_prep at every binary-search depth, with and without a row index, and at output slots for three depths;
+    gather_slots; residual_rmsnorm_splitk at S = 1-4; gdn_chunk for drone's bucket and a hand-off call),
     compiles for sm_N with the installed Triton, aligned and unaligned (the interpreter never runs Triton's compiler
     passes, kernels/compile_check.py): sm_90 (H200), sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas
     cannot target one. The three targets compile in parallel (`compile_runs`): about 92-121 s each one after another
@@ -180,10 +180,12 @@ def test_kernels_compile_for(capability: int, compile_runs) -> None:
     stdout, stderr = run.communicate(timeout=900)
     print(stdout)
     lines = stdout.splitlines()
-    assert run.returncode == 0 and lines and lines[-1] == "74 compiled, 0 failed", stdout + stderr[-3000:]
+    expected = f"{2 * len(compile_check.engine_launches())} compiled, 0 failed"  # each launch aligned and unaligned
+    assert run.returncode == 0 and lines and lines[-1] == expected, stdout + stderr[-3000:]
     names = {line.split()[-3] for line in lines if line.endswith(" ok")}
-    assert names == {f"_{k}_kernel" for k in ("silu_mul", "residual_rmsnorm", "gated_rmsnorm", "attn_prep",
-                                              "attention_gate", "gdn_prep", "gdn_chunk_fwd")}  # fmt: skip
+    families = ("silu_mul", "residual_rmsnorm", "gated_rmsnorm", "attn_prep", "attention_gate", "gdn_prep",
+                "gather_slots", "gdn_chunk_fwd")  # fmt: skip
+    assert names == {f"_{k}_kernel" for k in families}
 
 
 def test_gdn_prep_without_l2norm_tiny() -> None:
