@@ -159,7 +159,6 @@ def attn_prep(
     layout: str = "thd",
     key_rows: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k RMSNorm(1 + w) + partial RoPE + layout for attention, from the merged attention projection.
 
@@ -169,8 +168,6 @@ def attn_prep(
     those shapes, written in place. key_rows: optional [K] int32/int64 on proj's device ("thd" only): k and v are
     [K, Hkv, D], row j prepared from proj row key_rows[j], bit for bit what gathering the [T, ...] k and v would
     give (the prefix tree's keys: each node's path; values in [0, T) are not checked, a device sync).
-    tile: (rows per program, warps) instead of the width-derived default (16 / 8 rows, 4 warps): the tile probe's
-    variants (`measure.prep_probe`); a fixed tile, so still batch-invariant.
     Exactness: v bitwise; q, k bitwise except the fp32 sum-of-squares order of the norm (module docstring), against
     `reference.ops.apply_partial_rope(reference.ops.rmsnorm_1p(...))`.
     """
@@ -213,7 +210,7 @@ def attn_prep(
         return q, k, v
     torch_cpu = kernel_mode(_attn_prep_kernel, device)
     block_d = triton.next_power_of_2(head_dim)
-    block_t, num_warps = tile or (max(1, tile_elements(torch_cpu) // (2 * block_d)), 4)  # never from the row count
+    block_t = max(1, tile_elements(torch_cpu) // (2 * block_d))  # from the width only: batch-invariant bits
     programs = triton.cdiv(tokens, block_t) * num_heads + triton.cdiv(keys, block_t) * 2 * num_kv_heads
     with ieee_quiet(torch_cpu):
         _attn_prep_kernel[(programs,)](
@@ -243,7 +240,7 @@ def attn_prep(
             BLOCK_D=block_d,
             HAS_KEY_ROWS=key_rows is not None,
             TORCH_CPU=torch_cpu,
-            num_warps=num_warps,
+            num_warps=4,
             **LAUNCH_OPTIONS,
         )
     return q, k, v

@@ -214,7 +214,6 @@ def gdn_prep(
     rows: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
-    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
 
@@ -232,8 +231,6 @@ def gdn_prep(
     gathered to every path slot afterwards, instead of once per path that holds it. Values in [0, conv-input rows)
     are not checked (a device sync).
     out: optional (q, k, v, g, beta) tensors of the output shapes below, written in place.
-    tile: (rows per program, warps) instead of the width-derived default (16 rows, 4 warps): the tile probe's
-    variants (`measure.prep_probe`); a fixed tile, so still batch-invariant.
     Returns q, k [1, T, Hk, K] bf16; v [1, T, Hv, V] bf16; g [1, T, Hv] fp32; beta [1, T, Hv] bf16.
     """
     if proj.ndim != 2 or conv_weight.ndim != 2:
@@ -294,7 +291,7 @@ def gdn_prep(
         return q, k, v, g, beta
     torch_cpu = kernel_mode(_gdn_prep_kernel, device)
     num_seqs = cu_seqlens.shape[0] - 1
-    block_t, num_warps = tile or (tile_elements(torch_cpu) // 256, 4)  # widths only (K, V <= 256): batch-invariant
+    block_t = tile_elements(torch_cpu) // 256  # from the widths only (K, V <= 256): batch-invariant bits
     grid = (triton.cdiv(tokens, block_t), 2 * num_k_heads + num_v_heads + 1)
     with ieee_quiet(torch_cpu):
         _gdn_prep_kernel[grid](
@@ -327,7 +324,7 @@ def gdn_prep(
             BLOCK_D=triton.next_power_of_2(max(head_k_dim, head_v_dim)),
             BLOCK_HV=triton.next_power_of_2(num_v_heads),
             TORCH_CPU=torch_cpu,
-            num_warps=num_warps,
+            num_warps=4,
             **LAUNCH_OPTIONS,
         )
     return q, k, v, g, beta
