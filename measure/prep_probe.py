@@ -27,6 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ablations.probes import equal_share
 from measure.gdn_chunk_probe import bucketed_plan, graph_time_us
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,13 +47,6 @@ def copy_tbps() -> float:
     target = torch.empty_like(source)
     timed = time_calls(lambda: target.copy_(source), device="cuda", warmup=3, runs=20)
     return 2 * source.numel() / (timed.median_ms * 1e-3) / 1e12
-
-
-def bit_equal_share(got, want) -> float:
-    import torch
-
-    same = got.view(torch.int16) == want.view(torch.int16) if got.dtype == torch.bfloat16 else got == want
-    return float(same.float().mean())
 
 
 def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
@@ -123,7 +117,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, tbps: float) -> di
     for kernel, (ways, pairs) in prep_ways(plan, layout, QWEN38_27B).items():
         first, second = (fn() for fn in ways.values())
         nbytes, nbytes_once = floors[kernel]
-        equal = min(bit_equal_share(a, b) for a, b in pairs(first, second))
+        equal = min(equal_share(a, b) for a, b in pairs(first, second))
         figures = {"bytes": nbytes, "floor_us": nbytes / tbps / 1e6, "bytes_once_per_row": nbytes_once,
                    "floor_us_once_per_row": nbytes_once / tbps / 1e6, "bit_equal_share": equal, "ways": {}}  # fmt: skip
         for name, fn in ways.items():

@@ -184,11 +184,12 @@ def test_gpu_packed_prep_equals_every_slot_27b(workload_id: str) -> None:
     gdn_prep at `plan.row_slot` then gathered, and attn_prep over the rows then gathered at the key rows, equal the
     kernels over every path slot and key entry, bit for bit, on the bucketed plan's real slots and keys."""
     _require_compiled_kernels()
-    from measure.prep_probe import bit_equal_share, bucketed_plan, prep_ways
+    from ablations.probes import equal_share
+    from measure.prep_probe import bucketed_plan, prep_ways
 
     host, layout = bucketed_plan(workload_id)
     for kernel, (ways, pairs) in prep_ways(host.to("cuda"), layout, QWEN38_27B).items():
         every_slot, packed = (fn() for fn in ways.values())
         assert not any(t.isnan().any() for t in packed), kernel
-        shares = [bit_equal_share(a, b) for a, b in pairs(every_slot, packed)]
+        shares = [equal_share(a, b) for a, b in pairs(every_slot, packed)]
         assert shares == [1.0] * len(shares), (kernel, shares)

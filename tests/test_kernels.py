@@ -130,14 +130,15 @@ def test_packed_prep_equals_every_slot_on_a_bucketed_plan(workload_id: str) -> N
     `plan.row_slot`, attn_prep over the rows) equals the kernels over every path slot and key entry, bit for bit,
     on the real candidates' slots and keys of the workload's bucketed plan (tiny widths; measure/prep_probe.py times
     both ways on the H200)."""
-    from measure.prep_probe import bit_equal_share, bucketed_plan, prep_ways
+    from ablations.probes import equal_share
+    from measure.prep_probe import bucketed_plan, prep_ways
 
     plan, layout = bucketed_plan(workload_id)
     assert len(plan.conv_paths.rows) > plan.num_rows  # shared rows: the two ways differ in work
     for kernel, (ways, pairs) in prep_ways(plan, layout, TINY).items():
         every_slot, packed = (fn() for fn in ways.values())
         assert not any(t.isnan().any() for t in packed), kernel
-        shares = [bit_equal_share(a, b) for a, b in pairs(every_slot, packed)]
+        shares = [equal_share(a, b) for a, b in pairs(every_slot, packed)]
         assert shares == [1.0] * len(shares), (kernel, shares)
 
 
