@@ -44,11 +44,17 @@ Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H2
   rows change nothing (bitwise tests); a row's output depends only on the rows up to its chunk (zeros of the masked
   rows enter the dots as exact zeros), so a path of the prefix tree gets the bits of the unshared sequence.
 
-Tiles: one value block of BV columns per program (`value_block`, default V: one program per (sequence, value head));
-smaller blocks split the state and the v/o columns over more programs and repeat the kkt, solve and w work per block.
+Tiles: one value block of BV columns per program (`value_block`, default min(64, V) with 4 warps: two programs per
+(sequence, value head) at V = 128); smaller blocks split the state and the v/o columns over more programs and repeat
+the kkt, solve and w work per block. BV = 64 / 4 warps is the fastest tiling the probe timed on the H200 (206.7-207.9
+us a layer at drone against 297.1-297.6 for BV = V / 8 warps, the same error against FLA: engine/stages/core.md);
+BV < 64 is refused on CUDA: BV = 32 gave wrong outputs on sm_90 (relative RMSE 0.84-0.88 against FLA, a Triton 3.6
+code-generation fault: core.md); the interpreter runs any BV.
 
 Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
-* v1, body in functions (this file): the chunk's steps (solve, w, u, output, state update) are the jit functions of
+* v2 (this file): the default tiling BV = 64 / 4 warps instead of BV = V / 8 warps (the probe's best at c3b31b9 and
+  8a0fb8c); the kernel's code is unchanged.
+* v1, body in functions: the chunk's steps (solve, w, u, output, state update) are the jit functions of
   kernels/gdn_chunk_body.py; the sm_90 PTX of every launch compile_check makes is the same as before, line for line
   (debug info aside), so the GPU bits are unchanged. A two-launch `schedule="split"` of the same body (w/u for every
   chunk in parallel, then the state pass) was added and removed: not bitwise with this kernel on the H200 and no
@@ -70,6 +76,7 @@ from kernels.gdn_chunk_body import (
     RCP_LN2,
     _bf16_point,
     _chunk_inverse,
+    _chunk_inverse_blocks,
     _chunk_output,
     _chunk_state,
     _chunk_u,
@@ -80,9 +87,82 @@ from kernels.gdn_chunk_body import (
 from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
-NUM_WARPS = 8
+VALUE_BLOCK = 64  # BV of the stage (capped at V): 0.65-0.76x FLA's time on the H200 where BV = V took 0.45-0.52x
+NUM_WARPS = 4
 NUM_STAGES = 2
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
+SOLVES = ("fla-blocks", "doubling-blocks", "doubling")
+SOLVE = "fla-blocks"
+SEPARATE_SOLVE = False
+SOLVE_NUM_WARPS = 4
+
+
+@triton.jit
+def _chunk_solve(
+    k, k_op, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+    ROUND: tl.constexpr, SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """T = (I + A)⁻¹ of one chunk as a dot operand (bf16↓ with rounding points), by SOLVE (module docstring)."""
+    if SOLVE == "doubling":
+        o_t = tl.arange(0, 64)
+        lower = o_t[:, None] > o_t[None, :]
+        eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+        t_op = _chunk_inverse(k_op, b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU)
+    else:
+        t_op = _chunk_inverse_blocks(
+            k, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE, SOLVE_PRECISION,
+            DOT_PRECISION, TORCH_CPU,
+        )  # fmt: skip
+    return t_op
+
+
+@triton.jit
+def _chunk_gates(g, beta, gate_rows, valid):
+    """γ = cumsum(g) · log2(e) over the chunk (constant after the last valid row: g loads as 0 there) and β, fp32."""
+    b_gc = tl.cumsum(tl.load(g + gate_rows, mask=valid, other=0.0), axis=0) * RCP_LN2
+    return b_gc, to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
+
+
+@triton.jit
+def _gdn_chunk_solve_kernel(
+    k,
+    g,
+    beta,
+    solved,
+    cu_seqlens,
+    chunk_indices,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    ROUND: tl.constexpr,
+    SOLVE: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    """The solve launch: T of one (chunk, value head) into `solved` [T, Hv, 64] (rows of the chunk's sequence only)."""
+    BT: tl.constexpr = 64
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    valid = rows < seq_len
+    token = bos + rows
+    b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
+    k16 = tl.load(k + ((token * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
+                  mask=valid[:, None], other=0.0)  # fmt: skip
+    t_op = _chunk_solve(
+        k, _loaded_operand(k16, ROUND, TORCH_CPU), bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS,
+        KEY_DIM, ROUND, SOLVE, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
+    )  # fmt: skip
+    solved_rows = (token * VALUE_HEADS + i_hv) * BT
+    tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
 
 
 @triton.jit
@@ -95,6 +175,7 @@ def _gdn_chunk_fwd_kernel(
     o,
     h0,
     ht,
+    solved,
     cu_seqlens,
     scale,
     KEY_HEADS: tl.constexpr,
@@ -105,6 +186,8 @@ def _gdn_chunk_fwd_kernel(
     HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     ROUND: tl.constexpr,
+    SOLVED: tl.constexpr,
+    SOLVE: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
@@ -120,9 +203,7 @@ def _gdn_chunk_fwd_kernel(
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, KEY_DIM)
     o_v = i_v * BV + tl.arange(0, BV)
-    lower = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
-    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
 
     state_offsets = ((i_n * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
     state_tile = o_k[:, None] * VALUE_DIM + o_v[None, :]
@@ -139,19 +220,25 @@ def _gdn_chunk_fwd_kernel(
         v_rows = (token * VALUE_HEADS + i_hv) * VALUE_DIM
         gate_rows = token * VALUE_HEADS + i_hv
 
-        b_g = tl.load(g + gate_rows, mask=valid, other=0.0)
-        b_gc = tl.cumsum(b_g, axis=0) * RCP_LN2  # γ; constant after the last valid row (g loads as 0 there)
+        b_gc, b_beta = _chunk_gates(g, beta, gate_rows, valid)
         last = tl.minimum(seq_len - i_t * BT, BT) - 1
         g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
-        b_beta = to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
         # Rows past the sequence end load k = q = v = beta = g = 0, so their rows and columns of A, T, u, w, v' and
         # Q Kᵀ are exact zeros (T's are identity rows) and no mask beyond the triangles is needed. Tiles are loaded
         # where they are first used and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
         k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
         k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
 
-        # A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)), then T = (I + A)^-1 by recursive block inversion
-        t_op = _chunk_inverse(k_op, b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU)
+        # T = (I + A)⁻¹, A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)): here, or from the solve launch
+        if SOLVED:
+            solved_rows = (token * VALUE_HEADS + i_hv) * BT
+            t16 = tl.load(solved + solved_rows[:, None] + o_t[None, :], mask=valid[:, None], other=0.0)
+            t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
+        else:
+            t_op = _chunk_solve(
+                k, k_op, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE,
+                SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
+            )  # fmt: skip
 
         # w = T (K beta 2^γ), u = T (V beta)
         b_w = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
@@ -190,6 +277,10 @@ def gdn_chunk_forward(
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     bf16_points: bool = True,
+    solve: str = SOLVE,
+    separate_solve: bool = SEPARATE_SOLVE,
+    chunk_indices: torch.Tensor | None = None,
+    solve_num_warps: int = SOLVE_NUM_WARPS,
     solve_precision: str = "tf32",
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
@@ -221,13 +312,17 @@ def gdn_chunk_forward(
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs < 1:
         raise ValueError(f"gdn_chunk_forward: cu_seqlens must hold N + 1 >= 2 offsets, got {tuple(cu_seqlens.shape)}")
-    value_block = value_dim if value_block is None else value_block
+    value_block = min(VALUE_BLOCK, value_dim) if value_block is None else value_block
     powers = (key_dim, value_dim, value_block)
     if any(n < 16 or n & (n - 1) for n in powers) or value_dim % value_block or value_heads % key_heads:
         raise ValueError(
             f"gdn_chunk_forward: K, V and the value block must be powers of two >= 16 with the block dividing V, and "
             f"Hk must divide Hv; got K={key_dim} V={value_dim} block={value_block} Hk={key_heads} Hv={value_heads}"
         )
+    if value_block < 64 and device.type == "cuda":
+        raise ValueError(f"gdn_chunk_forward: value block {value_block} < 64 is wrong on sm_90 (kernel docstring)")
+    if solve not in SOLVES:
+        raise ValueError(f"gdn_chunk_forward: solve {solve!r} is not one of {SOLVES}")
     if solve_precision not in SOLVE_PRECISIONS:
         raise ValueError(f"gdn_chunk_forward: solve_precision {solve_precision!r} is not one of {SOLVE_PRECISIONS}")
     state_shape = (num_seqs, value_heads, key_dim, value_dim)
@@ -244,6 +339,12 @@ def gdn_chunk_forward(
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
     grid = (value_dim // value_block, value_heads, num_seqs)
+    solved = None
+    if separate_solve:
+        solved = gdn_chunk_solve(
+            k, g, beta, cu_seqlens, chunk_indices, bf16_points=bf16_points, solve=solve,
+            solve_precision=solve_precision, num_warps=solve_num_warps,
+        )  # fmt: skip
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -254,6 +355,7 @@ def gdn_chunk_forward(
             o,
             o if initial_state is None else initial_state,  # not read without HAS_H0
             o if final is None else final,  # not written without STORE_HT
+            o if solved is None else solved,  # not read without SOLVED
             cu_seqlens,
             scale,
             KEY_HEADS=key_heads,
@@ -264,6 +366,8 @@ def gdn_chunk_forward(
             HAS_H0=initial_state is not None,
             STORE_HT=final is not None,
             ROUND=bf16_points,
+            SOLVED=solved is not None,
+            SOLVE=solve,
             SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
@@ -271,6 +375,63 @@ def gdn_chunk_forward(
             num_stages=num_stages,
         )
     return o, final
+
+
+def gdn_chunk_solve(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor | None = None,
+    *,
+    bf16_points: bool = True,
+    solve: str = SOLVE,
+    solve_precision: str = "tf32",
+    num_warps: int = SOLVE_NUM_WARPS,
+) -> torch.Tensor:
+    """The solve launch of `gdn_chunk_forward(..., separate_solve=True)`: T = (I + A)⁻¹ of every (chunk, value head),
+    one program each over `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when
+    None, a host sync). Returns T [T, Hv, 64] (bf16, fp32 without rounding points): row r of a chunk holds T's row r;
+    rows outside every sequence are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
+    device, tokens, value_heads = k.device, k.shape[0], g.shape[1]
+    if chunk_indices is None:
+        chunk_indices = chunk_indices_of(cu_seqlens)
+    index_dtypes = (torch.int32, torch.int64)
+    check_tensor("gdn_chunk_solve: chunk_indices", chunk_indices, dtype=index_dtypes, shape=(None, 2), device=device,
+                 contiguous=True)  # fmt: skip
+    torch_cpu = kernel_mode(_gdn_chunk_solve_kernel, device)
+    solved = torch.empty((tokens, value_heads, CHUNK), dtype=torch.bfloat16 if bf16_points else torch.float32,
+                         device=device)  # fmt: skip
+    if chunk_indices.shape[0]:
+        with ieee_quiet(torch_cpu):
+            _gdn_chunk_solve_kernel[(chunk_indices.shape[0], value_heads)](
+                k,
+                g,
+                beta,
+                solved,
+                cu_seqlens,
+                chunk_indices,
+                KEY_HEADS=k.shape[1],
+                VALUE_HEADS=value_heads,
+                KEY_DIM=k.shape[2],
+                ROUND=bf16_points,
+                SOLVE=solve,
+                SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
+                DOT_PRECISION="tf32" if bf16_points else "ieee",
+                TORCH_CPU=torch_cpu,
+                num_warps=num_warps,
+            )
+    return solved
+
+
+def chunk_indices_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """FLA's varlen chunk layout of `cu_seqlens` [N + 1]: [chunks, 2] int64 (sequence, chunk within it), one row per
+    64-row chunk of every sequence in order (empty sequences have none). Syncs with the host (the engine passes the
+    plan's instead)."""
+    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1, CHUNK, rounding_mode="floor").to(torch.int64)
+    sequence = torch.repeat_interleave(torch.arange(len(counts), device=cu_seqlens.device), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.stack([sequence, torch.arange(len(sequence), device=cu_seqlens.device) - first], dim=1).contiguous()
 
 
 class GdnChunkCore:
@@ -317,6 +478,7 @@ class GdnChunkCore:
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
+            chunk_indices=chunk_indices,
             **self.options,
         )
         return o[None], final

@@ -70,6 +70,126 @@ def _chunk_inverse(
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a · b, fp32 accumulate, at PRECISION (the solve's merge dots)."""
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _slice16(x, j: tl.constexpr):
+    """Rows 16 j .. 16 j + 15 of a [64] vector (exact: a masked sum of one term)."""
+    blocks = tl.reshape(x, (4, 16))
+    return tl.sum(tl.where((tl.arange(0, 4) == j)[:, None], blocks, 0.0), axis=0)
+
+
+@triton.jit
+def _key_block(k, token0, rows_left, j: tl.constexpr, i_hk, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr):
+    """Rows 16 j .. 16 j + 15 of the chunk's keys [16, K] bf16, rows at or past `rows_left` loaded as zeros."""
+    rows = j * 16 + tl.arange(0, 16)
+    offsets = ((token0 + rows) * KEY_HEADS + i_hk)[:, None] * KEY_DIM + tl.arange(0, KEY_DIM)[None, :]
+    return tl.load(k + offsets, mask=(rows < rows_left)[:, None], other=0.0)
+
+
+@triton.jit
+def _kkt_block(k_i, k_j, gc_i, gc_j, beta_i, DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The (i, j) 16 x 16 block of A = strict_lower(diag(β) K Kᵀ ⊙ 2^(γ_r − γ_s)), fp32; only the diagonal blocks
+    are masked (an off-diagonal block below the diagonal is whole)."""
+    a = tl.dot(k_i, tl.trans(k_j), input_precision=DOT_PRECISION)
+    if DIAGONAL:
+        o = tl.arange(0, 16)
+        a = tl.where(o[:, None] > o[None, :], a * tl.exp2(gc_i[:, None] - gc_j[None, :]), 0.0)
+    else:
+        a = a * tl.exp2(gc_i[:, None] - gc_j[None, :])
+    return a * beta_i[:, None]
+
+
+@triton.jit
+def _diagonal_inverse(a, SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr):
+    """(I + a)⁻¹ of a strictly lower 16 x 16 block, fp32. "fla-blocks": forward substitution row by row in fp32
+    (row i ← −a_i − a_i · rows < i of the inverse), FLA's order; "doubling-blocks": recursive block inversion (the
+    2 x 2 blocks exactly, then 3 levels of two dots at SOLVE_PRECISION)."""
+    o = tl.arange(0, 16)
+    eye = (o[:, None] == o[None, :]).to(tl.float32)
+    if SOLVE == "fla-blocks":
+        inverse = -a
+        for i in range(2, 16):
+            row = tl.sum(tl.where((o == i)[:, None], -a, 0.0), axis=0)
+            row = row + tl.sum(row[:, None] * inverse, axis=0)
+            inverse = tl.where((o == i)[:, None], row[None, :], inverse)
+        inverse = inverse + eye
+    else:
+        lower = o[:, None] > o[None, :]
+        inverse = eye - tl.where((o[:, None] // 2 == o[None, :] // 2) & lower, a, 0.0)
+        for level in tl.static_range(1, 4):
+            block = 1 << level
+            off = (o[:, None] // (2 * block) == o[None, :] // (2 * block)) & (o[:, None] // block > o[None, :] // block)
+            below = tl.dot(tl.where(off, a, 0.0), inverse, input_precision=SOLVE_PRECISION)
+            inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
+    return inverse
+
+
+@triton.jit
+def _cat_columns(left, right):
+    """[M, N], [M, N] -> [M, 2N]: left's columns, then right's."""
+    return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], 2 * left.shape[1]))
+
+
+@triton.jit
+def _cat_rows(top, bottom):
+    """[M, N], [M, N] -> [2M, N]: top's rows, then bottom's."""
+    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), (2 * top.shape[0], top.shape[1]))
+
+
+@triton.jit
+def _block_row(b0, b1, b2, b3):
+    """Four [16, 16] blocks side by side: [16, 64]."""
+    return _cat_columns(_cat_columns(b0, b1), _cat_columns(b2, b3))
+
+
+@triton.jit
+def _chunk_inverse_blocks(
+    k, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, ROUND: tl.constexpr,
+    SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
+    kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
+    inverted (`_diagonal_inverse`), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
+    T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
+    T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
+    k0 = _loaded_operand(_key_block(k, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
+    k1 = _loaded_operand(_key_block(k, token0, rows_left, 1, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
+    k2 = _loaded_operand(_key_block(k, token0, rows_left, 2, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
+    k3 = _loaded_operand(_key_block(k, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
+    g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
+    be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
+    t00 = _diagonal_inverse(
+        _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION), SOLVE, SOLVE_PRECISION
+    )
+    t11 = _diagonal_inverse(_kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
+    t22 = _diagonal_inverse(_kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
+    t33 = _diagonal_inverse(_kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
+    a10 = _kkt_block(k1, k0, g1, g0, be1, False, DOT_PRECISION)
+    a20 = _kkt_block(k2, k0, g2, g0, be2, False, DOT_PRECISION)
+    a21 = _kkt_block(k2, k1, g2, g1, be2, False, DOT_PRECISION)
+    a30 = _kkt_block(k3, k0, g3, g0, be3, False, DOT_PRECISION)
+    a31 = _kkt_block(k3, k1, g3, g1, be3, False, DOT_PRECISION)
+    a32 = _kkt_block(k3, k2, g3, g2, be3, False, DOT_PRECISION)
+    t10 = -_dot(_dot(t11, a10, SOLVE_PRECISION), t00, SOLVE_PRECISION)
+    t21 = -_dot(_dot(t22, a21, SOLVE_PRECISION), t11, SOLVE_PRECISION)
+    t32 = -_dot(_dot(t33, a32, SOLVE_PRECISION), t22, SOLVE_PRECISION)
+    t20 = -_dot(t22, _dot(a20, t00, SOLVE_PRECISION) + _dot(a21, t10, SOLVE_PRECISION), SOLVE_PRECISION)
+    t31 = -_dot(t33, _dot(a31, t11, SOLVE_PRECISION) + _dot(a32, t21, SOLVE_PRECISION), SOLVE_PRECISION)
+    t30_sum = _dot(a30, t00, SOLVE_PRECISION) + _dot(a31, t10, SOLVE_PRECISION) + _dot(a32, t20, SOLVE_PRECISION)
+    t30 = -_dot(t33, t30_sum, SOLVE_PRECISION)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    inverse = _cat_rows(
+        _cat_rows(_block_row(t00, zero, zero, zero), _block_row(t10, t11, zero, zero)),
+        _cat_rows(_block_row(t20, t21, t22, zero), _block_row(t30, t31, t32, t33)),
+    )
+    return _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
+
+
+@triton.jit
 def _chunk_w(t_op, k16, b_beta, b_gc, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr):
     """w = bf16↓(T · bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)) (fp32 holding bf16 values with rounding points)."""
     k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)

@@ -10,8 +10,8 @@ path of the bucket, at the 27B head shapes, with random inputs as the engine han
 L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same tensors in one process:
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
-* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration and in the variants of `VARIANTS` (tiles, solve
-  precision).
+* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration and in the variants of `VARIANTS` (tiles, pipeline
+  stages; records before gdn_chunk v2 have BV 32 and the tf32x3 solve too).
 Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers, without launch gaps) after two
 warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
 Errors per variant: relative RMSE and the share of bit-equal output elements against FLA, and the relative RMSE of
@@ -42,10 +42,18 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
     "stage": {},
-    "bv64-w8": {"value_block": 64},
-    "bv64-w4": {"value_block": 64, "num_warps": 4},
-    "bv32-w4": {"value_block": 32, "num_warps": 4},
-    "tf32x3": {"solve_precision": "tf32x3"},
+    "doubling": {"solve": "doubling"},  # gdn_chunk v2: the whole-tile solve, BV 64, 4 warps
+    "fla-blocks": {"solve": "fla-blocks"},
+    "doubling-blocks": {"solve": "doubling-blocks"},
+    "fla-blocks-bv128-w8": {"solve": "fla-blocks", "value_block": 128, "num_warps": 8},
+    "separate-fla-blocks": {"solve": "fla-blocks", "separate_solve": True},
+    "separate-fla-blocks-sw2": {"solve": "fla-blocks", "separate_solve": True, "solve_num_warps": 2},
+    "separate-fla-blocks-sw1": {"solve": "fla-blocks", "separate_solve": True, "solve_num_warps": 1},
+    "separate-doubling-blocks": {"solve": "doubling-blocks", "separate_solve": True},
+    "separate-doubling": {"solve": "doubling", "separate_solve": True},
+    "separate-fla-blocks-bv128-w8": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 8},
+    "separate-fla-blocks-bv128-w4": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 4},
+    "separate-fla-blocks-s1": {"solve": "fla-blocks", "separate_solve": True, "num_stages": 1},
 }
 
 
@@ -103,7 +111,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
 
     from ablations.probes import engine_gdn_inputs
     from engine.plan import SolveWorkspace
-    from kernels.gdn_chunk import GdnChunkCore
+    from kernels.gdn_chunk import SOLVE_NUM_WARPS, GdnChunkCore, gdn_chunk_solve
     from kernels.gdn_core import FlaForwardCore
     from reference import ops
 
@@ -151,9 +159,18 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
             "bit_equal_share_vs_fla": float((mine.view(torch.int16) == theirs.view(torch.int16)).float().mean()),
             "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
         }
+        if options.get("separate_solve"):  # the solve launch alone, on the same inputs
+            solve_options = {"solve": options["solve"], "num_warps": options.get("solve_num_warps", SOLVE_NUM_WARPS)}
+            result["variants"][name]["solve_us"] = graph_time_us(
+                lambda o=solve_options: gdn_chunk_solve(k[0], g[0], beta[0], cu, layout["chunk_indices"], **o),
+                calls,
+                rounds,
+            )
         figures = result["variants"][name]
-        print(f"{workload_id:<24} {name:<8} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  "
-              f"x{figures['speedup_vs_fla']:5.2f}  vs FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
+        solve_us = f"  (solve {figures['solve_us']:.1f} us)" if "solve_us" in figures else ""
+        speed, error = figures["speedup_vs_fla"], figures["rel_rmse_vs_fla"]
+        print(f"{workload_id:<24} {name:<30} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  x{speed:5.2f}  "
+              f"vs FLA {error:.2e}{solve_us}", flush=True)  # fmt: skip
     return result
 
 

@@ -17,6 +17,7 @@ Synthetic weights and random inputs: only bits and bounds are compared, never ac
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 
@@ -26,7 +27,7 @@ import torch
 from ablations.workloads import get_workload, jevbench_panel
 from engine.stages import build_engine, config_of, get_stage
 from engine.weights import MergedWeights
-from kernels.gdn_chunk import gdn_chunk_forward
+from kernels.gdn_chunk import chunk_indices_of, gdn_chunk_forward
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
@@ -37,6 +38,16 @@ DEVICE = torch.device("cuda")
 DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
 DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
 LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
+KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel and the variants the probe times
+    "stage": {},
+    "doubling": {"solve": "doubling"},
+    "fla-blocks": {"solve": "fla-blocks"},
+    "doubling-blocks": {"solve": "doubling-blocks"},
+    "separate-fla-blocks": {"solve": "fla-blocks", "separate_solve": True},
+    "separate-doubling-blocks": {"solve": "doubling-blocks", "separate_solve": True},
+    "separate-fla-blocks-bv128-w8": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 8},
+}
+BOUND_CASES = [("stage", "tf32x3")] + [(name, "tf32") for name in KERNELS]
 
 
 def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -47,15 +58,15 @@ def run(q, k, v, g, beta, cu, h0, **options):
     return gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, output_final_state=True, **options)
 
 
-@pytest.mark.parametrize("solve_precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize(("kernel", "solve_precision"), BOUND_CASES, ids=[f"{n}-{p}" for n, p in BOUND_CASES])
 @pytest.mark.parametrize("lengths", list(LENGTH_SETS.values()), ids=list(LENGTH_SETS))
-def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, solve_precision):
+def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, kernel, solve_precision):
     from kernels.gdn_core import FlaForwardCore
     from reference.ops import GDN_CHUNK_SIZE
 
     inputs = gdn_chunk_inputs(lengths, DIMS, seed=21, device=DEVICE)
     q, k, v, g, beta, cu, h0 = inputs
-    o, final = run(*inputs, solve_precision=solve_precision)
+    o, final = run(*inputs, solve_precision=solve_precision, **KERNELS[kernel])
     ref_o, ref_final = gdn_chunk_oracle(*inputs)
     bound = gdn_chunk_bounds(DIMS[2], max(-(-n // GDN_CHUNK_SIZE) for n in lengths))["bf16"]
     from fla.ops.utils.index import prepare_chunk_indices
@@ -75,7 +86,7 @@ def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, solve_precision)
         "final vs FLA": rel_rmse(final, fla_final),
         "o bit-equal to FLA": float((o.view(torch.int16) == fla_o[0].view(torch.int16)).float().mean()),
     }
-    print(f"{solve_precision} bound {bound:.3g}", {name: f"{value:.3e}" for name, value in figures.items()})
+    print(f"{kernel} {solve_precision} bound {bound:.3g}", {name: f"{value:.3e}" for name, value in figures.items()})
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
     for name in ("o vs oracle", "final vs oracle"):
         assert figures[name] <= bound, (name, figures[name], bound)
@@ -83,38 +94,44 @@ def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, solve_precision)
         assert figures[name] <= 2 * bound, (name, figures[name], bound)
 
 
-def test_kernel_bitwise_invariances():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_bitwise_invariances(kernel):
+    forward = functools.partial(run, **KERNELS[kernel])
     q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=22, device=DEVICE)
-    o, final = run(q, k, v, g, beta, cu, h0)
-    again = run(q, k, v, g, beta, cu, h0)
+    o, final = forward(q, k, v, g, beta, cu, h0)
+    again = forward(q, k, v, g, beta, cu, h0)
     assert torch.equal(o, again[0]) and torch.equal(final, again[1]), "two runs differ"
     bounds = cu.tolist()
     for i in (0, 6, 7):
         s, e = bounds[i], bounds[i + 1]
-        alone = run(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], torch.tensor([0, e - s], device=DEVICE), h0[i : i + 1])
+        alone = forward(
+            q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], torch.tensor([0, e - s], device=DEVICE), h0[i : i + 1]
+        )
         assert torch.equal(alone[0], o[s:e]) and torch.equal(alone[1][0], final[i]), f"sequence {i} alone"
     # trailing NaN rows after the last sequence (a bucket's trailing slots) and a NaN-poisoned output
     padded = [torch.cat([t, torch.full((84, *t.shape[1:]), float("nan"), dtype=t.dtype, device=DEVICE)])
               for t in (q, k, v, g, beta)]  # fmt: skip
     out = torch.full((len(padded[0]), DIMS[1], DIMS[3]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    po, pfinal = run(*padded, cu, h0, out=out)
+    po, pfinal = forward(*padded, cu, h0, out=out)
     assert torch.equal(po[: len(q)], o) and torch.equal(pfinal, final) and torch.isnan(po[len(q) :]).all()
     # hand-off at 128 = one pass
     q1, k1, v1, g1, b1, _, h1 = gdn_chunk_inputs((195,), DIMS, seed=23, device=DEVICE)
     one = torch.tensor([0, 195], device=DEVICE)
-    whole = run(q1, k1, v1, g1, b1, one, h1)
-    head = run(q1[:128], k1[:128], v1[:128], g1[:128], b1[:128], torch.tensor([0, 128], device=DEVICE), h1)
-    tail = run(q1[128:], k1[128:], v1[128:], g1[128:], b1[128:], torch.tensor([0, 67], device=DEVICE), head[1])
+    whole = forward(q1, k1, v1, g1, b1, one, h1)
+    head = forward(q1[:128], k1[:128], v1[:128], g1[:128], b1[:128], torch.tensor([0, 128], device=DEVICE), h1)
+    tail = forward(q1[128:], k1[128:], v1[128:], g1[128:], b1[128:], torch.tensor([0, 67], device=DEVICE), head[1])
     assert torch.equal(torch.cat([head[0], tail[0]]), whole[0]) and torch.equal(tail[1], whole[1])
 
 
-def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=24, device=DEVICE)
-    eager = run(*inputs)
-    run(*inputs)  # compiled before capture
+    chunk_indices = chunk_indices_of(inputs[5])  # the engine passes its plan's (no host sync under capture)
+    eager = run(*inputs, chunk_indices=chunk_indices, **KERNELS[kernel])
+    run(*inputs, chunk_indices=chunk_indices, **KERNELS[kernel])  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = run(*inputs)
+        captured = run(*inputs, chunk_indices=chunk_indices, **KERNELS[kernel])
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
