@@ -48,8 +48,9 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
 * `"fla_forward"` (CUDA default of `fused` and `tree`): the same FLA kernels launched directly
   (`kernels.gdn_core.FlaForwardCore`): bitwise equal to `"fla"`, without the autograd wrapper and with one zeroed solve
   buffer per batch forward instead of one per layer (48 fewer fills per forward).
-* `"chunk_fused"` (stage `core`): our fused chunked forward (`kernels.gdn_chunk.GdnChunkCore`), one launch per call
-  in both modes, q/k normalised by the prep kernel; on the CPU too (the interpreter gets its bf16 operands as fp32).
+* `"chunk_fused"` (stage `core`): our chunked forward (`kernels.gdn_chunk.GdnChunkCore`: a solve launch and a walk
+  per call) in both modes, q/k normalised by the prep kernel; the replicated call walks the plan's tree (`walk`: the
+  shared prefix's recurrence once, dummy paths skipped); on the CPU too (the interpreter gets bf16 operands as fp32).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -587,6 +588,7 @@ class EngineBackbone:
                     cu_seqlens_cpu=call.cu_seqlens_cpu,
                     chunk_indices=call.chunk_indices,
                     **({} if self.gdn_core == "fla" else {"chunk_offsets": call.chunk_offsets}),
+                    **({"walk": call.walk} if self.gdn_core == "chunk_fused" else {}),
                     **core_options,
                 )
                 o = o[0]  # [L, Hv, V] over the paths; each packed row reads its representative path's row

@@ -105,6 +105,7 @@ class GdnCall:
     out_slots: torch.Tensor  # [n] int64
     out_rows: torch.Tensor  # [n] int64
     start_positions: tuple[int, ...]  # original position of each sequence's first token
+    walk: torch.Tensor | None  # [S, 7] int64: the tree walk of a replicated call (`kernels.gdn_chunk`), else None
     chunks: int  # sum over sequences of ceil(len / chunk_size): the work measure of the cost rule
     rows_start: int | None  # rows == arange(rows_start, rows_start + T), else None
     out_start: tuple[int, int] | None  # (first slot, first row) when out_slots and out_rows are both contiguous
@@ -833,6 +834,7 @@ def _schedule_view(mode: str, host: HostArrays, views: dict[str, torch.Tensor]) 
                 out_slots=views[key + "out_slots"],
                 out_rows=views[key + "out_rows"],
                 start_positions=facts.start_positions,
+                walk=views.get(key + "walk"),
                 chunks=facts.chunks,
                 rows_start=facts.rows_start,
                 out_start=facts.out_start,

@@ -27,7 +27,7 @@ import numpy as np
 
 CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
 PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
-CALL_ARRAYS = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows")
+CALL_ARRAYS = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows", "walk")
 CONV_ARRAYS = ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep")
 
 
@@ -300,7 +300,9 @@ def _attention_counts(q_counts, k_counts, key_rows, num_rows: int, padding, buck
 
 def _schedules(path_rows, path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size, padding):
     """Step 6: the replicated call, and (unpadded plans) the hand-off calls, checked to produce every row once."""
-    schedules = {"replicated": [_replicated_call(path_rows, path_cu, row_slot)]}
+    replicated = _replicated_call(path_rows, path_cu, row_slot)
+    replicated["walk"] = _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size)
+    schedules = {"replicated": [replicated]}
     if padding is None:
         num_cands = len(lens)
         paths = [path_rows[path_cu[c] : path_cu[c + 1]] for c in range(len(path_cu) - 1)]
@@ -408,6 +410,60 @@ def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.nd
     }
 
 
+def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size) -> np.ndarray:
+    """The replicated call's tree walk for `kernels.gdn_chunk` (its module docstring, "The tree walk"): [S, 7] int64,
+    row i = (the sequence to run i-th, then sequence i's start chunk, source slot, publish chunks, publish slot, second
+    publish chunks, second publish slot). The shared prefix's recurrence runs once: candidate 0 walks its whole path and
+    publishes its state at the root's last chunk boundary A0 (slot 0; A0 = 0 with one question, as the hand-off's)
+    and, where its question's prefix crosses a later boundary A_r, there too (slot S); the first candidate of every
+    other question starts at A0 from slot 0 and publishes at A_r (its own slot); every other candidate starts at A_r
+    (or A0) from its question's (or the root's) state. Dummy paths start at -1 (their rows get zeros). Rows are
+    ordered so that every publisher precedes its readers (the kernel's tickets run them in this order) and the
+    independent sequences come before the readers. Checked: no representative slot lies in a skipped chunk."""
+    num_seqs, num_cands = len(path_cu) - 1, len(lens)
+    q_of = np.asarray(question_of, dtype=np.int64)
+    q_lens = np.asarray(question_lens, dtype=np.int64)
+    a0 = root_len // chunk_size if len(q_lens) > 1 else 0
+    q_end = (root_len + q_lens) // chunk_size  # A_r per question, in chunks
+    first = {r: int(np.flatnonzero(q_of == r)[0]) for r in range(len(q_lens))}
+    size = {r: int((q_of == r).sum()) for r in range(len(q_lens))}
+    walk = np.zeros((num_seqs, 7), dtype=np.int64)
+    walk[:, 2] = -1
+    walk[num_cands:, 1] = -1  # dummy paths
+    r0 = int(q_of[0])
+    for c in range(1, num_cands):
+        r = int(q_of[c])
+        if c == first[r]:
+            if a0 > 0:
+                walk[c, 1:3] = (a0, 0)
+            if q_end[r] > a0 and size[r] > 1:
+                walk[c, 3:5] = (q_end[r], c)
+        elif q_end[r] > a0:
+            walk[c, 1:3] = (q_end[r], num_seqs if r == r0 else first[r])
+        elif a0 > 0:
+            walk[c, 1:3] = (a0, 0)
+    if (walk[:, 2] == 0).any():
+        walk[0, 3:5] = (a0, 0)
+    if (walk[:, 2] == num_seqs).any():
+        walk[0, 5:7] = (q_end[r0], num_seqs)
+    skipped = np.zeros(int(path_cu[-1]), dtype=bool)
+    for seq in np.flatnonzero(walk[:, 1] > 0):
+        skipped[path_cu[seq] : path_cu[seq] + walk[seq, 1] * chunk_size] = True
+    if skipped[row_slot].any():
+        raise AssertionError("the tree walk skips a representative slot")
+    readers, publishers = walk[1:, 2] >= 0, (walk[1:, 3] > 0) | (walk[1:, 5] > 0)
+    rest = np.arange(1, num_seqs)
+    order = np.concatenate([[0], rest[~readers], rest[readers & publishers], rest[readers & ~publishers]])
+    position = np.empty(num_seqs + 1, dtype=np.int64)
+    position[order] = np.arange(num_seqs)
+    position[num_seqs] = position[0]  # slot S is candidate 0's second publish
+    reading = np.flatnonzero(walk[:, 2] >= 0)
+    if (position[walk[reading, 2]] >= position[reading]).any():
+        raise AssertionError("a tree-walk reader runs before its publisher")
+    walk[:, 0] = order
+    return walk
+
+
 def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths) -> list[dict]:
     """Root to A0, questions from A0 to A_r, leaves from A_r (all multiples of chunk_size); see GdnSchedule. One
     question: no root call (A0 = 0), its node runs from position 0. Dummy sequences run whole in the leaves' call,
@@ -457,6 +513,7 @@ def _call(pieces: list[tuple[np.ndarray, int, int, int]], *, keep_final: bool) -
     return {
         "rows": rows,
         "cu_seqlens": _bounds(seq_lens),
+        "walk": None,
         "init_state": None if (starts == 0).all() else states,
         "keep_final": keep_final,
         "start_positions": starts,

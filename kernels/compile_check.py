@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -143,16 +144,19 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     ]
     chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
-    for sequences, handoff in ((18, False), (5, True)):  # drone's bucket (replicated); a hand-off call
-        states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if handoff else None
+    # drone's bucket (replicated) with and without its tree walk; a hand-off call
+    for sequences, mode in ((18, "walk"), (18, "replicated"), (5, "handoff")):
+        states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
+        walk = _meta(sequences, 7, dtype=torch.int64) if mode == "walk" else None
 
-        def chunk_call(sequences=sequences, states=states, handoff=handoff):
-            cu_seqlens = _meta(sequences + 1, dtype=torch.int64)
+        def chunk_call(sequences=sequences, states=states, walk=walk, mode=mode):
+            cu_seqlens, chunk_indices = _meta(sequences + 1, dtype=torch.int64), _meta(26, 2, dtype=torch.int64)
             return gdn_chunk_forward(
-                chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states, output_final_state=handoff
-            )
+                chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states,
+                output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk,
+            )  # fmt: skip
 
-        launches.append((f"gdn_chunk {sequences} seqs{' handoff' if handoff else ''}", chunk_call))
+        launches.append((f"gdn_chunk {sequences} seqs {mode}", chunk_call))
     for sequences in SEQUENCE_COUNTS:
         cu_seqlens = _meta(sequences + 1, dtype=torch.int32)
         ways = ((False, False), (True, False)) + (((True, True),) if sequences in SLOTS_SEQUENCE_COUNTS else ())
@@ -240,18 +244,18 @@ def check(capability: int = SM90, *, usage: bool = False) -> list[tuple[str, str
     for label, call in engine_launches():
         with captured_launches() as launches:
             call()
-        if len(launches) != 1:
-            raise RuntimeError(f"compile_check: {label} launched {len(launches)} kernels, expected 1")
-        for aligned in (True, False):
+        if not launches:
+            raise RuntimeError(f"compile_check: {label} launched no kernel")
+        for launch, aligned in itertools.product(launches, (True, False)):
             note = None
             try:
-                compiled = compile_launch(launches[0], aligned=aligned, capability=capability)
+                compiled = compile_launch(launch, aligned=aligned, capability=capability)
                 error = None
             except Exception as failure:  # CompilationError, RuntimeError from the pass manager: report either
                 error = (str(failure).strip().splitlines() or [repr(failure)])[-1]
             if error is None and usage and aligned:
                 note = ptxas_usage(compiled, capability)
-            results.append((label, launches[0].kernel.__name__, aligned, error, note))
+            results.append((label, launch.kernel.__name__, aligned, error, note))
     return results
 
 

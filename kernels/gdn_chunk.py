@@ -1,9 +1,11 @@
-"""The chunked gated delta rule forward in one kernel: one program per (sequence, value head, value block).
+"""The chunked gated delta rule forward in two launches: the solve, then one program per (sequence, value head, value
+block) that walks the sequence's chunks with the state on chip; with a plan's tree walk, the shared prefixes once.
 
 Replaces FLA 0.6.0's five forward launches (`kernels.gdn_core.FlaForwardCore`: cumsum, kkt + solve, w/u, state
-pass, output) with one launch per call. A program walks its sequence's 64-row chunks in order and keeps the
-recurrent state S [K, BV] in fp32 registers from the first chunk to the last; nothing but the inputs, the output and
-the initial / final states touches memory. No atomics, no reductions across programs.
+pass, output). The solve launch (`gdn_chunk_solve`, one program per (chunk, value head) over FLA's `chunk_indices`)
+writes T = (I + A)⁻¹ of every chunk [T, Hv, 64] (bf16); the walk reads it and keeps the recurrent state S [K, BV] in
+fp32 registers from the first chunk to the last, so w, u, v' and the per-chunk states never touch memory. No
+reductions across programs; the tree walk's atomics are tickets and flags only (below).
 
 Inputs (packed varlen rows, B = 1 squeezed): q, k [T, Hk, K] bf16 (already L2-normalised, FLA's `l2norm_fwd`
 numerics, by `kernels.gdn_prep`), v [T, Hv, V] bf16, g [T, Hv] fp32 (log decay), beta [T, Hv] bf16; sequence i is
@@ -15,7 +17,7 @@ Math per chunk (rows r = 0..63 of the chunk, the state S at the chunk start; FLA
 ```
 γ      = cumsum(g) · log2(e)                                     fp32 (in-chunk prefix sum)
 A      = strict_lower(diag(β) K Kᵀ ⊙ 2^(γ_r − γ_s))                 [64, 64] fp32, bf16 dot operands
-T      = (I + A)⁻¹                                                  fp32, recursive block inversion (below); bf16↓
+T      = (I + A)⁻¹                                                  fp32 (the solve, below); bf16↓
 w, u   = bf16↓(T · bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)), bf16↓(T · bf16↓(V ⊙ β))
 Sb     = bf16↓(S)
 v'     = u − w Sb                                                   fp32
@@ -27,38 +29,57 @@ taken (fp32 throughout, fp32 dots at IEEE precision: the exactness test of the a
 CUDA (tensor cores, fp32 accumulate); under the interpreter the same bf16 values go in as fp32 (the interpreter
 computes bf16 `tl.dot` wrongly), which is exact for the products and differs only in the accumulation order.
 
-The solve. T = (I + A)⁻¹ by recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
-diagonal blocks (I − A on their one sub-diagonal entry), and for block sizes b = 2, 4, 8, 16, 32
-D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
-[[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]] for all blocks of one level at once. 10 dots of
-64 × 64 × 64 at `solve_precision` (default "tf32", FLA's SOLVE_TRIL_DOT_PRECISION on sm >= 80). FLA inverts 16 × 16
-diagonal blocks by forward substitution and merges the off-diagonal blocks in the same way; the results differ in the
-last bits. A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly
-correlated keys its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
+The solve (`solve`):
+* "doubling" (the stage's): recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
+  diagonal blocks (I − A on their one sub-diagonal entry), and for block sizes b = 2, 4, 8, 16, 32
+  D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
+  [[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]] for all blocks of one level at once; 10 dots of
+  64 × 64 × 64 at `solve_precision` (default "tf32", FLA's SOLVE_TRIL_DOT_PRECISION on sm >= 80).
+* "fla-blocks": FLA 0.6.0's fused kkt + solve in its own order (kernels/gdn_chunk_body.py `_inverse_fla_blocks`): the
+  ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward substitution in fp32, the
+  others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's output bits (0.9999 of
+  elements at the 27B shapes, all of them on the engine's inputs: engine/stages/core.md); the substitution's 14
+  dependent steps make it the slower launch.
+A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
+its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
+
+The tree walk (`walk` [N, 7], a replicated call's: `engine.plan_arrays._tree_walk`). A replicated call holds every
+candidate's whole path, so a shared prefix is in every path. With the walk, a path starts at chunk `start` from the
+fp32 state another program publishes there, instead of recomputing the prefix: programs take tickets from an atomic
+counter (flags[0]), and the k-th group of Hv · V / BV tickets runs sequence walk[k, 0]; sequence i starts at chunk
+walk[i, 1] from bank slot walk[i, 2] (-1: the zero state; a start of -1 marks a dummy path, whose rows get zeros),
+and after chunk walk[i, 3] (walk[i, 5]) publishes its state to slot walk[i, 4] (walk[i, 6]): a store, a CTA barrier,
+then a release store of the slot's flag for its (value head, value block). A reader spins on its flag with acquire
+loads, then reads the state through L2 (`.cg`). The walk's rows put every publisher before its readers, so a reader
+waits only on programs holding earlier tickets, which are running or done: no deadlock whatever the hardware's
+dispatch order. The state handed over at a chunk boundary has the bits the reader would have computed (the hand-off
+law below), so every row read at its representative slot keeps its bits; slots of skipped chunks are not written.
+The solve skips the chunks no program walks.
 
 Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H200):
 * against `reference.ops.gdn_recurrent` (fp32 token loop): fp32 mode within the fp32 bound, bf16 mode within the
-  bf16 bound, both derived in the test module;
-* a sequence's bits depend on its own rows and initial state only: the grid is one program per (sequence, head,
-  value block) and tile sizes are constexprs of the head dims, so batching, padding sequences and bucket trailing
-  rows change nothing (bitwise tests); a row's output depends only on the rows up to its chunk (zeros of the masked
-  rows enter the dots as exact zeros), so a path of the prefix tree gets the bits of the unshared sequence.
+  bf16 bound, both derived in the test module, for both solves;
+* a sequence's bits depend on its own rows and initial state only: the grids are one program per (chunk or sequence,
+  head, value block) and tile sizes are constexprs of the head dims, so batching, padding sequences and bucket
+  trailing rows change nothing (bitwise tests); a row's output depends only on the rows up to its chunk (zeros of the
+  masked rows enter the dots as exact zeros), so a path of the prefix tree gets the bits of the unshared sequence;
+  a hand-off at a multiple of 64 equals one pass, and the tree walk equals the plain walk at every representative
+  slot (CPU on a planned request with both publish slots and dummy paths; H200 on three bucketed workloads, five
+  runs and a CUDA-graph replay).
 
-Tiles: one value block of BV columns per program (`value_block`, default min(64, V) with 4 warps: two programs per
-(sequence, value head) at V = 128); smaller blocks split the state and the v/o columns over more programs and repeat
-the kkt, solve and w work per block. BV = 64 / 4 warps is the fastest tiling the probe timed on the H200 (206.7-207.9
-us a layer at drone against 297.1-297.6 for BV = V / 8 warps, the same error against FLA: engine/stages/core.md);
-BV < 64 is refused on CUDA: BV = 32 gave wrong outputs on sm_90 (relative RMSE 0.84-0.88 against FLA, a Triton 3.6
-code-generation fault: core.md); the interpreter runs any BV.
+Tiles: the walk's value block of BV columns per program (`value_block`, default min(64, V), 4 warps: two programs per
+(sequence, value head) at V = 128). BV < 64 is refused on CUDA: BV = 32 gave wrong outputs on sm_90 in v1 (relative
+RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the interpreter runs any BV.
 
-Version history (ptxas spill figures for sm_90a, BV = V = 128, 8 warps: engine/stages/core.md):
-* v2 (this file): the default tiling BV = 64 / 4 warps instead of BV = V / 8 warps (the probe's best at c3b31b9 and
-  8a0fb8c); the kernel's code is unchanged.
+Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
+engine/stages/core.md):
+* v3 (this file): two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
+  "fla-blocks" solve. At d9a7a9d, without the walk, drone 155.6 us (FLA 145.4), customer_service 558.8 (493.1).
+* v2: the default tiling BV = 64 / 4 warps instead of BV = V / 8 warps: drone 207.9 us against 297.1.
 * v1, body in functions: the chunk's steps (solve, w, u, output, state update) are the jit functions of
-  kernels/gdn_chunk_body.py; the sm_90 PTX of every launch compile_check makes is the same as before, line for line
-  (debug info aside), so the GPU bits are unchanged. A two-launch `schedule="split"` of the same body (w/u for every
-  chunk in parallel, then the state pass) was added and removed: not bitwise with this kernel on the H200 and no
-  faster than its best tiling (ablations/attempts.toml, `gdn-chunk-split-schedule`; code at commit 8a0fb8c).
+  kernels/gdn_chunk_body.py. A two-launch `schedule="split"` (w/u for every chunk in parallel, then the state pass)
+  was added and removed: not bitwise with this kernel on the H200 and no faster than its best tiling
+  (ablations/attempts.toml, `gdn-chunk-split-schedule`; code at commit 8a0fb8c).
 * v1: q, k, v loaded where first used, q/k kept as the loaded bf16 tiles (dot operands on CUDA); spills
   1,372 bytes.
 * v0 (never run): every tile converted to fp32 at its load and kept; spilled 1,680 bytes. The first compile for sm_90
@@ -75,46 +96,26 @@ import triton.language as tl
 from kernels.gdn_chunk_body import (
     RCP_LN2,
     _bf16_point,
-    _chunk_inverse,
-    _chunk_inverse_blocks,
     _chunk_output,
     _chunk_state,
     _chunk_u,
     _chunk_w,
+    _inverse_doubling,
+    _inverse_fla_blocks,
     _loaded_operand,
     _operand,
 )
 from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
-VALUE_BLOCK = 64  # BV of the stage (capped at V): 0.65-0.76x FLA's time on the H200 where BV = V took 0.45-0.52x
-NUM_WARPS = 4
+VALUE_BLOCK = 64  # the walk's BV (capped at V)
+NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
-SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
-SOLVES = ("fla-blocks", "doubling-blocks", "doubling")
-SOLVE = "fla-blocks"
-SEPARATE_SOLVE = False
+SOLVES = ("doubling", "fla-blocks")
+SOLVE = "doubling"
 SOLVE_NUM_WARPS = 4
-
-
-@triton.jit
-def _chunk_solve(
-    k, k_op, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
-    ROUND: tl.constexpr, SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):  # fmt: skip
-    """T = (I + A)⁻¹ of one chunk as a dot operand (bf16↓ with rounding points), by SOLVE (module docstring)."""
-    if SOLVE == "doubling":
-        o_t = tl.arange(0, 64)
-        lower = o_t[:, None] > o_t[None, :]
-        eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
-        t_op = _chunk_inverse(k_op, b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU)
-    else:
-        t_op = _chunk_inverse_blocks(
-            k, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE, SOLVE_PRECISION,
-            DOT_PRECISION, TORCH_CPU,
-        )  # fmt: skip
-    return t_op
+SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
+WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
 
 
 @triton.jit
@@ -132,37 +133,64 @@ def _gdn_chunk_solve_kernel(
     solved,
     cu_seqlens,
     chunk_indices,
+    walk,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
     ROUND: tl.constexpr,
+    TREE: tl.constexpr,
     SOLVE: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
-    """The solve launch: T of one (chunk, value head) into `solved` [T, Hv, 64] (rows of the chunk's sequence only)."""
+    """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
+    the chunk's sequence only). With TREE, chunks the walk does not compute (before the sequence's start chunk, or a
+    dummy sequence's: column 1 of `walk`, negative for a dummy) are skipped."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
     i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    o_t = tl.arange(0, BT)
-    rows = i_t * BT + o_t
-    valid = rows < seq_len
-    token = bos + rows
-    b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
-    k16 = tl.load(k + ((token * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
-                  mask=valid[:, None], other=0.0)  # fmt: skip
-    t_op = _chunk_solve(
-        k, _loaded_operand(k16, ROUND, TORCH_CPU), bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS,
-        KEY_DIM, ROUND, SOLVE, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
-    )  # fmt: skip
-    solved_rows = (token * VALUE_HEADS + i_hv) * BT
-    tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
+    needed = i_t >= 0
+    if TREE:
+        start = tl.load(walk + i_n * 7 + 1).to(tl.int32)
+        needed = (start >= 0) & (i_t >= start)
+    if needed:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        o_t = tl.arange(0, BT)
+        rows = i_t * BT + o_t
+        valid = rows < seq_len
+        token = bos + rows
+        b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
+        if SOLVE == "doubling":
+            k16 = tl.load(k + ((token * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
+                          mask=valid[:, None], other=0.0)  # fmt: skip
+            lower = o_t[:, None] > o_t[None, :]
+            eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+            t_op = _inverse_doubling(
+                _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION,
+                DOT_PRECISION, TORCH_CPU,
+            )  # fmt: skip
+        else:
+            t_op = _inverse_fla_blocks(
+                k, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE_PRECISION,
+                DOT_PRECISION, TORCH_CPU,
+            )  # fmt: skip
+        solved_rows = (token * VALUE_HEADS + i_hv) * BT
+        tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
+
+
+@triton.jit
+def _publish(state, bank, flags, slot, i_hv, i_v, state_tile, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+             VALUE_DIM: tl.constexpr, NV: tl.constexpr):  # fmt: skip
+    """Store the state in bank slot `slot`, then raise its flag (after a CTA barrier, with release semantics, so that
+    a program that acquires the flag reads the whole state)."""
+    tl.store(bank + ((slot * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM + state_tile, state)
+    tl.debug_barrier()
+    tl.atomic_xchg(flags + 1 + (slot * VALUE_HEADS + i_hv) * NV + i_v, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -177,6 +205,9 @@ def _gdn_chunk_fwd_kernel(
     ht,
     solved,
     cu_seqlens,
+    walk,
+    bank,
+    flags,
     scale,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
@@ -186,19 +217,36 @@ def _gdn_chunk_fwd_kernel(
     HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     ROUND: tl.constexpr,
-    SOLVED: tl.constexpr,
-    SOLVE: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr,
+    TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
+    """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
+    in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
+    group of Hv · NV tickets runs sequence walk[k, 0] (module docstring, "The tree walk")."""
     BT: tl.constexpr = 64
-    i_v = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_n = tl.program_id(2)
+    NV: tl.constexpr = VALUE_DIM // BV
+    if TREE:
+        ticket = tl.atomic_add(flags, 1)
+        i_hv = (ticket // NV) % VALUE_HEADS
+        i_v = ticket % NV
+        i_n = tl.load(walk + (ticket // (VALUE_HEADS * NV)) * 7).to(tl.int64)
+        row = walk + i_n * 7
+        start = tl.load(row + 1).to(tl.int32)
+        source = tl.load(row + 2).to(tl.int32)
+        publish_chunks = tl.load(row + 3).to(tl.int32)
+        publish_slot = tl.load(row + 4).to(tl.int32)
+        publish2_chunks = tl.load(row + 5).to(tl.int32)
+        publish2_slot = tl.load(row + 6).to(tl.int32)
+    else:
+        i_v = tl.program_id(0)
+        i_hv = tl.program_id(1)
+        i_n = tl.program_id(2)
+        start = 0
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    num_chunks = tl.cdiv(seq_len, BT)
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, KEY_DIM)
@@ -211,34 +259,39 @@ def _gdn_chunk_fwd_kernel(
         state = tl.load(h0 + state_offsets + state_tile)
     else:
         state = tl.zeros([KEY_DIM, BV], dtype=tl.float32)
+    if TREE:
+        if start < 0:  # a dummy sequence: its rows get zeros, no chunk is computed
+            for i_t in range(0, num_chunks):
+                dummy_rows = i_t * BT + o_t
+                dummy_ptrs = o + (((bos + dummy_rows) * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
+                zeros = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
+                tl.store(dummy_ptrs, zeros, mask=(dummy_rows < seq_len)[:, None])
+            start = num_chunks
+        if source >= 0:  # start from the state another program publishes at this sequence's start chunk
+            flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
+            ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            while ready == 0:
+                ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
+            state = tl.load(bank + source_state + state_tile, cache_modifier=".cg")
 
-    for i_t in range(0, tl.cdiv(seq_len, BT)):
+    for i_t in range(start, num_chunks):
         rows = i_t * BT + o_t
         valid = rows < seq_len
         token = bos + rows
         k_rows = (token * KEY_HEADS + i_hk) * KEY_DIM
         v_rows = (token * VALUE_HEADS + i_hv) * VALUE_DIM
-        gate_rows = token * VALUE_HEADS + i_hv
-
-        b_gc, b_beta = _chunk_gates(g, beta, gate_rows, valid)
+        b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
         last = tl.minimum(seq_len - i_t * BT, BT) - 1
         g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
-        # Rows past the sequence end load k = q = v = beta = g = 0, so their rows and columns of A, T, u, w, v' and
-        # Q Kᵀ are exact zeros (T's are identity rows) and no mask beyond the triangles is needed. Tiles are loaded
-        # where they are first used and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
+        # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and
+        # Q Kᵀ are exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used
+        # and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
         k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
         k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
-
-        # T = (I + A)⁻¹, A = strict_lower(diag(beta) K K^T * 2^(γ_r - γ_s)): here, or from the solve launch
-        if SOLVED:
-            solved_rows = (token * VALUE_HEADS + i_hv) * BT
-            t16 = tl.load(solved + solved_rows[:, None] + o_t[None, :], mask=valid[:, None], other=0.0)
-            t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
-        else:
-            t_op = _chunk_solve(
-                k, k_op, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE,
-                SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
-            )  # fmt: skip
+        t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
+                      other=0.0)  # fmt: skip
+        t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
 
         # w = T (K beta 2^γ), u = T (V beta)
         b_w = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
@@ -258,6 +311,11 @@ def _gdn_chunk_fwd_kernel(
         else:
             tl.store(o_ptrs, b_o, mask=valid[:, None])
         state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
+        if TREE:
+            if i_t + 1 == publish_chunks:
+                _publish(state, bank, flags, publish_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
+            if i_t + 1 == publish2_chunks:
+                _publish(state, bank, flags, publish2_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
 
     if STORE_HT:
         tl.store(ht + state_offsets + state_tile, state)
@@ -276,12 +334,12 @@ def gdn_chunk_forward(
     output_final_state: bool = False,
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    walk: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
-    separate_solve: bool = SEPARATE_SOLVE,
-    chunk_indices: torch.Tensor | None = None,
-    solve_num_warps: int = SOLVE_NUM_WARPS,
     solve_precision: str = "tf32",
+    solve_num_warps: int = SOLVE_NUM_WARPS,
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
@@ -291,7 +349,10 @@ def gdn_chunk_forward(
     q, k [T, Hk, K] bf16 (L2-normalised), v [T, Hv, V] bf16, g [T, Hv] fp32, beta [T, Hv] bf16, all contiguous;
     cu_seqlens [N + 1] int32/int64 on the same device; initial_state [N, Hv, K, V] fp32 contiguous or None. `out`
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
-    given. scale defaults to K ** -0.5. Launches one kernel, grid (V / value_block, Hv, N), without a host sync.
+    given. scale defaults to K ** -0.5. `chunk_indices` [chunks, 2]: FLA's varlen chunk layout of cu_seqlens (derived
+    with a host sync when None). `walk` [N, 7] int32/int64: the tree walk (module docstring; no initial or final
+    states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or its
+    tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -321,8 +382,6 @@ def gdn_chunk_forward(
         )
     if value_block < 64 and device.type == "cuda":
         raise ValueError(f"gdn_chunk_forward: value block {value_block} < 64 is wrong on sm_90 (kernel docstring)")
-    if solve not in SOLVES:
-        raise ValueError(f"gdn_chunk_forward: solve {solve!r} is not one of {SOLVES}")
     if solve_precision not in SOLVE_PRECISIONS:
         raise ValueError(f"gdn_chunk_forward: solve_precision {solve_precision!r} is not one of {SOLVE_PRECISIONS}")
     state_shape = (num_seqs, value_heads, key_dim, value_dim)
@@ -331,20 +390,30 @@ def gdn_chunk_forward(
             "gdn_chunk_forward: initial_state", initial_state, dtype=torch.float32, shape=state_shape, device=device,
             contiguous=True,
         )  # fmt: skip
+    if walk is not None:
+        check_tensor("gdn_chunk_forward: walk", walk, dtype=index_dtypes, shape=(num_seqs, len(WALK_FIELDS)),
+                     device=device, contiguous=True)  # fmt: skip
+        if initial_state is not None or output_final_state:
+            raise ValueError("gdn_chunk_forward: the tree walk takes no initial state and gives no final state")
     out_dtype = torch.bfloat16 if bf16_points else torch.float32
     o = output_tensor("gdn_chunk_forward: out", out, (tokens, value_heads, value_dim), out_dtype, device)
     final = None
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
+    solved = gdn_chunk_solve(
+        k, g, beta, cu_seqlens, chunk_indices, walk=walk, bf16_points=bf16_points, solve=solve,
+        solve_precision=solve_precision, num_warps=solve_num_warps,
+    )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
-    grid = (value_dim // value_block, value_heads, num_seqs)
-    solved = None
-    if separate_solve:
-        solved = gdn_chunk_solve(
-            k, g, beta, cu_seqlens, chunk_indices, bf16_points=bf16_points, solve=solve,
-            solve_precision=solve_precision, num_warps=solve_num_warps,
-        )  # fmt: skip
+    blocks = value_dim // value_block
+    if walk is None:
+        grid, bank, flags = (blocks, value_heads, num_seqs), o, o  # bank and flags not read without TREE
+    else:
+        grid = (blocks * value_heads * num_seqs,)
+        slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
+        bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
+        flags = torch.zeros(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -355,8 +424,11 @@ def gdn_chunk_forward(
             o,
             o if initial_state is None else initial_state,  # not read without HAS_H0
             o if final is None else final,  # not written without STORE_HT
-            o if solved is None else solved,  # not read without SOLVED
+            solved,
             cu_seqlens,
+            cu_seqlens if walk is None else walk,  # not read without TREE
+            bank,
+            flags,
             scale,
             KEY_HEADS=key_heads,
             VALUE_HEADS=value_heads,
@@ -366,9 +438,7 @@ def gdn_chunk_forward(
             HAS_H0=initial_state is not None,
             STORE_HT=final is not None,
             ROUND=bf16_points,
-            SOLVED=solved is not None,
-            SOLVE=solve,
-            SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
+            TREE=walk is not None,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,
@@ -384,16 +454,20 @@ def gdn_chunk_solve(
     cu_seqlens: torch.Tensor,
     chunk_indices: torch.Tensor | None = None,
     *,
+    walk: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
     num_warps: int = SOLVE_NUM_WARPS,
 ) -> torch.Tensor:
-    """The solve launch of `gdn_chunk_forward(..., separate_solve=True)`: T = (I + A)⁻¹ of every (chunk, value head),
-    one program each over `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when
-    None, a host sync). Returns T [T, Hv, 64] (bf16, fp32 without rounding points): row r of a chunk holds T's row r;
-    rows outside every sequence are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
+    """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
+    `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
+    skipping the chunks a `walk` does not compute. Returns T [T, Hv, 64] (bf16, fp32 without rounding points): row r
+    of a chunk holds T's row r; rows outside every sequence and of skipped chunks are not written. Inputs as
+    `gdn_chunk_forward`'s, checked there."""
     device, tokens, value_heads = k.device, k.shape[0], g.shape[1]
+    if solve not in SOLVES:
+        raise ValueError(f"gdn_chunk_solve: solve {solve!r} is not one of {SOLVES}")
     if chunk_indices is None:
         chunk_indices = chunk_indices_of(cu_seqlens)
     index_dtypes = (torch.int32, torch.int64)
@@ -411,10 +485,12 @@ def gdn_chunk_solve(
                 solved,
                 cu_seqlens,
                 chunk_indices,
+                chunk_indices if walk is None else walk,  # not read without TREE
                 KEY_HEADS=k.shape[1],
                 VALUE_HEADS=value_heads,
                 KEY_DIM=k.shape[2],
                 ROUND=bf16_points,
+                TREE=walk is not None,
                 SOLVE=solve,
                 SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
                 DOT_PRECISION="tf32" if bf16_points else "ieee",
@@ -437,9 +513,10 @@ def chunk_indices_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 class GdnChunkCore:
     """`gdn_chunk_forward` behind the varlen signature of `kernels.gdn_core.FlaForwardCore` (what the backbone and
     `engine.tree.tree_gdn_core` call): q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv]; returns
-    (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's chunk
-    layout (`chunk_indices`, `chunk_offsets`, `cu_seqlens_cpu`) is accepted and not needed: the kernel walks each
-    sequence's chunks itself. `options` go to every `gdn_chunk_forward` call (value_block, num_warps, ...)."""
+    (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's
+    `chunk_indices` layout goes to the solve launch, `walk` (the plan's tree walk of a replicated call) to both;
+    `chunk_offsets` and `cu_seqlens_cpu` are accepted and not needed. `options` go to every `gdn_chunk_forward` call
+    (value_block, num_warps, solve, ...)."""
 
     def __init__(self, **options):
         self.options = options
@@ -454,6 +531,7 @@ class GdnChunkCore:
         *,
         cu_seqlens: torch.Tensor,
         chunk_indices: torch.Tensor | None = None,
+        walk: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
@@ -479,6 +557,7 @@ class GdnChunkCore:
             initial_state=initial_state,
             output_final_state=output_final_state,
             chunk_indices=chunk_indices,
+            walk=walk,
             **self.options,
         )
         return o[None], final

@@ -49,7 +49,7 @@ def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
 
 
 @triton.jit
-def _chunk_inverse(
+def _inverse_doubling(
     k_op, b_gc, b_beta, o_t, lower, eye, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
@@ -104,28 +104,26 @@ def _kkt_block(k_i, k_j, gc_i, gc_j, beta_i, DIAGONAL: tl.constexpr, DOT_PRECISI
 
 
 @triton.jit
-def _diagonal_inverse(a, SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr):
-    """(I + a)⁻¹ of a strictly lower 16 x 16 block, fp32. "fla-blocks": forward substitution row by row in fp32
-    (row i ← −a_i − a_i · rows < i of the inverse), FLA's order; "doubling-blocks": recursive block inversion (the
-    2 x 2 blocks exactly, then 3 levels of two dots at SOLVE_PRECISION)."""
+def _substitution_step(a, inverse, i, o):
+    """Row i of (I + a)⁻¹ − I by forward substitution: −a_i − a_i · (rows < i of the inverse so far), fp32."""
+    row = tl.sum(tl.where((o == i)[:, None], -a, 0.0), axis=0)
+    row = row + tl.sum(row[:, None] * inverse, axis=0)
+    return tl.where((o == i)[:, None], row[None, :], inverse)
+
+
+@triton.jit
+def _diagonal_inverses(a0, a1, a2, a3):
+    """(I + a)⁻¹ of four strictly lower 16 x 16 blocks by forward substitution row by row in fp32 (FLA's order: row i
+    ← −a_i − a_i · rows < i; rows 0 and 1 are −a's), the four substitutions interleaved in one loop (independent)."""
     o = tl.arange(0, 16)
+    t0, t1, t2, t3 = -a0, -a1, -a2, -a3
+    for i in range(2, 16):
+        t0 = _substitution_step(a0, t0, i, o)
+        t1 = _substitution_step(a1, t1, i, o)
+        t2 = _substitution_step(a2, t2, i, o)
+        t3 = _substitution_step(a3, t3, i, o)
     eye = (o[:, None] == o[None, :]).to(tl.float32)
-    if SOLVE == "fla-blocks":
-        inverse = -a
-        for i in range(2, 16):
-            row = tl.sum(tl.where((o == i)[:, None], -a, 0.0), axis=0)
-            row = row + tl.sum(row[:, None] * inverse, axis=0)
-            inverse = tl.where((o == i)[:, None], row[None, :], inverse)
-        inverse = inverse + eye
-    else:
-        lower = o[:, None] > o[None, :]
-        inverse = eye - tl.where((o[:, None] // 2 == o[None, :] // 2) & lower, a, 0.0)
-        for level in tl.static_range(1, 4):
-            block = 1 << level
-            off = (o[:, None] // (2 * block) == o[None, :] // (2 * block)) & (o[:, None] // block > o[None, :] // block)
-            below = tl.dot(tl.where(off, a, 0.0), inverse, input_precision=SOLVE_PRECISION)
-            inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
-    return inverse
+    return t0 + eye, t1 + eye, t2 + eye, t3 + eye
 
 
 @triton.jit
@@ -147,13 +145,14 @@ def _block_row(b0, b1, b2, b3):
 
 
 @triton.jit
-def _chunk_inverse_blocks(
+def _inverse_fla_blocks(
     k, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, ROUND: tl.constexpr,
-    SOLVE: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
     kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
-    inverted (`_diagonal_inverse`), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
+    inverted by forward substitution (`_diagonal_inverses`), the 6 blocks below merged in FLA's order with 16 dots
+    at SOLVE_PRECISION:
     T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
     T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
     k0 = _loaded_operand(_key_block(k, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
@@ -162,12 +161,12 @@ def _chunk_inverse_blocks(
     k3 = _loaded_operand(_key_block(k, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
     g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
     be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
-    t00 = _diagonal_inverse(
-        _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION), SOLVE, SOLVE_PRECISION
+    t00, t11, t22, t33 = _diagonal_inverses(
+        _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION),
+        _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION),
+        _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION),
+        _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION),
     )
-    t11 = _diagonal_inverse(_kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
-    t22 = _diagonal_inverse(_kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
-    t33 = _diagonal_inverse(_kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION), SOLVE, SOLVE_PRECISION)
     a10 = _kkt_block(k1, k0, g1, g0, be1, False, DOT_PRECISION)
     a20 = _kkt_block(k2, k0, g2, g0, be2, False, DOT_PRECISION)
     a21 = _kkt_block(k2, k1, g2, g1, be2, False, DOT_PRECISION)

@@ -10,12 +10,16 @@ path of the bucket, at the 27B head shapes, with random inputs as the engine han
 L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same tensors in one process:
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
-* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration and in the variants of `VARIANTS` (tiles, pipeline
-  stages; records before gdn_chunk v2 have BV 32 and the tf32x3 solve too).
+* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk) and in the variants
+  of `VARIANTS` (without the walk, the other solve, solve warps, tiles); the solve launch is also timed alone.
+Every slot holds its packed row's inputs (the prep kernel's layout), so a path's shared prefix is the same data in
+every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the solve inside the
+walk), the split schedule (8a0fb8c) and per-slot random inputs.
 Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers, without launch gaps) after two
 warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
-Errors per variant: relative RMSE and the share of bit-equal output elements against FLA, and the relative RMSE of
-both against the fp32 oracle `reference.ops.gdn_recurrent` on the candidate paths (not the dummy ones). Synthetic
+Errors per variant, where the engine reads (each real packed row at its representative slot): relative RMSE and the
+share of bit-equal output elements against FLA, and the relative RMSE of both against the fp32 oracle
+`reference.ops.gdn_recurrent` on the candidate paths. Synthetic
 inputs: timings and numerics only.
 
 `--schedules` (issue 22, item 1: the recurrence once per row) times FLA's core instead over the request's unpadded
@@ -40,20 +44,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
-VARIANTS = {  # name -> GdnChunkCore options; "stage" is what stage `core` runs
-    "stage": {},
-    "doubling": {"solve": "doubling"},  # gdn_chunk v2: the whole-tile solve, BV 64, 4 warps
-    "fla-blocks": {"solve": "fla-blocks"},
-    "doubling-blocks": {"solve": "doubling-blocks"},
-    "fla-blocks-bv128-w8": {"solve": "fla-blocks", "value_block": 128, "num_warps": 8},
-    "separate-fla-blocks": {"solve": "fla-blocks", "separate_solve": True},
-    "separate-fla-blocks-sw2": {"solve": "fla-blocks", "separate_solve": True, "solve_num_warps": 2},
-    "separate-fla-blocks-sw1": {"solve": "fla-blocks", "separate_solve": True, "solve_num_warps": 1},
-    "separate-doubling-blocks": {"solve": "doubling-blocks", "separate_solve": True},
-    "separate-doubling": {"solve": "doubling", "separate_solve": True},
-    "separate-fla-blocks-bv128-w8": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 8},
-    "separate-fla-blocks-bv128-w4": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 4},
-    "separate-fla-blocks-s1": {"solve": "fla-blocks", "separate_solve": True, "num_stages": 1},
+VARIANTS = {  # name -> (GdnChunkCore options, tree walk); "stage" is what stage `core` runs
+    "stage": ({}, True),
+    "stage-no-walk": ({}, False),
+    "fla-blocks": ({"solve": "fla-blocks"}, True),
+    "fla-blocks-sw1": ({"solve": "fla-blocks", "solve_num_warps": 1}, True),
+    "fla-blocks-sw2": ({"solve": "fla-blocks", "solve_num_warps": 2}, True),
+    "doubling-sw2": ({"solve_num_warps": 2}, True),
+    "doubling-sw8": ({"solve_num_warps": 8}, True),
+    "bv128-w8": ({"value_block": 128, "num_warps": 8}, True),
+    "w8": ({"num_warps": 8}, True),
 }
 
 
@@ -70,12 +70,6 @@ def bucketed_plan(workload_id: str):
     if bucket is None:
         raise ValueError(f"{workload_id}: no bucket of the grid holds it")
     return plan_tree(candidates, groups, bucket=bucket), layout
-
-
-def bucketed_call(workload_id: str):
-    """The replicated GDN call of the workload's bucketed plan (host), its bucket and its real paths' count."""
-    plan, layout = bucketed_plan(workload_id)
-    return plan.gdn["replicated"].calls[0], plan.bucket, len(layout.candidate_lens)
 
 
 def graph_time_us(fn, calls: int, rounds: int) -> float:
@@ -111,16 +105,19 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
 
     from ablations.probes import engine_gdn_inputs
     from engine.plan import SolveWorkspace
-    from kernels.gdn_chunk import SOLVE_NUM_WARPS, GdnChunkCore, gdn_chunk_solve
+    from kernels.gdn_chunk import SOLVE, SOLVE_NUM_WARPS, GdnChunkCore, gdn_chunk_solve
     from kernels.gdn_core import FlaForwardCore
     from reference import ops
 
-    call, bucket, num_real = bucketed_call(workload_id)
+    plan, tree = bucketed_plan(workload_id)
+    call, num_real = plan.gdn["replicated"].calls[0], len(tree.candidate_lens)
     device = torch.device("cuda")
-    slots = len(call.rows)  # the bucket's path slots, trailing ones (in no sequence) included, as the engine's
-    q, k, v, g, beta = (t[None] for t in engine_gdn_inputs(slots, seed=22, device="cuda"))
+    path_rows = call.rows.to(device)  # each slot holds its packed row's inputs, as the prep kernel lays them out
+    inputs = engine_gdn_inputs(plan.num_rows, seed=22, device="cuda")
+    q, k, v, g, beta = (t[path_rows][None].contiguous() for t in inputs)
     cu, cu_cpu = call.cu_seqlens.to(device), call.cu_seqlens_cpu
     layout = {"cu_seqlens": cu, "chunk_indices": call.chunk_indices.to(device)}
+    walk = call.walk.to(device)
     workspace = SolveWorkspace()
     fla = FlaForwardCore()
     fla_options = layout | {"chunk_offsets": call.chunk_offsets.to(device), "workspace": workspace}
@@ -130,47 +127,52 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
     def run_fla():
         return fla(q, k, v, g, beta, **fla_options)
 
+    lens, starts = cu_cpu.diff().tolist(), call.walk[:, 1].tolist()
     result = {
         "workload": workload_id,
-        "bucket": bucket.name,
-        "path_slots": slots,
+        "bucket": plan.bucket.name,
+        "path_slots": len(call.rows),  # the bucket's, trailing slots (in no sequence) included, as the engine's
         "sequences": call.num_sequences,
         "chunks": call.chunks,
+        "walked_chunks": sum(-(-n // 64) - start for n, start in zip(lens, starts) if start >= 0),
         "fla_us": graph_time_us(run_fla, calls, rounds),
         "variants": {},
     }
+    # compared where the engine reads: each real packed row at its representative slot (a walk skips the others)
+    read = call.out_slots[call.out_rows < tree.rows].to(device)
     bounds = cu_cpu.tolist()
-    real = slice(0, bounds[num_real])
-    oracle = torch.cat([
-        ops.gdn_recurrent(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e])[0]
-        for s, e in zip(bounds[:num_real], bounds[1 : num_real + 1])
-    ])  # fmt: skip
-    result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, real].float(), oracle)
-    for name, options in VARIANTS.items():
-        core = GdnChunkCore(**options)
-        o, _ = core(q, k, v, g, beta, **layout)
-        us = graph_time_us(lambda core=core: core(q, k, v, g, beta, **layout), calls, rounds)
-        mine, theirs = o[0, real], fla_o[0, real]
-        result["variants"][name] = {
+    oracle = torch.zeros_like(fla_o[0], dtype=torch.float32)
+    for s, e in zip(bounds[:num_real], bounds[1 : num_real + 1]):
+        oracle[s:e] = ops.gdn_recurrent(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e])[0]
+    oracle = oracle[read]
+    result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, read].float(), oracle)
+    for name, (options, tree_walk) in VARIANTS.items():
+        core, walked = GdnChunkCore(**options), ({"walk": walk} if tree_walk else {})
+        o, _ = core(q, k, v, g, beta, **layout, **walked)
+        us = graph_time_us(lambda core=core, walked=walked: core(q, k, v, g, beta, **layout, **walked), calls, rounds)
+        solve = {"solve": options.get("solve", SOLVE), "num_warps": options.get("solve_num_warps", SOLVE_NUM_WARPS)}
+        solve_us = graph_time_us(  # the solve launch alone, on the same inputs
+            lambda solve=solve, walked=walked: gdn_chunk_solve(
+                k[0], g[0], beta[0], cu, layout["chunk_indices"], walk=walked.get("walk"), **solve
+            ),
+            calls,
+            rounds,
+        )  # fmt: skip
+        mine, theirs = o[0, read], fla_o[0, read]
+        figures = {
             "options": options,
+            "tree_walk": tree_walk,
             "us": us,
+            "solve_us": solve_us,
             "speedup_vs_fla": result["fla_us"] / us,
             "rel_rmse_vs_fla": rel_rmse(mine.float(), theirs.float()),
             "bit_equal_share_vs_fla": float((mine.view(torch.int16) == theirs.view(torch.int16)).float().mean()),
             "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
         }
-        if options.get("separate_solve"):  # the solve launch alone, on the same inputs
-            solve_options = {"solve": options["solve"], "num_warps": options.get("solve_num_warps", SOLVE_NUM_WARPS)}
-            result["variants"][name]["solve_us"] = graph_time_us(
-                lambda o=solve_options: gdn_chunk_solve(k[0], g[0], beta[0], cu, layout["chunk_indices"], **o),
-                calls,
-                rounds,
-            )
-        figures = result["variants"][name]
-        solve_us = f"  (solve {figures['solve_us']:.1f} us)" if "solve_us" in figures else ""
-        speed, error = figures["speedup_vs_fla"], figures["rel_rmse_vs_fla"]
-        print(f"{workload_id:<24} {name:<30} {us:8.1f} us  FLA {result['fla_us']:8.1f} us  x{speed:5.2f}  "
-              f"vs FLA {error:.2e}{solve_us}", flush=True)  # fmt: skip
+        result["variants"][name] = figures
+        speed, error, equal = figures["speedup_vs_fla"], figures["rel_rmse_vs_fla"], figures["bit_equal_share_vs_fla"]
+        print(f"{workload_id:<24} {name:<14} {us:7.1f} us (solve {solve_us:6.1f})  FLA {result['fla_us']:7.1f} us  "
+              f"x{speed:5.2f}  vs FLA {error:.2e}, bit-equal {equal:.4f}", flush=True)  # fmt: skip
     return result
 
 

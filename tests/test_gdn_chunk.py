@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -30,8 +31,9 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+from engine.plan import plan_tree  # noqa: E402
 from kernels import gdn_chunk  # noqa: E402
-from kernels.gdn_chunk import GdnChunkCore, gdn_chunk_forward  # noqa: E402
+from kernels.gdn_chunk import SOLVES, GdnChunkCore, gdn_chunk_forward  # noqa: E402
 from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle  # noqa: E402
 
 if isinstance(gdn_chunk._gdn_chunk_fwd_kernel, triton.runtime.JITFunction):
@@ -74,26 +76,28 @@ def _check_against_reference(o, final, inputs, bf16_points: bool) -> list[tuple]
     return figures
 
 
+@pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dims", list(DIMS.values()), ids=list(DIMS))
-def test_matches_the_recurrent_reference(dims, bf16_points):
+def test_matches_the_recurrent_reference(dims, bf16_points, solve):
     inputs = gdn_chunk_inputs(LENGTHS, dims, seed=1 + bf16_points)
     q, k, v, g, beta, cu, h0 = inputs
     out, final = _poisoned(len(q), dims, len(LENGTHS), torch.bfloat16 if bf16_points else torch.float32)
-    o, ht = _run(*inputs, out=out, final=final, bf16_points=bf16_points)
+    o, ht = _run(*inputs, out=out, final=final, bf16_points=bf16_points, solve=solve)
     assert o is out and ht is final
     _check_against_reference(o, ht, inputs, bf16_points)
 
 
+@pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
-def test_a_badly_conditioned_solve_stays_within_the_bound(bf16_points):
+def test_a_badly_conditioned_solve_stays_within_the_bound(bf16_points, solve):
     """Keys near one direction, beta near 1, slow decay: (I + A) is close to singular-looking lower-triangular (its
     inverse has large alternating entries); a Neumann-product inverse loses all digits here (module docstring of
     kernels/gdn_chunk.py), the recursive block inverse must not."""
     dims = DIMS["gva-2-6-k32-v16"]
     inputs = gdn_chunk_inputs((64, 130), dims, seed=3, correlated=True)
     out, final = _poisoned(194, dims, 2, torch.bfloat16 if bf16_points else torch.float32)
-    o, ht = _run(*inputs, out=out, final=final, bf16_points=bf16_points)
+    o, ht = _run(*inputs, out=out, final=final, bf16_points=bf16_points, solve=solve)
     _check_against_reference(o, ht, inputs, bf16_points)
 
 
@@ -162,6 +166,46 @@ def test_a_handoff_at_a_chunk_boundary_equals_one_pass():
     assert torch.equal(torch.cat([head, tail]), whole) and torch.equal(tail_final, whole_final)
 
 
+def _tree_request(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Candidates of three questions over a 150-token root: question 0's prefix (60 tokens) crosses a chunk boundary
+    past the root's last one (candidate 0 publishes twice), question 1's (5 tokens) does not, question 2 has one
+    candidate; leaves of 1-80 tokens."""
+    rng = random.Random(seed)
+
+    def tokens(n):
+        return [rng.randrange(1, 999) for _ in range(n)]
+
+    root, question_0, question_1 = tokens(150), tokens(60), tokens(5)
+    candidates = [root + question_0 + tokens(rng.randrange(1, 30)) for _ in range(3)]
+    candidates += [root + question_1 + tokens(rng.randrange(1, 80)) for _ in range(2)] + [root + tokens(70)]
+    return candidates, [0, 0, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("pad_lens", [(), (3, 70, 1)], ids=["unpadded", "dummy-paths"])
+def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
+    """The replicated call of a real plan (chunk size 64) with the plan's tree walk: every packed row's output at its
+    representative slot is bit-equal to the plain walk of every path from position 0 (the shared prefix's state is
+    handed over at chunk boundaries, which is exact: `test_a_handoff_at_a_chunk_boundary_equals_one_pass`), and the
+    dummy paths' rows are zeros. The walk here has both publish slots, readers of each and dummy sequences."""
+    plan = plan_tree(*_tree_request(seed=12), pad_lens=pad_lens)
+    call = plan.gdn["replicated"].calls[0]
+    assert (call.walk[:, 5] > 0).any() and (call.walk[:, 2] >= 0).sum() == 5
+    dims = DIMS["gva-1-2-k16-v32"]
+    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=13)
+    paths = [t[call.rows].contiguous() for t in (q, k, v, g, beta)]  # every path's rows, as the prep kernel lays them
+    plain, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices)
+    out = torch.full_like(plain, float("nan"))
+    tree, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices, walk=call.walk, out=out)
+    real = call.out_rows < plan.num_rows - sum(pad_lens)
+    assert torch.equal(tree[call.out_slots[real]], plain[call.out_slots[real]])
+    assert torch.isfinite(plain).all() and (tree[call.out_slots[~real]] == 0).all()
+    walked = sum(
+        -(-int(n) // 64) - int(start) for n, start in zip(call.cu_seqlens.diff(), call.walk[:, 1]) if start >= 0
+    )
+    dummy_chunks = sum(-(-n // 64) for n in pad_lens)  # the hand-off runs the dummy paths, the walk zeroes them
+    assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
+
+
 def test_two_runs_are_identical():
     dims = DIMS["gva-1-2-k16-v32"]
     inputs = gdn_chunk_inputs(LENGTHS, dims, seed=9)
@@ -197,3 +241,10 @@ def test_bad_inputs_are_refused():
         gdn_chunk_forward(q, k, v, g, beta, cu[:1])
     with pytest.raises(ValueError, match="solve_precision"):
         gdn_chunk_forward(q, k, v, g, beta, cu, solve_precision="fp8")
+    with pytest.raises(ValueError, match="solve 'lu'"):
+        gdn_chunk_forward(q, k, v, g, beta, cu, solve="lu")
+    walk = torch.tensor([[0, 0, -1, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="no initial state"):
+        gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, walk=walk)
+    with pytest.raises(ValueError, match="walk: shape"):
+        gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk[:, :6].contiguous())

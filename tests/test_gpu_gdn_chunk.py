@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 
+from ablations.probes import engine_gdn_inputs
 from ablations.workloads import get_workload, jevbench_panel
 from engine.stages import build_engine, config_of, get_stage
 from engine.weights import MergedWeights
@@ -40,12 +41,9 @@ DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0,
 LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
 KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel and the variants the probe times
     "stage": {},
-    "doubling": {"solve": "doubling"},
     "fla-blocks": {"solve": "fla-blocks"},
-    "doubling-blocks": {"solve": "doubling-blocks"},
-    "separate-fla-blocks": {"solve": "fla-blocks", "separate_solve": True},
-    "separate-doubling-blocks": {"solve": "doubling-blocks", "separate_solve": True},
-    "separate-fla-blocks-bv128-w8": {"solve": "fla-blocks", "separate_solve": True, "value_block": 128, "num_warps": 8},
+    "fla-blocks-sw1": {"solve": "fla-blocks", "solve_num_warps": 1},
+    "bv128-w8": {"value_block": 128, "num_warps": 8},
 }
 BOUND_CASES = [("stage", "tf32x3")] + [(name, "tf32") for name in KERNELS]
 
@@ -135,6 +133,37 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.parametrize("kernel", ["stage", "fla-blocks"])
+@pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
+def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
+    """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
+    every real packed row's output at its representative slot bit-equal to the plain walk of every path; five walks
+    identical; a CUDA-graph replay of the walk equal to the eager walk; the dummy paths' rows zeros."""
+    from engine.graphs import GridIndex, default_grid
+    from engine.plan import plan_tree, tree_layout
+
+    candidates, groups = request_candidates(get_workload(workload).request)
+    layout = tree_layout(candidates, groups)
+    plan = plan_tree(candidates, groups, bucket=GridIndex(default_grid()).smallest(layout))
+    call = plan.gdn["replicated"].calls[0]
+    q, k, v, g, beta = (t[call.rows.to(DEVICE)].contiguous() for t in engine_gdn_inputs(plan.num_rows, 31, "cuda"))
+    cu, chunk_indices, walk = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk))
+    options = KERNELS[kernel] | {"chunk_indices": chunk_indices}
+    plain, _ = gdn_chunk_forward(q, k, v, g, beta, cu, **options)
+    walks = [gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, **options)[0] for _ in range(5)]
+    real = (call.out_rows < layout.rows).to(DEVICE)
+    read, dummy = call.out_slots.to(DEVICE)[real], call.out_slots.to(DEVICE)[~real]
+    for tree in walks:
+        assert torch.equal(tree[read], plain[read]) and (tree[dummy] == 0).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, **options)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[read], plain[read])
 
 
 # ---------------------------------------------------------------------------------------------------------- the stage

@@ -9,7 +9,8 @@ for the layout); these tests pin its output so that a faster or restructured pla
 * the representative slot is the first occurrence of each row in the paths (what the replicated call produces from);
 * digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
   bucket commit 2b0f72d's grid chose for each, pinned in `PINNED_BUCKETS`; the values at commit 2b0f72d, whose
-  planner the vectorized one replaced);
+  planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk) are left
+  out of those digests and pinned on their own (`WALK_DIGESTS`, `WALK_SWEEP_DIGEST`);
 * one digest over every plan of 120 generated requests (tree, flat, `pad_lens`, bucketed: empty roots and question
   nodes, interleaved questions, one-token leaves, chunk sizes 2, 16 and 64), pinned at commit 35ca3d3's planner (the
   one before `_build` took fewer numpy calls);
@@ -20,6 +21,7 @@ for the layout); these tests pin its output so that a faster or restructured pla
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -47,9 +49,23 @@ def arrays_of(plan: TreePlan) -> dict[str, torch.Tensor]:
     return out
 
 
-def digest(plan: TreePlan) -> str:
-    """sha256 over the plan's shape, host facts and every array (name, dtype, shape, bytes); 16 hex digits."""
-    h = hashlib.sha256(repr(plan.shape).encode())
+def digest(plan: TreePlan, *, new_arrays: bool = False) -> str:
+    """sha256 over the plan's shape, host facts and every array (name, dtype, shape, bytes); 16 hex digits. Without
+    `new_arrays`, the arrays added after the pins below were taken (`NEW_ARRAYS`) are left out of the shape and the
+    arrays, so the pins keep checking every older array bit for bit; with it, only those arrays are hashed."""
+
+    def pinned(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in NEW_ARRAYS if new_arrays else name.rsplit(".", 1)[-1] not in NEW_ARRAYS
+
+    if new_arrays:
+        h = hashlib.sha256()
+        for name, t in arrays_of(plan).items():
+            if pinned(name):
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+    shape = dataclasses.replace(plan.shape, arrays=tuple(a for a in plan.shape.arrays if pinned(a[0])))
+    h = hashlib.sha256(repr(shape).encode())
     host = (plan.candidate_lens, plan.question_of, plan.root_len, plan.question_lens, plan.leaf_lens)
     h.update(repr((host, plan.padding_lens, plan.bucket)).encode())
     for mode, schedule in plan.gdn.items():
@@ -57,8 +73,9 @@ def digest(plan: TreePlan) -> str:
             repr([(mode, c.start_positions, c.chunks, c.rows_start, c.out_start) for c in schedule.calls]).encode()
         )
     for name, t in arrays_of(plan).items():
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.contiguous().numpy().tobytes())
+        if pinned(name):
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -113,6 +130,9 @@ def test_tree_plan_by_hand():
     assert as_list(leaves.init_state) == [1, 1, 1] and leaves.start_positions == (2, 2, 2)
     assert as_list(leaves.out_slots) == [0, 1, 3, 4, 5] and as_list(leaves.out_rows) == [2, 3, 4, 5, 6]
     assert (leaves.rows_start, leaves.out_start) == (None, None)
+    # the tree walk of the replicated call: candidate 0 publishes at A0 (1 chunk) in slot 0, the others start there
+    assert as_list(replicated.walk) == [[0, 0, -1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0, 0]]
+    assert leaves.walk is None and root.walk is None
 
 
 def test_bucketed_plan_by_hand():
@@ -139,6 +159,7 @@ def test_bucketed_plan_by_hand():
     assert (a.max_q, a.max_k) == (4, 4)
     (call,) = plan.gdn["replicated"].calls
     assert as_list(call.out_slots) == [0, 1, 2, 3] and as_list(call.chunk_indices) == [[0, 0], [1, 0], [2, 0]]
+    assert as_list(call.walk) == [[0, 0, -1, 0, 0, 0, 0], [1, -1, -1, 0, 0, 0, 0], [2, -1, -1, 0, 0, 0, 0]]
     assert (call.rows_start, call.out_start) == (None, None)
 
 
@@ -173,6 +194,14 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
 
 SWEEP_REQUESTS = 120
 SWEEP_DIGEST = "01197b00e64d1673"  # at commit 35ca3d3's planner (the one before fewer numpy calls per plan)
+NEW_ARRAYS = ("walk",)  # added after the pins above: the replicated call's tree walk (engine.plan_arrays._tree_walk)
+WALK_DIGESTS = {  # the walk arrays alone, per request as DIGESTS (at the commit that added them)
+    "one option": ("aef5ed51649fc07a", "aef5ed51649fc07a", "9cd20c02a536bf59", "5c283a1e12c45bef"),
+    "five options": ("63f9408144854f8c", "46dd31ba95510edd", "e5be36a71bb93f80", "c5f2d1dec01dc7b7"),
+    "six options": ("c2ecfed732377eb9", "b5283c4022757519", "e4a5f89a9d84e1e9", "becbb8b590cc3166"),
+    "three questions": ("fa983e4939286ed4", "2ad5d37ebe7cbe91", "937395373cbe47a9", "e86eabecf6131731"),
+}
+WALK_SWEEP_DIGEST = "a37f3f3e3d7e2a93"  # the walk arrays of the sweep's plans (at the commit that added them)
 
 
 def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple[int, ...]]:
@@ -200,7 +229,7 @@ def test_plan_digests_on_generated_requests():
     requests, hashed together: the planner's output on many shapes (empty roots and question nodes, interleaved
     questions, one-token leaves, three chunk sizes), pinned at the planner before the current one."""
     grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
-    h = hashlib.sha256()
+    h, walks = hashlib.sha256(), hashlib.sha256()
     for seed in range(SWEEP_REQUESTS):
         candidates, groups, chunk_size, pad_lens = generated_request(seed)
         plans = [
@@ -213,7 +242,9 @@ def test_plan_digests_on_generated_requests():
             plans.append(plan_tree(candidates, groups, bucket=bucket))
         for plan in plans:
             h.update(digest(plan).encode())
+            walks.update(digest(plan, new_arrays=True).encode())
     assert h.hexdigest()[:16] == SWEEP_DIGEST
+    assert walks.hexdigest()[:16] == WALK_SWEEP_DIGEST
 
 
 @pytest.mark.parametrize("name", REQUESTS)
@@ -231,6 +262,7 @@ def test_plan_digests(name):
         assert np.array_equal(plan.row_slot.numpy(), first)
         assert np.array_equal(plan.gdn["replicated"].calls[0].out_slots.numpy(), first)
     assert tuple(digest(plan) for plan in plans) == DIGESTS[name]
+    assert tuple(digest(plan, new_arrays=True) for plan in plans) == WALK_DIGESTS[name]
 
 
 def test_plan_tree_takes_the_callers_layout():
