@@ -15,9 +15,9 @@ Fields (values; what each picks):
 * `attention` (`sdpa_padded`, `mask`, `varlen`): HF's SDPA per padded batch; one SDPA call with an additive mask over
   the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise fp32 on the CPU).
 * `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
-  `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our fused chunked
-  gated-delta-rule forward, one launch per call (`kernels/gdn_chunk.py`; needs q/k normalised by the Triton prep
-  kernel, so `elementwise="triton"`).
+  `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
+  gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
+  Triton prep kernel, so `elementwise="triton"`).
 * `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
   forced.
 * `gemm` (`cublas`, `cublas_row_invariant`, `tuned`): `F.linear` with cuBLAS's default workspace; without a workspace
@@ -71,8 +71,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
     ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
-    ("gdn_core", "chunk_fused"): "GDN core through our fused chunked gated-delta-rule kernel, one launch per call "
-    "(state on chip across a sequence's chunks)",
+    ("gdn_core", "chunk_fused"): "GDN core through our chunked gated-delta-rule kernels: the solve, then a walk with "
+    "the state on chip across a sequence's chunks that computes a shared prefix once (the plan's tree walk)",
     ("gdn_mode", "cost"): "GDN mode per batch by the cost rule (replicated paths or fp32 state hand-off)",
     ("gdn_mode", "replicated"): "GDN over replicated candidate paths",
     ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",

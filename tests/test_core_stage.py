@@ -47,9 +47,9 @@ def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
     return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
 
 
-def test_core_stage_is_registered_opt_in_on_gemm():
+def test_core_stage_is_registered_kept_on_gemm():
     stage = get_stage("core")
-    assert (stage.builds_on, stage.delta, stage.status) == ("gemm", {"gdn_core": "chunk_fused"}, "opt-in")
+    assert (stage.builds_on, stage.delta, stage.status) == ("gemm", {"gdn_core": "chunk_fused"}, "kept")
     assert stage.exactness.describe() == "bounded: hidden_rel_rmse <= 0.031 vs graphs"
     assert config_of("core") == config_of("gemm").replace(gdn_core="chunk_fused")
     assert config_of("core").on("cpu") == config_of("core")  # the kernel runs in the interpreter as it is
