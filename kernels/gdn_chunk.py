@@ -74,7 +74,8 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
 * v3 (this file): two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
-  "fla-blocks" solve. At d9a7a9d, without the walk, drone 155.6 us (FLA 145.4), customer_service 558.8 (493.1).
+  "fla-blocks" solve. At c2ff2ee, drone 133.8 us a layer with the walk and 156.7 without (FLA 145.1), customer_service
+  251.9 and 562.6 (FLA 495.4).
 * v2: the default tiling BV = 64 / 4 warps instead of BV = V / 8 warps: drone 207.9 us against 297.1.
 * v1, body in functions: the chunk's steps (solve, w, u, output, state update) are the jit functions of
   kernels/gdn_chunk_body.py. A two-launch `schedule="split"` (w/u for every chunk in parallel, then the state pass)
@@ -350,8 +351,8 @@ def gdn_chunk_forward(
     cu_seqlens [N + 1] int32/int64 on the same device; initial_state [N, Hv, K, V] fp32 contiguous or None. `out`
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
     given. scale defaults to K ** -0.5. `chunk_indices` [chunks, 2]: FLA's varlen chunk layout of cu_seqlens (derived
-    with a host sync when None). `walk` [N, 7] int32/int64: the tree walk (module docstring; no initial or final
-    states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or its
+    with a host sync when None). `walk` [N, 7] int32/int64: the tree walk of a plan with 64-row chunks (module
+    docstring; no initial or final states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or its
     tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
     """
     device = q.device

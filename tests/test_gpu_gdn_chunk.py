@@ -1,15 +1,17 @@
-"""Stage `core` on the GPU, 27B shapes (issue 22): the fused GDN kernel against the fp32 oracle and FLA's five
-forward kernels, its bitwise invariances compiled, and the stage against `graphs`.
+"""Stage `core` on the GPU, 27B shapes (issue 22): the GDN chunk kernels (solve + walk) against the fp32 oracle and
+FLA's five forward kernels, their bitwise invariances compiled, the tree walk, and the stage against `graphs`.
 
     nox --no-venv -s gpu_tests -- tests/test_gpu_gdn_chunk.py -s
 
 Declared and checked:
-* kernel (Hk 16, Hv 48, K = V = 128; drone's bucketed paths and a 1,000-token sequence, nonzero initial states): within
-  `tests.cases.gdn_chunk_bounds` of `reference.ops.gdn_recurrent` (bf16 rounding points; tf32 and tf32x3 solves), and
-  within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the oracle); the share of
-  output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
+* kernel (Hk 16, Hv 48, K = V = 128; drone's bucketed paths and a 1,000-token sequence, nonzero initial states), for
+  the stage's configuration and the variants in `KERNELS` (the other solve, its warps, a tiling): within
+  `tests.cases.gdn_chunk_bounds` of `reference.ops.gdn_recurrent` (bf16 rounding points; tf32 solves, and tf32x3 for
+  the stage's), and within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the
+  oracle); the share of output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
 * bitwise: a sequence alone vs in the batch, bucket padding (empty and dummy sequences, NaN trailing rows), a hand-off
-  at a multiple of 64 vs one pass, two runs; and a CUDA-graph replay of the launch vs the eager launch;
+  at a multiple of 64 vs one pass, two runs; a CUDA-graph replay of the launches vs the eager launches; the tree walk
+  vs the plain walk at every representative slot of three bucketed calls (five walks, three graph replays);
 * the stage (its GPU gate): `core` against `graphs` within the registry's bound (hidden_rel_rmse of the head's rows)
   on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise on drone.
 Synthetic weights and random inputs: only bits and bounds are compared, never accuracy.
