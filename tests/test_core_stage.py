@@ -20,6 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (tests/test_kernels.py)
 
+from ablations.plans import load_plan  # noqa: E402
 from engine.stages import STAGES, build_engine, config_of, get_stage  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
@@ -54,6 +55,7 @@ def test_core_stage_is_registered_kept_on_gemm():
     assert config_of("core") == config_of("gemm").replace(gdn_core="chunk_fused")
     assert config_of("core").on("cpu") == config_of("core")  # the kernel runs in the interpreter as it is
     assert stage.notes.is_file() and "core" in STAGES
+    assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages
 
 
 @pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
