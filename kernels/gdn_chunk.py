@@ -352,8 +352,9 @@ def gdn_chunk_forward(
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
     given. scale defaults to K ** -0.5. `chunk_indices` [chunks, 2]: FLA's varlen chunk layout of cu_seqlens (derived
     with a host sync when None). `walk` [N, 7] int32/int64: the tree walk of a plan with 64-row chunks (module
-    docstring; no initial or final states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or its
-    tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
+    docstring; no initial or final states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid
+    V / value_block x Hv x N, or its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when
+    chunk_indices is given.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
