@@ -117,6 +117,7 @@ SOLVE = "doubling"
 SOLVE_NUM_WARPS = 4
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
+WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit global must be a constexpr)
 
 
 @triton.jit
@@ -156,7 +157,7 @@ def _gdn_chunk_solve_kernel(
     i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
     needed = i_t >= 0
     if TREE:
-        start = tl.load(walk + i_n * 7 + 1).to(tl.int32)
+        start = tl.load(walk + i_n * WALK_WIDTH + 1).to(tl.int32)
         needed = (start >= 0) & (i_t >= start)
     if needed:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -231,8 +232,8 @@ def _gdn_chunk_fwd_kernel(
         ticket = tl.atomic_add(flags, 1)
         i_hv = (ticket // NV) % VALUE_HEADS
         i_v = ticket % NV
-        i_n = tl.load(walk + (ticket // (VALUE_HEADS * NV)) * 7).to(tl.int64)
-        row = walk + i_n * 7
+        i_n = tl.load(walk + (ticket // (VALUE_HEADS * NV)) * WALK_WIDTH).to(tl.int64)
+        row = walk + i_n * WALK_WIDTH
         start = tl.load(row + 1).to(tl.int32)
         source = tl.load(row + 2).to(tl.int32)
         publish_chunks = tl.load(row + 3).to(tl.int32)
@@ -393,7 +394,7 @@ def gdn_chunk_forward(
             contiguous=True,
         )  # fmt: skip
     if walk is not None:
-        check_tensor("gdn_chunk_forward: walk", walk, dtype=index_dtypes, shape=(num_seqs, len(WALK_FIELDS)),
+        check_tensor("gdn_chunk_forward: walk", walk, dtype=index_dtypes, shape=(num_seqs, WALK_WIDTH.value),
                      device=device, contiguous=True)  # fmt: skip
         if initial_state is not None or output_final_state:
             raise ValueError("gdn_chunk_forward: the tree walk takes no initial state and gives no final state")

@@ -1,9 +1,9 @@
-"""The chunk body of the chunked gated delta rule forward (`kernels.gdn_chunk`'s one-launch kernel): the rounding
-points, the dot operands and the steps of one 64-row chunk (solve, w, u, output, state update) as jit functions. Math
-and rounding points: `kernels.gdn_chunk`'s module docstring. Triton inlines these functions into the kernel (its
-sm_90 PTX is the one it had with the steps written inline, debug info aside). A two-launch schedule that also called
-them was dropped (ablations/attempts.toml, `gdn-chunk-split-schedule`): under the interpreter it had the kernel's
-bits, on the H200 it did not.
+"""The chunk body of the chunked gated delta rule forward (`kernels.gdn_chunk`'s solve and walk kernels): the rounding
+points, the dot operands and the steps of one 64-row chunk (the two solves, w, u, output, state update) as jit
+functions. Math and rounding points: `kernels.gdn_chunk`'s module docstring. Triton inlines these functions into the
+kernels (v1's sm_90 PTX was the one it had with the steps written inline, debug info aside). A two-launch schedule
+of v1 that also called them was dropped (ablations/attempts.toml, `gdn-chunk-split-schedule`): under the interpreter it
+had the kernel's bits, on the H200 it did not.
 
 On the GPU a rounding point's value is bf16-exact and reaches the dot as bf16 (exact); under the CPU interpreter the
 dots run on fp32 operands holding the same values (products of bf16 values are exact in fp32 either way).

@@ -1,4 +1,4 @@
-"""Per-layer GDN-core time on the GPU: FLA's five forward kernels against the fused kernel of stage `core`.
+"""Per-layer GDN-core time on the GPU: FLA's five forward kernels against the chunk kernels of stage `core`.
 
     python -m measure.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
     python -m measure.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
