@@ -164,9 +164,10 @@ class KernelStats:
         return sum(self.families[f]["ms_per_forward"] for f in CORE_FAMILIES)
 
 
-def kernel_stats(trace_events: list[dict], calls: int, top: int = 10) -> KernelStats:
+def kernel_stats(trace_events: list[dict], calls: int, top: int = 24) -> KernelStats:
     """Kernel count, busy time, top kernels and families per call from chrome-trace events (`cat` == "kernel",
-    `ts` / `dur` in us)."""
+    `ts` / `dur` in us). `top` 24 lists every kernel of a 27B forward but the rare ones (records before 2026-12-04's
+    runs list 10, which left most of the engine's own kernels out of the per-kernel floors, `measure.kernel_floors`)."""
     kernels = [e for e in trace_events if e.get("cat") == "kernel" and not NOT_KERNELS.match(e.get("name", ""))]
     busy_us = union_length((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
     by_name: dict[str, list[float]] = {}

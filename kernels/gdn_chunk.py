@@ -29,17 +29,17 @@ taken (fp32 throughout, fp32 dots at IEEE precision: the exactness test of the a
 CUDA (tensor cores, fp32 accumulate); under the interpreter the same bf16 values go in as fp32 (the interpreter
 computes bf16 `tl.dot` wrongly), which is exact for the products and differs only in the accumulation order.
 
-The solve (`solve`):
-* "doubling" (the stage's): recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
+The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_NUM_WARPS`):
+* "doubling": recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
   diagonal blocks (I − A on their one sub-diagonal entry), and for block sizes b = 2, 4, 8, 16, 32
   D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
   [[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]] for all blocks of one level at once; 10 dots of
   64 × 64 × 64 at `solve_precision` (default "tf32", FLA's SOLVE_TRIL_DOT_PRECISION on sm >= 80).
-* "fla-blocks": FLA 0.6.0's fused kkt + solve in its own order (kernels/gdn_chunk_body.py `_inverse_fla_blocks`): the
-  ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward substitution in fp32, the
-  others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's output bits (0.9999 of
-  elements at the 27B shapes, all of them on the engine's inputs: engine/stages/core.md); the substitution's 14
-  dependent steps make it the slower launch.
+* "fla-blocks" (the stage's, one warp): FLA 0.6.0's fused kkt + solve in its own order (kernels/gdn_chunk_body.py
+  `_inverse_fla_blocks`): the ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward
+  substitution in fp32, the others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's
+  output bits (0.9999 of elements at the 27B shapes, all of them on the engine's inputs: engine/stages/core.md); the
+  substitution's 14 dependent steps make it the slower launch (drone 30.4 against 24.1 us a layer).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -73,7 +73,9 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3 (this file): two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
+* v3.1 (this file): the "fla-blocks" solve on one warp is the default (FLA's bits, so the stage answers with
+  `graphs`' bits where the engine reads).
+* v3: two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
   "fla-blocks" solve. At c2ff2ee, drone 133.8 us a layer with the walk and 156.7 without (FLA 145.1), customer_service
   251.9 and 562.6 (FLA 495.4).
 * v2: the default tiling BV = 64 / 4 warps instead of BV = V / 8 warps: drone 207.9 us against 297.1.
@@ -113,8 +115,8 @@ VALUE_BLOCK = 64  # the walk's BV (capped at V)
 NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
 SOLVES = ("doubling", "fla-blocks")
-SOLVE = "doubling"
-SOLVE_NUM_WARPS = 4
+SOLVE = "fla-blocks"  # the stage's: FLA's bits (engine/stages/core.md, "Exactness")
+SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # each solve's fastest warp count (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
 WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit global must be a constexpr)
@@ -341,7 +343,7 @@ def gdn_chunk_forward(
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
-    solve_num_warps: int = SOLVE_NUM_WARPS,
+    solve_num_warps: int | None = None,
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
@@ -461,7 +463,7 @@ def gdn_chunk_solve(
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
-    num_warps: int = SOLVE_NUM_WARPS,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
@@ -471,6 +473,7 @@ def gdn_chunk_solve(
     device, tokens, value_heads = k.device, k.shape[0], g.shape[1]
     if solve not in SOLVES:
         raise ValueError(f"gdn_chunk_solve: solve {solve!r} is not one of {SOLVES}")
+    num_warps = SOLVE_NUM_WARPS[solve] if num_warps is None else num_warps
     if chunk_indices is None:
         chunk_indices = chunk_indices_of(cu_seqlens)
     index_dtypes = (torch.int32, torch.int64)

@@ -2,6 +2,7 @@
 
     python -m measure.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
     python -m measure.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
+    python -m measure.gdn_chunk_probe --workloads drone --variants stage --calls 1 --rounds 1 --no-record  # profiled
 
 What is timed: one GDN layer's core call as the `graphs` stage makes it, on the replicated schedule of the request's
 bucketed plan (`engine.plan.plan_tree(..., bucket=...)`, the bucket `engine.graphs.default_grid` picks: drone
@@ -11,7 +12,8 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk) and in the variants
-  of `VARIANTS` (without the walk, the other solve, solve warps, tiles); the solve launch is also timed alone.
+  of `VARIANTS` (without the walk, the other solve, the walk's software-pipelining stages); the solve launch is also
+  timed alone. Records of c2ff2ee also have solve warps and walk tilings, since settled.
 Every slot holds its packed row's inputs (the prep kernel's layout), so a path's shared prefix is the same data in
 every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the solve inside the
 walk), the split schedule (8a0fb8c) and per-slot random inputs.
@@ -47,13 +49,9 @@ WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 VARIANTS = {  # name -> (GdnChunkCore options, tree walk); "stage" is what stage `core` runs
     "stage": ({}, True),
     "stage-no-walk": ({}, False),
-    "fla-blocks": ({"solve": "fla-blocks"}, True),
-    "fla-blocks-sw1": ({"solve": "fla-blocks", "solve_num_warps": 1}, True),
-    "fla-blocks-sw2": ({"solve": "fla-blocks", "solve_num_warps": 2}, True),
-    "doubling-sw2": ({"solve_num_warps": 2}, True),
-    "doubling-sw8": ({"solve_num_warps": 8}, True),
-    "bv128-w8": ({"value_block": 128, "num_warps": 8}, True),
-    "w8": ({"num_warps": 8}, True),
+    "doubling": ({"solve": "doubling"}, True),
+    "walk-stages1": ({"num_stages": 1}, True),
+    "walk-stages3": ({"num_stages": 3}, True),
 }
 
 
@@ -100,12 +98,12 @@ def rel_rmse(x, ref) -> float:
     return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
 
 
-def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
+def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     import torch
 
     from ablations.probes import engine_gdn_inputs
     from engine.plan import SolveWorkspace
-    from kernels.gdn_chunk import SOLVE, SOLVE_NUM_WARPS, GdnChunkCore, gdn_chunk_solve
+    from kernels.gdn_chunk import SOLVE, GdnChunkCore, gdn_chunk_solve
     from kernels.gdn_core import FlaForwardCore
     from reference import ops
 
@@ -146,11 +144,12 @@ def probe_workload(workload_id: str, calls: int, rounds: int) -> dict:
         oracle[s:e] = ops.gdn_recurrent(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e])[0]
     oracle = oracle[read]
     result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, read].float(), oracle)
-    for name, (options, tree_walk) in VARIANTS.items():
+    for name in variants:
+        options, tree_walk = VARIANTS[name]
         core, walked = GdnChunkCore(**options), ({"walk": walk} if tree_walk else {})
         o, _ = core(q, k, v, g, beta, **layout, **walked)
         us = graph_time_us(lambda core=core, walked=walked: core(q, k, v, g, beta, **layout, **walked), calls, rounds)
-        solve = {"solve": options.get("solve", SOLVE), "num_warps": options.get("solve_num_warps", SOLVE_NUM_WARPS)}
+        solve = {"solve": options.get("solve", SOLVE), "num_warps": options.get("solve_num_warps")}
         solve_us = graph_time_us(  # the solve launch alone, on the same inputs
             lambda solve=solve, walked=walked: gdn_chunk_solve(
                 k[0], g[0], beta[0], cu, layout["chunk_indices"], walk=walked.get("walk"), **solve
@@ -226,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10, help="core calls per captured graph (layers)")
     parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
     parser.add_argument("--schedules", action="store_true", help="FLA's core in the replicated and handoff modes")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--no-record", action="store_true", help="print only (a run under a profiler)")
     args = parser.parse_args(argv)
+    variants = tuple(args.variants.split(","))
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's deterministic Triton path (reference-math.md §4.3)
     import torch
 
@@ -239,13 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     pin_fla_configs()  # before fla is imported: the committed configs of this GPU, if any
     torch.manual_seed(0)
     env = collect("cuda")
-    name, probe = ("gdn_tree_schedules", probe_schedules) if args.schedules else ("gdn_chunk", probe_workload)
+    name = "gdn_tree_schedules" if args.schedules else "gdn_chunk"
     record = {"probe": name, "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
     for workload_id in args.workloads.split(","):
         with torch.no_grad():
-            record["workloads"].append(probe(workload_id, args.calls, args.rounds))
-    suffix = "-schedules" if args.schedules else ""
-    write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}{suffix}.json")
+            if args.schedules:
+                record["workloads"].append(probe_schedules(workload_id, args.calls, args.rounds))
+            else:
+                record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds, variants))
+    if not args.no_record:
+        suffix = "-schedules" if args.schedules else ""
+        write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}{suffix}.json")
     return 0
 
 

@@ -1,23 +1,42 @@
 """Bytes-moved floors of the prep and element-wise kernels, against their measured time in a run record (issue 22).
 
-    python -m measure.kernel_floors RECORD.json        # writes results/kernel-floors/<record stem>.json
+    python -m measure.kernel_floors RECORD.json                # the `graphs` stage; writes results/kernel-floors/
+    python -m measure.kernel_floors RECORD.json --stage core   # <record stem>.json
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
-record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The bytes per call, from the shapes
-and the call's sizes (the `graphs` stage's bucket: packed rows N, path slots L, attention keys K), each unique input
-element read once and each output element written once (what reads hit in L2 or SMEM is not counted twice):
-* `_gdn_prep_kernel` (replicated mode: the projection read through the paths' row index, every path slot written;
-  since gdn_prep v4 the kernel writes each packed row once and `_gather_slots_kernel` the path slots, so the floor is
-  that of the pair and the measured time the prep kernel's alone): reads N·(conv_dim + 2·Hv)·2 (q|k|v, b, a of the
-  projection; z is left for the gated norm), the conv weight and the L int64 row indices; writes
-  L·((2·Hk·K + Hv·V)·2 + Hv·(4 + 2)) (q, k, v bf16, g fp32, beta bf16). Also given per packed row (L = N): the floor
-  of a core that read packed rows instead of replicated paths.
-* `_attn_prep_kernel` (tree key layout): reads N·(H·D + 2·Hkv·D)·2 (query halves, k, v; the gate half is read later
-  by the attention gate) and cos, sin N·r·2·2 and the K int64 key rows; writes q N·H·D·2 and k, v at the K key rows
-  K·2·Hkv·D·2. Also given with K = N (keys written once per row: the prefix-once attention of issue 22, item 2).
-* `_silu_mul_kernel`: reads N·2I·2, writes N·I·2.
-The measured time per call is the record's `top_kernels` entry of the `graphs` stage (ms per forward / calls per
-forward) where the kernel is among the workload's top kernels, else None. Synthetic weights do not change bytes.
+record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels are the engine's own
+(`ablations.timing.KERNEL_FAMILIES["ours"]`), each as `engine.backbone._FusedOps` calls it in a bucketed `graphs` /
+`core` forward: a tree plan in the replicated GDN mode, the bucket's packed rows N, path slots L and attention keys K.
+Bytes per call: each unique input element read once and each output element written once (what reads hit in L2 or
+SMEM is not counted twice), in the dtypes the engine passes (activations and norm weights bf16, the gated norm's
+weight and A_log fp32, index arrays int64); cu_seqlens offsets (a few dozen int32) are not counted. H hidden, I
+intermediate; GDN Hk key heads of Dk dims, Hv value heads of Dv dims, conv_dim = 2·Hk·Dk + Hv·Dv, conv width W;
+attention Hq query heads, Hkv key/value heads of D dims, rotary dims r.
+* `_residual_rmsnorm_kernel` (128 of its 129 calls a forward: the post-mixer and post-MLP norms with a bf16 delta;
+  the first layer's input norm reads no delta and writes no residual; the split-K form, which reads S fp32 partials
+  instead of the delta, is not modelled): reads residual and delta N·H·2 each, the weight H·2; writes the new
+  residual and the normed rows N·H·2 each.
+* `_gdn_prep_kernel` (gdn_prep v4: each packed row prepared once, at its representative path slot): reads the
+  projection's q|k|v, b, a N·(conv_dim + 2·Hv)·2 (z is left for the gated norm), the conv weight conv_dim·W·2,
+  A_log Hv·4, dt_bias Hv·2 and one int64 index per output row (the slot; the path-row indices of the taps, at most
+  32 bytes a row, are not counted); writes q, k, v bf16, g fp32, beta bf16 at the N rows
+  N·((2·Hk·Dk + Hv·Dv)·2 + Hv·(4 + 2)). `gdn_prep_bytes(N, L)` is the floor of preparing all L path slots, by this
+  kernel over every slot or by the pair prep + gather (`measure.prep_probe`).
+* `_gather_slots_kernel`: reads the N rows of gdn_prep's five outputs and the L int64 slot rows, writes the outputs
+  at the L path slots (row bytes as above).
+* `_gated_rmsnorm_kernel`: reads the GDN core's output at the N packed rows' representative slots N·Hv·Dv·2 (of its L
+  slot rows), z N·Hv·Dv·2, the N int64 slot indices and the fp32 weight Dv·4; writes N·Hv·Dv·2.
+* `_attn_prep_kernel` (tree key layout): reads the query halves, k and v N·(Hq·D + 2·Hkv·D)·2 (the gate half is read
+  by the attention gate), the q and k norm weights 2·D·2, cos and sin N·r·2·2 and the K int64 key rows; writes q
+  N·Hq·D·2 and k, v at the K key rows K·2·Hkv·D·2.
+* `_attention_gate_kernel`: reads the attention output and the gate half of the projection N·Hq·D·2 each, writes
+  N·Hq·D·2.
+* `_silu_mul_kernel`: reads the gate|up GEMM output N·2I·2, writes N·I·2.
+`per_row_floor_us` is the same model at L = K = N: the floor if the GDN core and the attention read packed rows
+instead of the replicated paths and keys (prefix-once attention, issue 22, item 2).
+The measured time per call is the record's `top_kernels` entry of the stage (ms per forward / calls per forward: an
+average over the calls of a forward) where the kernel is among the workload's top kernels (10 in records before
+2026-12-04, 24 since), else None. Synthetic weights do not change bytes.
 """
 
 from __future__ import annotations
@@ -31,25 +50,76 @@ from reference.shapes import QWEN38_27B, ModelShapes
 
 REPO = Path(__file__).resolve().parents[1]
 BF16, FP32, INT64 = 2, 4, 8
-KERNELS = ("_gdn_prep_kernel", "_attn_prep_kernel", "_silu_mul_kernel")
+KERNELS = (
+    "_residual_rmsnorm_kernel",
+    "_gdn_prep_kernel",
+    "_gather_slots_kernel",
+    "_gated_rmsnorm_kernel",
+    "_attn_prep_kernel",
+    "_attention_gate_kernel",
+    "_silu_mul_kernel",
+)
+
+
+def residual_rmsnorm_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
+    """Residual add + RMSNorm with a bf16 delta: reads residual, delta and the weight, writes residual and normed."""
+    return 4 * rows * s.hidden_size * BF16 + s.hidden_size * BF16
+
+
+def gdn_prep_row_bytes(s: ModelShapes = QWEN38_27B) -> int:
+    """One row of gdn_prep's outputs: q, k [Hk·Dk] and v [Hv·Dv] bf16, g [Hv] fp32, beta [Hv] bf16."""
+    return (2 * s.linear_key_dim + s.linear_value_dim) * BF16 + s.linear_num_value_heads * (FP32 + BF16)
 
 
 def gdn_prep_bytes(rows: int, slots: int, s: ModelShapes = QWEN38_27B) -> int:
+    """GDN prep from `rows` projection rows to `slots` output rows (the engine's call: slots = rows)."""
     hv = s.linear_num_value_heads
-    reads = rows * (s.conv_dim + 2 * hv) * BF16 + s.conv_dim * s.linear_conv_kernel_dim * BF16 + slots * INT64
-    writes = slots * ((2 * s.linear_key_dim + s.linear_value_dim) * BF16 + hv * (FP32 + BF16))
-    return reads + writes
+    params = s.conv_dim * s.linear_conv_kernel_dim * BF16 + hv * (FP32 + BF16)  # conv weight, A_log, dt_bias
+    reads = rows * (s.conv_dim + 2 * hv) * BF16 + params + slots * INT64
+    return reads + slots * gdn_prep_row_bytes(s)
+
+
+def gather_slots_bytes(rows: int, slots: int, s: ModelShapes = QWEN38_27B) -> int:
+    """gdn_prep's outputs moved from `rows` packed rows to `slots` path slots, each slot's row index read once."""
+    return rows * gdn_prep_row_bytes(s) + slots * INT64 + slots * gdn_prep_row_bytes(s)
+
+
+def gated_rmsnorm_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
+    """Gated RMSNorm: reads o at each row's slot, z and the slot index, the fp32 weight [Dv]; writes the rows."""
+    width = s.linear_value_dim
+    return 3 * rows * width * BF16 + rows * INT64 + s.linear_value_head_dim * FP32
 
 
 def attn_prep_bytes(rows: int, keys: int, s: ModelShapes = QWEN38_27B) -> int:
+    """Attention prep: q over the rows, k and v at the `keys` key rows."""
     q_width, kv_width = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    reads = rows * (q_width + 2 * kv_width) * BF16 + 2 * rows * s.rotary_dim * BF16 + keys * INT64
+    params = 2 * s.head_dim * BF16  # q_norm, k_norm
+    reads = rows * (q_width + 2 * kv_width) * BF16 + params + 2 * rows * s.rotary_dim * BF16 + keys * INT64
     writes = rows * q_width * BF16 + keys * 2 * kv_width * BF16
     return reads + writes
 
 
+def attention_gate_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
+    """Attention gate: reads the attention output and the gate half, writes the gated rows [N, Hq·D]."""
+    return 3 * rows * s.num_attention_heads * s.head_dim * BF16
+
+
 def silu_mul_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
+    """SiLU·mul: reads the gate|up rows [N, 2I], writes [N, I]."""
     return rows * 3 * s.intermediate_size * BF16
+
+
+def call_bytes(rows: int, slots: int, keys: int, s: ModelShapes = QWEN38_27B) -> dict[str, int]:
+    """Bytes per call of each kernel of KERNELS at N = rows, L = slots, K = keys (module docstring)."""
+    return {
+        "_residual_rmsnorm_kernel": residual_rmsnorm_bytes(rows, s),
+        "_gdn_prep_kernel": gdn_prep_bytes(rows, rows, s),
+        "_gather_slots_kernel": gather_slots_bytes(rows, slots, s),
+        "_gated_rmsnorm_kernel": gated_rmsnorm_bytes(rows, s),
+        "_attn_prep_kernel": attn_prep_bytes(rows, keys, s),
+        "_attention_gate_kernel": attention_gate_bytes(rows, s),
+        "_silu_mul_kernel": silu_mul_bytes(rows, s),
+    }
 
 
 def bucket_sizes(name: str) -> dict[str, int]:
@@ -63,7 +133,8 @@ def bucket_sizes(name: str) -> dict[str, int]:
 
 
 def floors(record: dict, stage: str = "graphs") -> list[dict]:
-    """One row per (workload served by a bucket, kernel): bytes, floor us, measured us per call and the multiple."""
+    """One row per (workload served by a bucket, kernel of KERNELS): bytes, floor us, per-row floor us, measured us
+    per call and the multiple (None where the kernel is not among the workload's top kernels)."""
     tbps = record["ceilings"]["copy_tbps"]
     timed = next((s for s in record["stages"] if s["name"] == stage), None)
     if timed is None:
@@ -71,22 +142,18 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
     rows = []
     for workload in timed["workloads"]:
         bucket = (workload.get("graph") or {}).get("bucket")
-        if bucket is None:
+        if not isinstance(bucket, str):  # eager (None), or several batches (a list)
             continue
         size = bucket_sizes(bucket)
         n, slots, keys = size["rows"], size["slots"], size["keys"]
         measured = {k["name"]: k["ms_per_forward"] / k["calls_per_forward"] for k in workload.get("top_kernels", [])}
-        cases = {
-            "_gdn_prep_kernel": (gdn_prep_bytes(n, slots), gdn_prep_bytes(n, n)),
-            "_attn_prep_kernel": (attn_prep_bytes(n, keys), attn_prep_bytes(n, n)),
-            "_silu_mul_kernel": (silu_mul_bytes(n), silu_mul_bytes(n)),
-        }
-        for kernel, (nbytes, per_row_bytes) in cases.items():
+        per_row = call_bytes(n, n, n)
+        for kernel, nbytes in call_bytes(n, slots, keys).items():
             floor_us = nbytes / (tbps * 1e12) * 1e6
             call_ms = measured.get(kernel)
             rows.append({
                 "workload": workload["id"], "bucket": bucket, "kernel": kernel, "bytes": nbytes,
-                "floor_us": floor_us, "per_row_floor_us": per_row_bytes / (tbps * 1e12) * 1e6,
+                "floor_us": floor_us, "per_row_floor_us": per_row[kernel] / (tbps * 1e12) * 1e6,
                 "measured_us": None if call_ms is None else 1000.0 * call_ms,
                 "multiple": None if call_ms is None else 1000.0 * call_ms / floor_us,
             })  # fmt: skip
@@ -95,16 +162,16 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.kernel_floors", description=__doc__.split("\n\n")[0])
-    parser.add_argument("record", type=Path, help="a run record with a timed `graphs` stage")
-    parser.add_argument("--stage", default="graphs")
+    parser.add_argument("record", type=Path, help="a run record with a timed `graphs` or `core` stage")
+    parser.add_argument("--stage", default="graphs", help="the bucketed stage whose kernel times are read")
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text())
     table = floors(record, args.stage)
-    print(f"{'workload':<32} {'kernel':<18} {'MB':>8} {'floor us':>9} {'per-row':>8} {'measured':>9} {'x floor':>8}")
+    print(f"{'workload':<32} {'kernel':<24} {'MB':>8} {'floor us':>9} {'per-row':>8} {'measured':>9} {'x floor':>8}")
     for row in table:
         measured = "-" if row["measured_us"] is None else f"{row['measured_us']:.1f}"
         multiple = "-" if row["multiple"] is None else f"{row['multiple']:.2f}"
-        print(f"{row['workload']:<32} {row['kernel']:<18} {row['bytes'] / 1e6:8.2f} {row['floor_us']:9.2f} "
+        print(f"{row['workload']:<32} {row['kernel']:<24} {row['bytes'] / 1e6:8.2f} {row['floor_us']:9.2f} "
               f"{row['per_row_floor_us']:8.2f} {measured:>9} {multiple:>8}")  # fmt: skip
     out = REPO / "results" / "kernel-floors" / f"{args.record.stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

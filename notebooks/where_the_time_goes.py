@@ -138,3 +138,74 @@ else:
         top = pd.DataFrame(profile["by_own_time"][:8])[["function", "calls", "own_ms", "cumulative_ms"]]
         print(f"\n{name}: host functions by own time (one profiled call, {profile['profiled_ms']:.1f} ms)")
         print(top.round(2).to_string(index=False))
+
+# %% [markdown]
+# ## Prep and element-wise kernels against their bytes floor
+#
+# The engine's own kernels (the `ours` family) on the newest GPU record with a bucketed `core` stage, else a bucketed
+# `graphs` stage (partial runs included): per call, the measured time (the stage's top kernels: ms per forward / calls
+# per forward) against the bytes-moved floor of `measure.kernel_floors` (each operand read and written once, over the
+# record's copy ceiling), with issue 22's 1.5x the floor as a dash. A kernel outside the record's top kernels has no
+# time. Synthetic weights: timings only.
+
+# %%
+import numpy as np
+
+from ablations.records import all_records, stage_by_name
+from measure.kernel_floors import floors
+
+FLOOR_WORKLOADS = ("drone", "customer_service")
+FLOOR_TARGET = 1.5
+
+
+def floor_stage(record: dict) -> str | None:
+    """`core` where the record timed it on bucketed workloads, else `graphs`, else None."""
+    for name in ("core", "graphs"):
+        stage = stage_by_name(record, name)
+        workloads = stage["workloads"] if stage else []
+        if any(isinstance((w.get("graph") or {}).get("bucket"), str) and w.get("top_kernels") for w in workloads):
+            return name
+    return None
+
+
+gpu_records = [(path, r) for path, r in all_records(RESULTS / "runs") if r["plan"]["device"] == "cuda"]  # oldest first
+with_core = [item for item in gpu_records if floor_stage(item[1]) == "core"]
+with_graphs = [item for item in gpu_records if floor_stage(item[1]) == "graphs"]
+floor_path, floor_record = (with_core or with_graphs or [(None, None)])[-1]
+if floor_record is None:
+    print("no GPU record with a bucketed core or graphs stage under", RESULTS / "runs")
+else:
+    stage_name = floor_stage(floor_record)
+    floor_table = pd.DataFrame(floors(floor_record, stage_name))
+    floor_table = floor_table[floor_table["workload"].isin(FLOOR_WORKLOADS)].reset_index(drop=True)
+    floor_table[["measured_us", "multiple"]] = floor_table[["measured_us", "multiple"]].astype(float)
+    floor_table["MB"] = floor_table["bytes"] / 1e6
+    copy_tbps = floor_record["ceilings"]["copy_tbps"]
+    print(f"GPU record {floor_path.name}, stage {stage_name}, copy ceiling {copy_tbps:.2f} TB/s")
+    columns = ["workload", "bucket", "kernel", "MB", "floor_us", "per_row_floor_us", "measured_us", "multiple"]
+    print(floor_table[columns].round(2).to_string(index=False))
+    untimed = floor_table[floor_table["measured_us"].isna()]
+    for workload, group in untimed.groupby("workload", sort=False):
+        print(f"{workload}: not in top kernels: {', '.join(group['kernel'])}")
+
+# %%
+if floor_record is not None and len(floor_table):
+    shown = list(floor_table.groupby("workload", sort=False))
+    fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False)
+    for ax, (workload, group) in zip(axes[0], shown):
+        x = np.arange(len(group))
+        timed = group["measured_us"].notna().to_numpy()
+        ax.bar(x - 0.2, group["floor_us"], width=0.4, label="floor (bytes / copy ceiling)")
+        ax.bar(x[timed] + 0.2, group["measured_us"][timed], width=0.4, label="measured")
+        for i in x[~timed]:
+            ax.text(i + 0.2, 0.02, "not in top kernels", transform=ax.get_xaxis_transform(), rotation=90, fontsize=7,
+                    ha="center", va="bottom")  # fmt: skip
+        target = FLOOR_TARGET * group["floor_us"].to_numpy()
+        ax.hlines(target, x - 0.4, x + 0.4, colors="k", linestyles="dashed", label=f"{FLOOR_TARGET}x floor")
+        ax.set_xticks(x, [k.strip("_").removesuffix("_kernel") for k in group["kernel"]], rotation=40, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("us per call")
+        ax.set_title(f"{workload} ({group['bucket'].iloc[0]})")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"{floor_path.stem}, {stage_name}: our kernels against the bytes floor (synthetic weights)")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))

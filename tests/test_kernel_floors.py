@@ -5,31 +5,53 @@ from __future__ import annotations
 
 import pytest
 
+from ablations.timing import KERNEL_FAMILIES
 from measure import kernel_floors
 from reference.shapes import QWEN38_27B as S
 
+N, L, K = 352, 1074, 2500  # the drone bucket r352-s1074-c8
+GDN_ROW = (2 * 2048 + 6144) * 2 + 48 * (4 + 2)  # q, k, v bf16; g fp32, beta bf16
+
 
 def test_bytes_per_call_at_the_drone_bucket():
-    assert kernel_floors.bucket_sizes("r352-s1074-c8") == {"rows": 352, "slots": 1074, "keys": 2500}
-    assert kernel_floors.silu_mul_bytes(352) == 352 * (2 * 17408 + 17408) * 2
-    proj_read = 352 * (10240 + 96) * 2 + 10240 * 4 * 2 + 1074 * 8
-    assert kernel_floors.gdn_prep_bytes(352, 1074) == proj_read + 1074 * ((2 * 2048 + 6144) * 2 + 48 * 6)
+    assert kernel_floors.bucket_sizes("r352-s1074-c8") == {"rows": N, "slots": L, "keys": K}
+    assert kernel_floors.residual_rmsnorm_bytes(N) == 4 * N * 5120 * 2 + 5120 * 2
+    params = 10240 * 4 * 2 + 48 * 4 + 48 * 2  # conv weight bf16, A_log fp32, dt_bias bf16
+    assert kernel_floors.gdn_prep_bytes(N, N) == N * (10240 + 96) * 2 + params + N * 8 + N * GDN_ROW
+    assert kernel_floors.gdn_prep_bytes(N, L) == N * (10240 + 96) * 2 + params + L * 8 + L * GDN_ROW
+    assert kernel_floors.gather_slots_bytes(N, L) == N * GDN_ROW + L * 8 + L * GDN_ROW
+    assert kernel_floors.gated_rmsnorm_bytes(N) == 3 * N * 48 * 128 * 2 + N * 8 + 128 * 4
     q, kv = S.num_attention_heads * S.head_dim, S.num_key_value_heads * S.head_dim
-    reads = 352 * (q + 2 * kv) * 2 + 2 * 352 * S.rotary_dim * 2 + 2500 * 8
-    assert kernel_floors.attn_prep_bytes(352, 2500) == reads + 352 * q * 2 + 2500 * 2 * kv * 2
+    reads = N * (q + 2 * kv) * 2 + 2 * 256 * 2 + 2 * N * S.rotary_dim * 2 + K * 8
+    assert kernel_floors.attn_prep_bytes(N, K) == reads + N * q * 2 + K * 2 * kv * 2
+    assert kernel_floors.attention_gate_bytes(N) == 3 * N * 24 * 256 * 2
+    assert kernel_floors.silu_mul_bytes(N) == N * (2 * 17408 + 17408) * 2
     with pytest.raises(ValueError, match="no bucket"):
         kernel_floors.bucket_sizes("r1-s1-c1")
+
+
+def test_every_kernel_of_ours_has_a_model():
+    """Each name of the runner's `ours` family is exactly one kernel of KERNELS, and each kernel has a byte model."""
+    assert all(sum(key in kernel for kernel in kernel_floors.KERNELS) == 1 for key in KERNEL_FAMILIES["ours"])
+    assert tuple(kernel_floors.call_bytes(N, L, K)) == kernel_floors.KERNELS
 
 
 def test_floors_of_a_record():
     top = [{"name": "_silu_mul_kernel", "calls_per_forward": 64.0, "ms_per_forward": 0.64}]
     workload = {"id": "drone", "graph": {"bucket": "r352-s1074-c8"}, "top_kernels": top}
     eager = {"id": "long", "graph": {"bucket": None}, "top_kernels": []}
-    record = {"ceilings": {"copy_tbps": 4.0}, "stages": [{"name": "graphs", "workloads": [workload, eager]}]}
-    rows = {row["kernel"]: row for row in kernel_floors.floors(record)}
-    assert set(rows) == set(kernel_floors.KERNELS) and {row["workload"] for row in rows.values()} == {"drone"}
+    record = {"ceilings": {"copy_tbps": 4.0}, "stages": [{"name": "core", "workloads": [workload, eager]}]}
+    with pytest.raises(ValueError, match="no stage 'graphs'"):
+        kernel_floors.floors(record)
+    table = kernel_floors.floors(record, "core")
+    assert [row["kernel"] for row in table] == list(kernel_floors.KERNELS)
+    assert {row["workload"] for row in table} == {"drone"}
+    rows = {row["kernel"]: row for row in table}
     silu = rows["_silu_mul_kernel"]
-    assert silu["floor_us"] == pytest.approx(kernel_floors.silu_mul_bytes(352) / 4e12 * 1e6)
+    assert silu["floor_us"] == pytest.approx(kernel_floors.silu_mul_bytes(N) / 4e12 * 1e6)
     assert silu["measured_us"] == pytest.approx(10.0) and silu["multiple"] == pytest.approx(10.0 / silu["floor_us"])
-    assert rows["_gdn_prep_kernel"]["measured_us"] is None and rows["_gdn_prep_kernel"]["multiple"] is None
-    assert rows["_gdn_prep_kernel"]["per_row_floor_us"] < rows["_gdn_prep_kernel"]["floor_us"]
+    assert all(row["measured_us"] is None and row["multiple"] is None for row in table if row is not silu)
+    assert rows["_gdn_prep_kernel"]["bytes"] == kernel_floors.gdn_prep_bytes(N, N)
+    gather = rows["_gather_slots_kernel"]
+    assert gather["per_row_floor_us"] == pytest.approx(kernel_floors.gather_slots_bytes(N, N) / 4e12 * 1e6)
+    assert gather["per_row_floor_us"] < gather["floor_us"]
