@@ -98,7 +98,6 @@ import triton.language as tl
 
 from kernels.gdn_chunk_body import (
     RCP_LN2,
-    _bf16_point,
     _chunk_output,
     _chunk_state,
     _chunk_u,
@@ -106,7 +105,7 @@ from kernels.gdn_chunk_body import (
     _inverse_doubling,
     _inverse_fla_blocks,
     _loaded_operand,
-    _operand,
+    _rounded_operand,
 )
 from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
@@ -298,13 +297,13 @@ def _gdn_chunk_fwd_kernel(
         t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
 
         # w = T (K beta 2^γ), u = T (V beta)
-        b_w = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+        w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
         b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
         b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
 
         # v' = u - w Sb; output from the chunk-start state; then the state update
-        state_op = _operand(_bf16_point(state, ROUND), ROUND, TORCH_CPU)
-        v_new = b_u - tl.dot(_operand(b_w, ROUND, TORCH_CPU), state_op, input_precision=DOT_PRECISION)
+        state_op = _rounded_operand(state, ROUND, TORCH_CPU)
+        v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
         q_op = _loaded_operand(
             tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
         )

@@ -39,6 +39,17 @@ def _operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
 
 
 @triton.jit
+def _rounded_operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """`_operand(_bf16_point(x))` (a rounding point that only a dot reads) in one step: on CUDA with rounding points
+    the hardware conversion to the bf16 operand (the same value: nearest, ties to even), no fp32 round trip."""
+    if ROUND and not TORCH_CPU:
+        y = x.to(tl.bfloat16)
+    else:
+        y = _operand(_bf16_point(x, ROUND), ROUND, TORCH_CPU)
+    return y
+
+
+@triton.jit
 def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
     """A loaded bf16 tile as a dot operand: itself on CUDA when ROUND, else fp32 (exact)."""
     if ROUND and not TORCH_CPU:
@@ -66,7 +77,7 @@ def _inverse_doubling(
         )
         below = tl.dot(tl.where(off, b_a, 0.0), inverse, input_precision=SOLVE_PRECISION)
         inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
-    return _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
+    return _rounded_operand(inverse, ROUND, TORCH_CPU)
 
 
 @triton.jit
@@ -185,21 +196,22 @@ def _inverse_fla_blocks(
         _cat_rows(_block_row(t00, zero, zero, zero), _block_row(t10, t11, zero, zero)),
         _cat_rows(_block_row(t20, t21, t22, zero), _block_row(t30, t31, t32, t33)),
     )
-    return _operand(_bf16_point(inverse, ROUND), ROUND, TORCH_CPU)
+    return _rounded_operand(inverse, ROUND, TORCH_CPU)
 
 
 @triton.jit
 def _chunk_w(t_op, k16, b_beta, b_gc, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr):
-    """w = bf16↓(T · bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)) (fp32 holding bf16 values with rounding points)."""
-    k_beta = _bf16_point(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND)
-    return _bf16_point(tl.dot(t_op, _operand(k_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+    """w = bf16↓(T · bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)) as a dot operand."""
+    k_beta = _rounded_operand(_bf16_point(to_f32(k16) * b_beta[:, None], ROUND) * tl.exp2(b_gc)[:, None], ROUND,
+                              TORCH_CPU)  # fmt: skip
+    return _rounded_operand(tl.dot(t_op, k_beta, input_precision=DOT_PRECISION), ROUND, TORCH_CPU)
 
 
 @triton.jit
 def _chunk_u(t_op, b_v, b_beta, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr):
     """u = bf16↓(T · bf16↓(V ⊙ β)) for one value block of V (fp32)."""
-    v_beta = _bf16_point(b_v * b_beta[:, None], ROUND)
-    return _bf16_point(tl.dot(t_op, _operand(v_beta, ROUND, TORCH_CPU), input_precision=DOT_PRECISION), ROUND)
+    v_beta = _rounded_operand(b_v * b_beta[:, None], ROUND, TORCH_CPU)
+    return _bf16_point(tl.dot(t_op, v_beta, input_precision=DOT_PRECISION), ROUND)
 
 
 @triton.jit
@@ -213,8 +225,8 @@ def _chunk_output(
     b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
     b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
     intra = tl.dot(
-        _operand(_bf16_point(b_qk, ROUND), ROUND, TORCH_CPU),
-        _operand(_bf16_point(v_new, ROUND), ROUND, TORCH_CPU),
+        _rounded_operand(b_qk, ROUND, TORCH_CPU),
+        _rounded_operand(v_new, ROUND, TORCH_CPU),
         input_precision=DOT_PRECISION,
     )
     return inter * scale + intra * scale
@@ -225,6 +237,6 @@ def _chunk_state(
     state, v_new, k_op, b_gc, g_last, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr
 ):
     """The state after the chunk: S · 2^γ_last + Kᵀ · bf16↓(v' ⊙ 2^(γ_last − γ)), fp32 (the dot accumulates onto it)."""
-    v_decayed = _bf16_point(v_new * tl.exp2(g_last - b_gc)[:, None], ROUND)
+    v_decayed = _rounded_operand(v_new * tl.exp2(g_last - b_gc)[:, None], ROUND, TORCH_CPU)
     state = state * tl.exp2(g_last)
-    return tl.dot(tl.trans(k_op), _operand(v_decayed, ROUND, TORCH_CPU), state, input_precision=DOT_PRECISION)
+    return tl.dot(tl.trans(k_op), v_decayed, state, input_precision=DOT_PRECISION)

@@ -7,12 +7,16 @@ family (`activations`, `norms`, `gdn_prep`, `attn_prep`) is a module of its own 
 imports them.
 
 How torch's numerics are reproduced:
-* Roundings to bf16 are integer bit arithmetic (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16`
-  at a store, and `to_f32` for bf16 loads. Two reasons. MLIR folds `extf(truncf(x))` to `x` when both carry the
-  `contract` flag, and a documented Triton 3.6 trap is that round trip disappearing. And the Triton 3.9 interpreter
-  converts fp32 -> bf16 by truncation and mangles subnormals in both directions.
-  `to_bf16` equals torch's fp32 -> bf16 conversion on random values, ties, carries, ±inf, ±0, subnormals, NaN and
-  overflow: tests/test_kernels.py::test_round_to_bf16_matches_torch.
+* Roundings to bf16 (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16` at a store, and `to_f32`
+  for bf16 loads. Compiled, the fp32 -> bf16 step is the hardware's `cvt.rn.bf16.f32` and the way back is bit
+  arithmetic: MLIR folds `extf(truncf(x))` to `x` when both carry the `contract` flag (a documented Triton 3.6 trap is
+  that round trip disappearing), and a bit-cast widening is no `extf`. Interpreted, both steps are integer bit
+  arithmetic: the Triton 3.9 interpreter converts fp32 -> bf16 by truncation and mangles subnormals in both
+  directions. (Before 2026-12-04 the compiled kernels also rounded by bits, about seven integer instructions an
+  element, most of the GDN walk's instructions: engine/stages/core.md.) `to_bf16` equals torch's fp32 -> bf16
+  conversion on random values, ties, carries, ±inf, ±0, subnormals, NaN and overflow, both ways:
+  tests/test_kernels.py::test_round_to_bf16_matches_torch (interpreted) and
+  tests/test_gpu_kernels.py::test_gpu_round_to_bf16_matches_torch (compiled, H200).
 * Launch options `enable_fp_fusion=False` (torch runs each op as its own kernel: no mul+add across ops may become
   an fma) and `enable_reflect_ftz=False` (libdevice must not flush subnormals; torch's nvcc build does not).
 * On CUDA: `libdevice.exp` (= `expf`, which torch's kernels call; Triton's `tl.exp` is `ex2.approx`),
@@ -28,7 +32,8 @@ How torch's numerics are reproduced:
   interpreter computes bf16 dots wrongly).
 
 Versions (history: engine/stages/fused.md, "Kernel history"):
-* v1 (this file): the helpers above, moved out of `kernels/activations.py` unchanged.
+* v2 (this file): compiled roundings through the hardware conversion (same bits but for NaN payloads).
+* v1: the helpers above, moved out of `kernels/activations.py` unchanged.
 """
 
 from __future__ import annotations
@@ -50,26 +55,45 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
 @triton.jit
+def _defined_as_jit():
+    """Nothing: its type tells whether this import compiles kernels or interprets them (`INTERPRETED`)."""
+    pass
+
+
+# True when the kernels are defined under TRITON_INTERPRET=1 (Triton's own test, the one `kernel_mode` reads)
+INTERPRETED = tl.constexpr(not isinstance(_defined_as_jit, triton.runtime.JITFunction))
+
+
+@triton.jit
 def round_to_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), returned as fp32; overflow gives ±inf. NaN stays NaN with its
-    quiet bit set, so that its upper 16 bits are a bf16 NaN too."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, bits | 0x400000, rounded).to(tl.float32, bitcast=True)
+    """fp32 -> the nearest bf16 value (ties to even), returned as fp32; overflow gives ±inf; NaN stays NaN. Compiled:
+    the hardware conversion (`cvt.rn.bf16.f32`, two values an instruction) widened back by bits, so no `extf(truncf)`
+    pair exists for MLIR to fold. Interpreted: integer arithmetic on the bits, the NaN with its quiet bit set."""
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = tl.where(x != x, bits | 0x400000, rounded).to(tl.float32, bitcast=True)
+    else:
+        y = to_f32(x.to(tl.bfloat16))
+    return y
 
 
 @triton.jit
 def to_bf16(x):
-    """fp32 -> bf16 tensor, round to nearest even, by bits (the interpreter's `.to(tl.bfloat16)` truncates and
-    mangles subnormals)."""
-    bits = round_to_bf16(x).to(tl.uint32, bitcast=True)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    """fp32 -> bf16 tensor, round to nearest even: the hardware conversion when compiled, by bits when interpreted (the
+    interpreter's `.to(tl.bfloat16)` truncates and mangles subnormals)."""
+    if INTERPRETED:
+        bits = round_to_bf16(x).to(tl.uint32, bitcast=True)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
 
 
 @triton.jit
 def to_f32(x):
     """A loaded bf16 or fp32 tensor as fp32, exactly: bf16 by bits (the interpreter's `.to(tl.float32)` mangles
-    subnormals), fp32 unchanged."""
+    subnormals; compiled, bits keep `round_to_bf16` free of an `extf`), fp32 unchanged."""
     if x.dtype == tl.bfloat16:
         y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:

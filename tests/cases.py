@@ -8,6 +8,8 @@ it shares from here, never from another test module.
 * `gdn_chunk_inputs(...)`, `gdn_chunk_oracle(...)`, `gdn_chunk_bounds(...)`: packed inputs of the fused GDN kernel, the
   fp32 token-by-token oracle per sequence, and the error bounds against it, derived in `gdn_chunk_bounds`
   (tests/test_gdn_chunk.py on the CPU, tests/test_gpu_gdn_chunk.py at 27B shapes).
+* `check_bf16_rounding_matches_torch(device)`: `kernels.numerics`' bf16 rounding against torch's conversion,
+  interpreted on the CPU (tests/test_kernels.py) and compiled on CUDA (tests/test_gpu_kernels.py).
 * `write_tiny_checkpoint(root)`: a tiny-twin base checkpoint and an Open-Jev LoRA package (tests/test_weights.py,
   tests/test_gpu_reference.py); `clone_weights`, `LORA_TARGETS`.
 * `counting(function, calls, key)`: a wrapper that counts calls (tests/test_model.py, tests/test_gpu_reference.py).
@@ -27,9 +29,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 from safetensors.torch import save_file
 
 from ablations import records
+from kernels import numerics
 from reference import ops
 from reference.model import build_hf_model
 from reference.shapes import TINY, ModelShapes
@@ -150,6 +155,38 @@ def gdn_dims(shapes: ModelShapes) -> dict[str, int]:
         "head_k_dim": shapes.linear_key_head_dim,
         "head_v_dim": shapes.linear_value_head_dim,
     }
+
+
+@triton.jit
+def _bf16_rounding_kernel(x_ptr, rounded_ptr, widened_ptr, n, BLOCK: tl.constexpr):
+    """`numerics.to_bf16` (bf16) and `numerics.round_to_bf16` (its value as fp32) of n fp32 values."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(rounded_ptr + offsets, numerics.to_bf16(x), mask=offsets < n)
+    tl.store(widened_ptr + offsets, numerics.round_to_bf16(x), mask=offsets < n)
+
+
+def check_bf16_rounding_matches_torch(device: str) -> None:
+    """`kernels.numerics.to_bf16` and `round_to_bf16` equal torch's fp32 -> bf16 conversion on `device` (nearest, ties
+    to even) on 2^16 random bit patterns, 4,096 exact ties, ±0, ±inf, NaN, subnormals, values that carry into the
+    exponent and the largest finite values (which overflow to inf); NaN compares as NaN (payloads are not claimed).
+    On the CPU the kernel runs interpreted (bit arithmetic), on CUDA compiled (the hardware conversion)."""
+    generator = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=generator, dtype=torch.int64).to(torch.int32)
+    ties = (torch.randint(-(2**15), 2**15, (4096,), generator=generator) * 65536 + 0x8000).to(torch.int32)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0 + 2**-8, 255.99],
+        dtype=torch.float32,
+    )
+    x = torch.cat([random_bits.view(torch.float32), ties.view(torch.float32), special]).to(device)
+    rounded = torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    widened = torch.full(x.shape, float("nan"), dtype=torch.float32, device=device)
+    _bf16_rounding_kernel[(triton.cdiv(x.numel(), 4096),)](x, rounded, widened, x.numel(), BLOCK=4096)
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(rounded.isnan(), nan) and torch.equal(widened.isnan(), nan)
+    assert torch.equal(rounded[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(widened[~nan].view(torch.int32), want[~nan].float().view(torch.int32))
 
 
 def check_row_indexed_kernels(

@@ -33,7 +33,7 @@ from ablations.bit_identity import (
     representative_layers,
 )
 from reference.shapes import QWEN38_27B
-from tests.cases import check_row_indexed_kernels, random_activations
+from tests.cases import check_bf16_rounding_matches_torch, check_row_indexed_kernels, random_activations
 
 GPU_ROWS = (1, 7, 63, 65, 277, 1000)
 
@@ -49,6 +49,13 @@ def _require_compiled_kernels() -> None:
 
     if not isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
         pytest.skip("kernels were defined under TRITON_INTERPRET=1; the GPU tests need them compiled (unset it)")
+
+
+@pytest.mark.gpu
+def test_gpu_round_to_bf16_matches_torch() -> None:
+    """The compiled rounding (the hardware conversion, widened back by bits) equals torch's CUDA conversion."""
+    _require_compiled_kernels()
+    check_bf16_rounding_matches_torch("cuda")
 
 
 @pytest.mark.gpu

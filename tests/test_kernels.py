@@ -34,7 +34,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (module docstring)
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 from ablations.bit_identity import (  # noqa: E402
@@ -43,10 +42,15 @@ from ablations.bit_identity import (  # noqa: E402
     compare,
     format_table,
 )
-from kernels import activations, compile_check, numerics  # noqa: E402
+from kernels import activations, compile_check  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
-from tests.cases import check_row_indexed_kernels, gdn_dims, random_activations  # noqa: E402
+from tests.cases import (  # noqa: E402
+    check_bf16_rounding_matches_torch,
+    check_row_indexed_kernels,
+    gdn_dims,
+    random_activations,
+)
 
 if isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
     pytest.skip(
@@ -348,30 +352,10 @@ def test_flip_model_on_real_differences_27b() -> None:
 
 
 def test_round_to_bf16_matches_torch() -> None:
-    """The integer bf16 rounding used at every rounding point equals torch's fp32 -> bf16 conversion (nearest even)
-    on random values, exact ties, values that carry into the exponent, ±inf, ±0, subnormals, NaN and the largest
-    finite values (which overflow to inf)."""
-
-    @triton.jit
-    def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offsets, mask=offsets < n)
-        tl.store(y_ptr + offsets, numerics.to_bf16(x), mask=offsets < n)
-
-    generator = torch.Generator().manual_seed(0)
-    random_bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=generator, dtype=torch.int64).to(torch.int32)
-    ties = (torch.randint(-(2**15), 2**15, (4096,), generator=generator) * 65536 + 0x8000).to(torch.int32)
-    special = torch.tensor(
-        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0 + 2**-8, 255.99],
-        dtype=torch.float32,
-    )
-    x = torch.cat([random_bits.view(torch.float32), ties.view(torch.float32), special])
-    y = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
-    _round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
-    want = x.to(torch.bfloat16)
-    nan = want.isnan()
-    assert torch.equal(y.isnan(), nan)
-    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    """The bf16 rounding used at every rounding point (interpreted: integer arithmetic on the bits) equals torch's
+    fp32 -> bf16 conversion (nearest even) on random values, exact ties, values that carry into the exponent, ±inf,
+    ±0, subnormals, NaN and the largest finite values (which overflow to inf); tests/cases.py."""
+    check_bf16_rounding_matches_torch("cpu")
 
 
 def _tiny_gdn_prep(*, conv_weight=None, cu_seqlens=None, rows=None):
