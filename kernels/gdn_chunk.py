@@ -38,8 +38,9 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
 * "fla-blocks" (the stage's, one warp): FLA 0.6.0's fused kkt + solve in its own order (kernels/gdn_chunk_body.py
   `_inverse_fla_blocks`): the ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward
   substitution in fp32, the others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's
-  output bits (0.9999 of elements at the 27B shapes, all of them on the engine's inputs: engine/stages/core.md); the
-  substitution's 14 dependent steps make it the slower launch (drone 30.4 against 24.1 us a layer).
+  output bits but for a few elements (0.9998-0.9999 of them at the kernel tests' inputs, all but about one in 10^7 on
+  the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md, "Exactness"); the
+  substitution's 14 dependent steps make it the slower launch (drone 28.8 against 23.9 us a layer).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -73,8 +74,9 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.1 (this file): the "fla-blocks" solve on one warp is the default (FLA's bits, so the stage answers with
-  `graphs`' bits where the engine reads).
+* v3.1 (this file): the "fla-blocks" solve on one warp is the default; rounding points through the hardware
+  conversion (`kernels.numerics` v2; `_rounded_operand` where only a dot reads the value): at 0538e72 drone 93.0 us
+  a layer (FLA 145.7), customer_service 169.2 (FLA 493.6); the bit rounding of d6a7de0 took 143.5 and 276.4.
 * v3: two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
   "fla-blocks" solve. At c2ff2ee, drone 133.8 us a layer with the walk and 156.7 without (FLA 145.1), customer_service
   251.9 and 562.6 (FLA 495.4).
@@ -114,7 +116,7 @@ VALUE_BLOCK = 64  # the walk's BV (capped at V)
 NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
 SOLVES = ("doubling", "fla-blocks")
-SOLVE = "fla-blocks"  # the stage's: FLA's bits (engine/stages/core.md, "Exactness")
+SOLVE = "fla-blocks"  # the stage's: FLA's bits but for ~1 element in 10^7 (engine/stages/core.md, "Exactness")
 SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # each solve's fastest warp count (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")

@@ -5,8 +5,10 @@ kernels (v1's sm_90 PTX was the one it had with the steps written inline, debug 
 of v1 that also called them was dropped (ablations/attempts.toml, `gdn-chunk-split-schedule`): under the interpreter it
 had the kernel's bits, on the H200 it did not.
 
-On the GPU a rounding point's value is bf16-exact and reaches the dot as bf16 (exact); under the CPU interpreter the
-dots run on fp32 operands holding the same values (products of bf16 values are exact in fp32 either way).
+On the GPU a rounding point's value is bf16-exact and reaches the dot as bf16 (exact): where only a dot reads it,
+`_rounded_operand` converts straight to the bf16 operand (the hardware's nearest-even conversion, one step); under the
+CPU interpreter the dots run on fp32 operands holding the same values (products of bf16 values are exact in fp32
+either way).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bytes-moved floors of the prep and element-wise kernels, against their measured time in a run record (issue 22).
 
-    python -m measure.kernel_floors RECORD.json                # the `graphs` stage; writes results/kernel-floors/
-    python -m measure.kernel_floors RECORD.json --stage core   # <record stem>.json
+    python -m measure.kernel_floors RECORD.json                # the `graphs` stage: results/kernel-floors/<stem>.json
+    python -m measure.kernel_floors RECORD.json --stage core   # results/kernel-floors/<stem>-core.json
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels are the engine's own
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         multiple = "-" if row["multiple"] is None else f"{row['multiple']:.2f}"
         print(f"{row['workload']:<32} {row['kernel']:<24} {row['bytes'] / 1e6:8.2f} {row['floor_us']:9.2f} "
               f"{row['per_row_floor_us']:8.2f} {measured:>9} {multiple:>8}")  # fmt: skip
-    out = REPO / "results" / "kernel-floors" / f"{args.record.stem}.json"
+    suffix = "" if args.stage == "graphs" else f"-{args.stage}"
+    out = REPO / "results" / "kernel-floors" / f"{args.record.stem}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     body = {"record": args.record.name, "stage": args.stage, "copy_tbps": record["ceilings"]["copy_tbps"],
             "rows": table}  # fmt: skip
