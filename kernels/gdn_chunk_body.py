@@ -31,23 +31,13 @@ def _bf16_point(x, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
-    """x (fp32, bf16-exact when ROUND) as a dot operand: bf16 on CUDA when ROUND (exact), else fp32."""
-    if ROUND and not TORCH_CPU:
-        y = x.to(tl.bfloat16)
-    else:
-        y = x
-    return y
-
-
-@triton.jit
 def _rounded_operand(x, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
-    """`_operand(_bf16_point(x))` (a rounding point that only a dot reads) in one step: on CUDA with rounding points
-    the hardware conversion to the bf16 operand (the same value: nearest, ties to even), no fp32 round trip."""
+    """bf16↓(x) as a dot operand (a rounding point that only a dot reads): on CUDA with rounding points the hardware
+    conversion to bf16 (nearest, ties to even) in one step; else fp32 (`_bf16_point`: rounded with rounding points)."""
     if ROUND and not TORCH_CPU:
         y = x.to(tl.bfloat16)
     else:
-        y = _operand(_bf16_point(x, ROUND), ROUND, TORCH_CPU)
+        y = _bf16_point(x, ROUND)
     return y
 
 
