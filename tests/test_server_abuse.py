@@ -113,10 +113,12 @@ def test_a_burst_of_twice_the_queue_gets_503_for_every_extra_request():
 
 
 def slow_request() -> dict:
-    """One candidate of 13,073 tokens: 5.2 s through the server with the tiny twin's hf_torch on the 2-core CPU (one
-    decoder layer of eight about 0.65 s)."""
+    """Two candidates of about 13,000 tokens each (a choice of two over one long state): 4.0-5.1 s through the server
+    with the tiny twin's hf_torch on a 2-core CPU (2026-12-04; one decoder layer of eight about 0.6 s). One candidate
+    took 2.2-2.4 s there, too close to the 2 s deadline below: it once answered 200 in CI (a clean clone of 846f747)."""
     state = ("The order arrived late and the customer asked for a refund. " * 1200)[:65200]
-    return {"state": state, "questions": {"q": {"type": "noul", "instructions": "Late?"}}}
+    question = {"type": "choice", "instructions": "Late?", "criteria": {"a": "A", "b": "B"}}
+    return {"state": state, "questions": {"q": question}}
 
 
 def test_a_passed_deadline_stops_the_forward_between_layers():
