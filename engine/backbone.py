@@ -50,7 +50,9 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
   buffer per batch forward instead of one per layer (48 fewer fills per forward).
 * `"chunk_fused"` (stage `core`): our chunked forward (`kernels.gdn_chunk.GdnChunkCore`: a solve launch and a walk
   per call) in both modes, q/k normalised by the prep kernel; the replicated call walks the plan's tree (`walk`: the
-  shared prefix's recurrence once, dummy paths skipped); on the CPU too (the interpreter gets bf16 operands as fp32).
+  shared prefix's recurrence once, dummy paths skipped) and reads each path slot at its packed row (`rows`: the prep
+  kernel's packed outputs, no `gather_slots` copy to the slots); on the CPU too (the interpreter gets bf16 operands as
+  fp32).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -155,9 +157,11 @@ class _Ranges:
 #   residual_rmsnorm_splitk(residual [N, H], partials [S, N, H] fp32, weight [H]) -> the same, the delta reduced from
 #       split-K partials (fp32 sum in split order, one rounding; engine/gemm.py)
 #   silu_mul(gate_up [N, 2I]) -> [N, I]
-#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput, row_slot [N] | None) -> q, k [n, Hk, K], v [n, Hv, V]
-#       bf16; g fp32, beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k L2-normalised (FLA
-#       numerics) iff `qk_normalised`; row_slot (a tree's paths): each packed row's slot, so it is prepared once
+#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput, row_slot [N] | None, on_slots=True) -> q, k [n, Hk, K],
+#       v [n, Hv, V] bf16; g fp32, beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k
+#       L2-normalised (FLA numerics) iff `qk_normalised`; row_slot (a tree's paths): each packed row's slot, so it is
+#       prepared once; with on_slots=False the N packed rows themselves (a core that reads the paths through
+#       conv.rows)
 #   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V], o_rows [N] | None) -> [N, Hv V]; with o_rows,
 #       o is [L, Hv, V] and row r is normalised from o's row o_rows[r] (a tree's packed rows from their paths)
 #   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
@@ -185,10 +189,12 @@ class _ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.silu_mul(gate, up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None):
+    def gdn_prep(
+        self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None, on_slots=True
+    ):
         """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates.
         `row_slot` is the Triton ops' way to the same values (each packed row once); the torch ops convolve every
-        slot."""
+        slot (and with on_slots=False return each packed row's slot)."""
         s = self.shapes
         hv = s.linear_num_value_heads
         qkv, _, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
@@ -201,7 +207,8 @@ class _ReferenceOps:
         n = x.shape[0]
         q = q.reshape(n, s.linear_num_key_heads, s.linear_key_head_dim)
         k = k.reshape(n, s.linear_num_key_heads, s.linear_key_head_dim)
-        return q, k, v.reshape(n, hv, s.linear_value_head_dim), g, beta
+        out = q, k, v.reshape(n, hv, s.linear_value_head_dim), g, beta
+        return out if row_slot is None or on_slots else tuple(t.index_select(0, row_slot) for t in out)
 
     def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor, o_rows: Tensor | None) -> Tensor:
         o = o if o_rows is None else o.index_select(0, o_rows)
@@ -255,12 +262,15 @@ class _FusedOps:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return kernels.silu_mul(gate_up)
 
-    def gdn_prep(self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None):
+    def gdn_prep(
+        self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None, on_slots=True
+    ):
         """The prep kernel over the conv input (the projection read through the conv input's row index unless it is
         the packed rows), then the kept rows (none dropped for the paths, the history rows dropped for the node
         segments). With `row_slot` (the paths of a tree): each packed row once at its representative slot, then
-        gathered to every path slot; the same bits as the kernel over every slot, which computes a shared row once
-        per path that holds it (kernels/gdn_prep.py v4)."""
+        gathered to every path slot (`on_slots`; else the N packed rows are returned, for a core that reads the paths
+        through conv.rows); the same bits as the kernel over every slot, which computes a shared row once per path
+        that holds it (kernels/gdn_prep.py v4)."""
         s = self.shapes
         out = kernels.gdn_prep(
             proj,
@@ -276,8 +286,10 @@ class _FusedOps:
             rows=None if conv.rows_are_packed else conv.rows,  # [M] proj rows of the conv input
             slots=row_slot,  # [N] one slot per packed row, or None: every slot
         )
-        if row_slot is not None:
+        if row_slot is not None and on_slots:
             return tuple(t[0] for t in kernels.gather_slots(out, conv.rows))  # to every slot holding the row
+        if row_slot is not None:
+            return tuple(t[0] for t in out)
         if conv.keep_all:
             return tuple(t[0] for t in out)
         return tuple(t[0].index_select(0, conv.keep) for t in out)
@@ -573,9 +585,12 @@ class EngineBackbone:
     def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch, core_options: dict) -> Tensor:
         s, plan, rng = self.shapes, batch.plan, self._range
         if batch.gdn_mode == "replicated":
-            with rng("gdn_prep"):
-                row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
-                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths, row_slot)  # paths' rows [L, ...]
+            row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
+            # our chunk core reads each path slot at its packed row (conv.rows); FLA's needs the rows on the slots
+            slot_rows = plan.conv_paths.rows if row_slot is not None and self.gdn_core == "chunk_fused" else None
+            with rng("gdn_prep"):  # the paths' rows [L, ...], or the packed rows [N, ...] for our core to read
+                on_slots = slot_rows is None
+                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths, row_slot, on_slots=on_slots)
             with rng("gdn_core"):
                 call = plan.gdn["replicated"].calls[0]  # all paths, from position 0
                 o, _ = self._core(
@@ -588,7 +603,7 @@ class EngineBackbone:
                     cu_seqlens_cpu=call.cu_seqlens_cpu,
                     chunk_indices=call.chunk_indices,
                     **({} if self.gdn_core == "fla" else {"chunk_offsets": call.chunk_offsets}),
-                    **({"walk": call.walk} if self.gdn_core == "chunk_fused" else {}),
+                    **({"walk": call.walk, "rows": slot_rows} if self.gdn_core == "chunk_fused" else {}),
                     **core_options,
                 )
                 o = o[0]  # [L, Hv, V] over the paths; each packed row reads its representative path's row

@@ -13,7 +13,8 @@
 * `gdn_prep.gather_slots`: gdn_prep's five outputs moved from packed rows to the tree's path slots in one launch.
   Bitwise (bits copied).
 * `gdn_chunk.gdn_chunk_forward` (and `GdnChunkCore`, its FLA-signature adapter): the chunked gated delta rule
-  forward, a solve launch and a walk with the state in registers that can run a plan's tree walk (stage `core`).
+  forward, a solve launch and a walk with the state in registers that can run a plan's tree walk and read the path
+  slots at their packed rows (stage `core`).
   Bounded against the fp32 oracle `reference.ops.gdn_recurrent`; bitwise batch-, padding- and prefix-invariant, and
   the tree walk bitwise the plain walk where the engine reads.
 * `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the

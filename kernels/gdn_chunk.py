@@ -74,7 +74,12 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.1 (this file): the "fla-blocks" solve on one warp is the default; rounding points through the hardware
+* v3.2 (this file): v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
+  `core` drops the `gather_slots` launch in front of the core (drone 8.9 us a layer, customer_service 44.6 at
+  0538e72). v3.1's bits (CPU: tests/test_gdn_chunk.py; H200: the tree-walk test of tests/test_gpu_gdn_chunk.py); sm_90
+  SASS of the walk 2,888 -> 2,960 instructions, spills 404 -> 416 bytes (Triton 3.9 here). Not yet timed on the
+  H200 (probe variants `stage` and `stage-gathered`, plus `gather_us`).
+* v3.1: the "fla-blocks" solve on one warp is the default; rounding points through the hardware
   conversion (`kernels.numerics` v2; `_rounded_operand` where only a dot reads the value): at 0538e72 drone 93.0 us
   a layer (FLA 145.7), customer_service 169.2 (FLA 493.6); the bit rounding of d6a7de0 took 143.5 and 276.4.
 * v3: two launches, the solve apart (every chunk in parallel) and the walk reading T; the tree walk; the
@@ -104,6 +109,7 @@ from kernels.gdn_chunk_body import (
     _chunk_state,
     _chunk_u,
     _chunk_w,
+    _input_rows,
     _inverse_doubling,
     _inverse_fla_blocks,
     _loaded_operand,
@@ -139,11 +145,13 @@ def _gdn_chunk_solve_kernel(
     cu_seqlens,
     chunk_indices,
     walk,
+    slot_rows,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     SOLVE: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -151,7 +159,8 @@ def _gdn_chunk_solve_kernel(
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
     the chunk's sequence only). With TREE, chunks the walk does not compute (before the sequence's start chunk, or a
-    dummy sequence's: column 1 of `walk`, negative for a dummy) are skipped."""
+    dummy sequence's: column 1 of `walk`, negative for a dummy) are skipped. With HAS_ROWS, k, g and beta are read
+    at row slot_rows[slot] of each slot."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -169,9 +178,10 @@ def _gdn_chunk_solve_kernel(
         rows = i_t * BT + o_t
         valid = rows < seq_len
         token = bos + rows
-        b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
+        input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
+        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
         if SOLVE == "doubling":
-            k16 = tl.load(k + ((token * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
+            k16 = tl.load(k + ((input_row * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
                           mask=valid[:, None], other=0.0)  # fmt: skip
             lower = o_t[:, None] > o_t[None, :]
             eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
@@ -181,8 +191,8 @@ def _gdn_chunk_solve_kernel(
             )  # fmt: skip
         else:
             t_op = _inverse_fla_blocks(
-                k, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, ROUND, SOLVE_PRECISION,
-                DOT_PRECISION, TORCH_CPU,
+                k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
+                ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
         solved_rows = (token * VALUE_HEADS + i_hv) * BT
         tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
@@ -213,6 +223,7 @@ def _gdn_chunk_fwd_kernel(
     walk,
     bank,
     flags,
+    slot_rows,
     scale,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
@@ -223,12 +234,14 @@ def _gdn_chunk_fwd_kernel(
     STORE_HT: tl.constexpr,
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
-    group of Hv · NV tickets runs sequence walk[k, 0] (module docstring, "The tree walk")."""
+    group of Hv · NV tickets runs sequence walk[k, 0] (module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g
+    and beta are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
     BT: tl.constexpr = 64
     NV: tl.constexpr = VALUE_DIM // BV
     if TREE:
@@ -284,9 +297,10 @@ def _gdn_chunk_fwd_kernel(
         rows = i_t * BT + o_t
         valid = rows < seq_len
         token = bos + rows
-        k_rows = (token * KEY_HEADS + i_hk) * KEY_DIM
-        v_rows = (token * VALUE_HEADS + i_hv) * VALUE_DIM
-        b_gc, b_beta = _chunk_gates(g, beta, token * VALUE_HEADS + i_hv, valid)
+        input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
+        k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
+        v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
+        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
         last = tl.minimum(seq_len - i_t * BT, BT) - 1
         g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
         # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and
@@ -310,7 +324,7 @@ def _gdn_chunk_fwd_kernel(
             tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
         )
         b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND, DOT_PRECISION, TORCH_CPU)
-        o_ptrs = o + v_rows[:, None] + o_v[None, :]
+        o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
         if ROUND:
             tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
         else:
@@ -341,6 +355,7 @@ def gdn_chunk_forward(
     final_state_out: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     walk: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
@@ -356,25 +371,30 @@ def gdn_chunk_forward(
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
     given. scale defaults to K ** -0.5. `chunk_indices` [chunks, 2]: FLA's varlen chunk layout of cu_seqlens (derived
     with a host sync when None). `walk` [N, 7] int32/int64: the tree walk of a plan with 64-row chunks (module
-    docstring; no initial or final states with it). Two launches, the solve (grid chunks x Hv) and the walk (grid
-    V / value_block x Hv x N, or its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when
-    chunk_indices is given.
+    docstring; no initial or final states with it). `rows` [T] int32/int64: the sequences' T rows are slots, and slot
+    s reads q, k, v, g, beta at their row rows[s] (inputs of any R rows, values in [0, R) not checked: a device sync;
+    the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
+    o stays at the slots. Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or
+    its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
         shapes = f"{tuple(q.shape)}, {tuple(v.shape)}"
         raise ValueError(f"gdn_chunk_forward: q must be [T, Hk, K] and v [T, Hv, V], got {shapes}")
-    tokens, key_heads, key_dim = q.shape
+    input_rows, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1], v.shape[2]
     for name, t, dtype, shape in (
-        ("q", q, torch.bfloat16, (tokens, key_heads, key_dim)),
-        ("k", k, torch.bfloat16, (tokens, key_heads, key_dim)),
-        ("v", v, torch.bfloat16, (tokens, value_heads, value_dim)),
-        ("g", g, torch.float32, (tokens, value_heads)),
-        ("beta", beta, torch.bfloat16, (tokens, value_heads)),
+        ("q", q, torch.bfloat16, (input_rows, key_heads, key_dim)),
+        ("k", k, torch.bfloat16, (input_rows, key_heads, key_dim)),
+        ("v", v, torch.bfloat16, (input_rows, value_heads, value_dim)),
+        ("g", g, torch.float32, (input_rows, value_heads)),
+        ("beta", beta, torch.bfloat16, (input_rows, value_heads)),
     ):
         check_tensor(f"gdn_chunk_forward: {name}", t, dtype=dtype, shape=shape, device=device, contiguous=True)
     index_dtypes = (torch.int32, torch.int64)
+    if rows is not None:
+        check_tensor("gdn_chunk_forward: rows", rows, dtype=index_dtypes, shape=(None,), device=device, contiguous=True)
+    tokens = input_rows if rows is None else rows.shape[0]
     check_tensor("gdn_chunk_forward: cu_seqlens", cu_seqlens, dtype=index_dtypes, shape=(None,), device=device)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs < 1:
@@ -407,7 +427,7 @@ def gdn_chunk_forward(
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
     solved = gdn_chunk_solve(
-        k, g, beta, cu_seqlens, chunk_indices, walk=walk, bf16_points=bf16_points, solve=solve,
+        k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, bf16_points=bf16_points, solve=solve,
         solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
@@ -435,6 +455,7 @@ def gdn_chunk_forward(
             cu_seqlens if walk is None else walk,  # not read without TREE
             bank,
             flags,
+            cu_seqlens if rows is None else rows,  # not read without HAS_ROWS
             scale,
             KEY_HEADS=key_heads,
             VALUE_HEADS=value_heads,
@@ -445,6 +466,7 @@ def gdn_chunk_forward(
             STORE_HT=final is not None,
             ROUND=bf16_points,
             TREE=walk is not None,
+            HAS_ROWS=rows is not None,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,
@@ -461,6 +483,7 @@ def gdn_chunk_solve(
     chunk_indices: torch.Tensor | None = None,
     *,
     walk: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
@@ -468,10 +491,11 @@ def gdn_chunk_solve(
 ) -> torch.Tensor:
     """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
-    skipping the chunks a `walk` does not compute. Returns T [T, Hv, 64] (bf16, fp32 without rounding points): row r
-    of a chunk holds T's row r; rows outside every sequence and of skipped chunks are not written. Inputs as
-    `gdn_chunk_forward`'s, checked there."""
-    device, tokens, value_heads = k.device, k.shape[0], g.shape[1]
+    skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]. Returns
+    T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points): row r of a chunk holds T's row r; rows
+    outside every sequence and of skipped chunks are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
+    device, value_heads = k.device, g.shape[1]
+    tokens = k.shape[0] if rows is None else rows.shape[0]
     if solve not in SOLVES:
         raise ValueError(f"gdn_chunk_solve: solve {solve!r} is not one of {SOLVES}")
     num_warps = SOLVE_NUM_WARPS[solve] if num_warps is None else num_warps
@@ -493,11 +517,13 @@ def gdn_chunk_solve(
                 cu_seqlens,
                 chunk_indices,
                 chunk_indices if walk is None else walk,  # not read without TREE
+                chunk_indices if rows is None else rows,  # not read without HAS_ROWS
                 KEY_HEADS=k.shape[1],
                 VALUE_HEADS=value_heads,
                 KEY_DIM=k.shape[2],
                 ROUND=bf16_points,
                 TREE=walk is not None,
+                HAS_ROWS=rows is not None,
                 SOLVE=solve,
                 SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
                 DOT_PRECISION="tf32" if bf16_points else "ieee",
@@ -521,9 +547,10 @@ class GdnChunkCore:
     """`gdn_chunk_forward` behind the varlen signature of `kernels.gdn_core.FlaForwardCore` (what the backbone and
     `engine.tree.tree_gdn_core` call): q, k [1, T, Hk, K], v [1, T, Hv, V], g, beta [1, T, Hv]; returns
     (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's
-    `chunk_indices` layout goes to the solve launch, `walk` (the plan's tree walk of a replicated call) to both;
-    `chunk_offsets` and `cu_seqlens_cpu` are accepted and not needed. `options` go to every `gdn_chunk_forward` call
-    (value_block, num_warps, solve, ...)."""
+    `chunk_indices` layout goes to the solve launch, `walk` (the plan's tree walk of a replicated call) and `rows`
+    (each slot's packed row: q, k, v, g, beta then hold the packed rows) to both; `chunk_offsets` and
+    `cu_seqlens_cpu` are accepted and not needed. `options` go to every `gdn_chunk_forward` call (value_block,
+    num_warps, solve, ...)."""
 
     def __init__(self, **options):
         self.options = options
@@ -539,6 +566,7 @@ class GdnChunkCore:
         cu_seqlens: torch.Tensor,
         chunk_indices: torch.Tensor | None = None,
         walk: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
@@ -565,6 +593,7 @@ class GdnChunkCore:
             output_final_state=output_final_state,
             chunk_indices=chunk_indices,
             walk=walk,
+            rows=rows,
             **self.options,
         )
         return o[None], final

@@ -86,11 +86,27 @@ def _slice16(x, j: tl.constexpr):
 
 
 @triton.jit
-def _key_block(k, token0, rows_left, j: tl.constexpr, i_hk, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr):
-    """Rows 16 j .. 16 j + 15 of the chunk's keys [16, K] bf16, rows at or past `rows_left` loaded as zeros."""
+def _input_rows(slot_rows, slots, valid, HAS_ROWS: tl.constexpr):
+    """The input row of each slot: slot_rows[slot] with HAS_ROWS (masked slots read row 0), else the slot itself."""
+    if HAS_ROWS:
+        rows = tl.load(slot_rows + slots, mask=valid, other=0).to(tl.int64)
+    else:
+        rows = slots
+    return rows
+
+
+@triton.jit
+def _key_block(
+    k, slot_rows, token0, rows_left, j: tl.constexpr, i_hk, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """Rows 16 j .. 16 j + 15 of the chunk's keys [16, K] as a dot operand (slots token0 + ..., read through
+    `slot_rows` with HAS_ROWS), rows at or past `rows_left` loaded as zeros."""
     rows = j * 16 + tl.arange(0, 16)
-    offsets = ((token0 + rows) * KEY_HEADS + i_hk)[:, None] * KEY_DIM + tl.arange(0, KEY_DIM)[None, :]
-    return tl.load(k + offsets, mask=(rows < rows_left)[:, None], other=0.0)
+    valid = rows < rows_left
+    source = _input_rows(slot_rows, token0 + rows, valid, HAS_ROWS)
+    offsets = (source * KEY_HEADS + i_hk)[:, None] * KEY_DIM + tl.arange(0, KEY_DIM)[None, :]
+    return _loaded_operand(tl.load(k + offsets, mask=valid[:, None], other=0.0), ROUND, TORCH_CPU)
 
 
 @triton.jit
@@ -149,8 +165,9 @@ def _block_row(b0, b1, b2, b3):
 
 @triton.jit
 def _inverse_fla_blocks(
-    k, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, ROUND: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    k, slot_rows, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
     kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
@@ -158,10 +175,10 @@ def _inverse_fla_blocks(
     at SOLVE_PRECISION:
     T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
     T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
-    k0 = _loaded_operand(_key_block(k, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
-    k1 = _loaded_operand(_key_block(k, token0, rows_left, 1, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
-    k2 = _loaded_operand(_key_block(k, token0, rows_left, 2, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
-    k3 = _loaded_operand(_key_block(k, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM), ROUND, TORCH_CPU)
+    k0 = _key_block(k, slot_rows, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
+    k1 = _key_block(k, slot_rows, token0, rows_left, 1, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
+    k2 = _key_block(k, slot_rows, token0, rows_left, 2, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
+    k3 = _key_block(k, slot_rows, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
     be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
     t00, t11, t22, t33 = _diagonal_inverses(

@@ -11,12 +11,16 @@ path of the bucket, at the 27B head shapes, with random inputs as the engine han
 L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same tensors in one process:
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
-* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk) and in the variants
-  of `VARIANTS` (without the walk, the other solve, the walk's software-pipelining stages); the solve launch is also
-  timed alone. Records of c2ff2ee also have solve warps and walk tilings, since settled.
-Every slot holds its packed row's inputs (the prep kernel's layout), so a path's shared prefix is the same data in
-every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the solve inside the
-walk), the split schedule (8a0fb8c) and per-slot random inputs.
+* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path
+  slot at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads
+  them; without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
+  88 bytes where 4 warps spill 416 on sm_90: 8 warps lost at c2ff2ee, before the rounding change); the solve launch
+  is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
+Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
+timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
+same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
+solve inside the walk), the split schedule (8a0fb8c) and per-slot random inputs; records before the `rows` input
+have no `stage-gathered` (their `stage` read gathered inputs).
 Each is captured in one CUDA graph of `--calls` back-to-back calls (a forward's layers, without launch gaps) after two
 warm-up calls; the per-call time is the median over `--rounds` replays of the replay's CUDA-event time / calls.
 Errors per variant, where the engine reads (each real packed row at its representative slot): relative RMSE and the
@@ -46,12 +50,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
-VARIANTS = {  # name -> (GdnChunkCore options, tree walk); "stage" is what stage `core` runs
-    "stage": ({}, True),
-    "stage-no-walk": ({}, False),
-    "doubling": ({"solve": "doubling"}, True),
-    "walk-stages1": ({"num_stages": 1}, True),
-    "walk-stages3": ({"num_stages": 3}, True),
+VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows); "stage" is what stage `core` runs
+    "stage": ({}, True, True),
+    "stage-gathered": ({}, True, False),
+    "stage-no-walk": ({}, False, False),
+    "doubling": ({"solve": "doubling"}, True, True),
+    "walk-stages1": ({"num_stages": 1}, True, True),
+    "walk-stages3": ({"num_stages": 3}, True, True),
+    "walk-w8": ({"num_warps": 8}, True, True),
 }
 
 
@@ -101,6 +107,7 @@ def rel_rmse(x, ref) -> float:
 def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     import torch
 
+    import kernels
     from ablations.probes import engine_gdn_inputs
     from engine.plan import SolveWorkspace
     from kernels.gdn_chunk import SOLVE, GdnChunkCore, gdn_chunk_solve
@@ -113,6 +120,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
     path_rows = call.rows.to(device)  # each slot holds its packed row's inputs, as the prep kernel lays them out
     inputs = engine_gdn_inputs(plan.num_rows, seed=22, device="cuda")
     q, k, v, g, beta = (t[path_rows][None].contiguous() for t in inputs)
+    packed = tuple(t[None] for t in inputs)
     cu, cu_cpu = call.cu_seqlens.to(device), call.cu_seqlens_cpu
     layout = {"cu_seqlens": cu, "chunk_indices": call.chunk_indices.to(device)}
     walk = call.walk.to(device)
@@ -134,6 +142,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
         "chunks": call.chunks,
         "walked_chunks": sum(-(-n // 64) - start for n, start in zip(lens, starts) if start >= 0),
         "fla_us": graph_time_us(run_fla, calls, rounds),
+        "gather_us": graph_time_us(lambda: kernels.gather_slots(packed, path_rows), calls, rounds),
         "variants": {},
     }
     # compared where the engine reads: each real packed row at its representative slot (a walk skips the others)
@@ -144,15 +153,17 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
         oracle[s:e] = ops.gdn_recurrent(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e])[0]
     oracle = oracle[read]
     result["fla_vs_oracle_rel_rmse"] = rel_rmse(fla_o[0, read].float(), oracle)
+    print(f"{workload_id:<24} gather_slots {result['gather_us']:7.1f} us (in front of every gathered variant)")
     for name in variants:
-        options, tree_walk = VARIANTS[name]
+        options, tree_walk, direct = VARIANTS[name]
         core, walked = GdnChunkCore(**options), ({"walk": walk} if tree_walk else {})
-        o, _ = core(q, k, v, g, beta, **layout, **walked)
-        us = graph_time_us(lambda core=core, walked=walked: core(q, k, v, g, beta, **layout, **walked), calls, rounds)
+        args, through = (packed, {"rows": path_rows}) if direct else ((q, k, v, g, beta), {})
+        o, _ = core(*args, **layout, **walked, **through)
+        us = graph_time_us(lambda c=core, a=args, w=walked, t=through: c(*a, **layout, **w, **t), calls, rounds)
         solve = {"solve": options.get("solve", SOLVE), "num_warps": options.get("solve_num_warps")}
         solve_us = graph_time_us(  # the solve launch alone, on the same inputs
-            lambda solve=solve, walked=walked: gdn_chunk_solve(
-                k[0], g[0], beta[0], cu, layout["chunk_indices"], walk=walked.get("walk"), **solve
+            lambda solve=solve, a=args, w=walked, t=through: gdn_chunk_solve(
+                a[1][0], a[3][0], a[4][0], cu, layout["chunk_indices"], walk=w.get("walk"), **t, **solve
             ),
             calls,
             rounds,
@@ -161,6 +172,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
         figures = {
             "options": options,
             "tree_walk": tree_walk,
+            "reads_packed_rows": direct,
             "us": us,
             "solve_us": solve_us,
             "speedup_vs_fla": result["fla_us"] / us,

@@ -206,6 +206,27 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("tree_walk", [False, True], ids=["plain", "tree-walk"])
+def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve):
+    """`rows`: each path slot reads q, k, v, g, beta at its packed row (no gathered copy) and gets, bit for bit, what
+    the same call over the inputs gathered to the slots gives, in every element of o (NaN-poisoned alike, so the
+    same elements are written too). The packed inputs carry NaN rows that no slot reads."""
+    plan = plan_tree(*_tree_request(seed=14), pad_lens=(3, 70))
+    call = plan.gdn["replicated"].calls[0]
+    dims = DIMS["gva-1-2-k16-v32"]
+    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=15)
+    packed = [torch.cat([t, torch.full((5, *t.shape[1:]), float("nan"), dtype=t.dtype)]) for t in (q, k, v, g, beta)]
+    paths = [t[call.rows].contiguous() for t in packed]
+    layout = {"chunk_indices": call.chunk_indices, "solve": solve} | ({"walk": call.walk} if tree_walk else {})
+    gathered, _ = gdn_chunk_forward(*paths, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1)[0], **layout)
+    out = _poisoned(len(call.rows), dims, 1)[0]
+    direct, _ = gdn_chunk_forward(*packed, call.cu_seqlens, rows=call.rows, out=out, **layout)
+    assert direct.shape == gathered.shape and torch.equal(direct.view(torch.int16), gathered.view(torch.int16))
+    written = direct[call.out_slots[call.out_rows < plan.num_rows - 73]]
+    assert torch.isfinite(written).all()
+
+
 def test_two_runs_are_identical():
     dims = DIMS["gva-1-2-k16-v32"]
     inputs = gdn_chunk_inputs(LENGTHS, dims, seed=9)

@@ -142,7 +142,8 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
     every real packed row's output at its representative slot bit-equal to the plain walk of every path; five walks
-    identical; a CUDA-graph replay of the walk equal to the eager walk; the dummy paths' rows zeros."""
+    identical; two walks that read the packed rows through the slots' rows (`rows`, what the stage runs) too; a
+    CUDA-graph replay of that walk equal to the eager walk; the dummy paths' rows zeros."""
     from engine.graphs import GridIndex, default_grid
     from engine.plan import plan_tree, tree_layout
 
@@ -150,18 +151,21 @@ def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     layout = tree_layout(candidates, groups)
     plan = plan_tree(candidates, groups, bucket=GridIndex(default_grid()).smallest(layout))
     call = plan.gdn["replicated"].calls[0]
-    q, k, v, g, beta = (t[call.rows.to(DEVICE)].contiguous() for t in engine_gdn_inputs(plan.num_rows, 31, "cuda"))
+    rows = call.rows.to(DEVICE)
+    packed = engine_gdn_inputs(plan.num_rows, 31, "cuda")
+    q, k, v, g, beta = (t[rows].contiguous() for t in packed)
     cu, chunk_indices, walk = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk))
     options = KERNELS[kernel] | {"chunk_indices": chunk_indices}
     plain, _ = gdn_chunk_forward(q, k, v, g, beta, cu, **options)
     walks = [gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, **options)[0] for _ in range(5)]
+    walks += [gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)[0] for _ in range(2)]
     real = (call.out_rows < layout.rows).to(DEVICE)
     read, dummy = call.out_slots.to(DEVICE)[real], call.out_slots.to(DEVICE)[~real]
     for tree in walks:
         assert torch.equal(tree[read], plain[read]) and (tree[dummy] == 0).all()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured, _ = gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, **options)
+        captured, _ = gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
