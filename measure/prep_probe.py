@@ -49,13 +49,24 @@ def copy_tbps() -> float:
     return 2 * source.numel() / (timed.median_ms * 1e-3) / 1e12
 
 
+def attn_prep_inputs(plan, s, normal) -> tuple[tuple, dict]:
+    """`kernels.attn_prep`'s positional arguments (a random projection and norm weights from `normal(*shape, std=)`,
+    the plan's RoPE tables, eps) and its head dimensions, at the shapes `s`."""
+    from reference import ops
+
+    cos, sin = ops.rope_cos_sin(plan.positions, s.rotary_dim, s.rope_theta)
+    attn_proj = normal(plan.num_rows, s.attn_in_width)
+    attn_args = (attn_proj, normal(s.head_dim, std=0.1), normal(s.head_dim, std=0.1), cos, sin, s.rms_norm_eps)
+    attn_dims = {"num_heads": s.num_attention_heads, "num_kv_heads": s.num_key_value_heads, "head_dim": s.head_dim}
+    return attn_args, attn_dims
+
+
 def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
     """Per kernel: its two ways (name -> a function returning its outputs) on seeded random inputs at `shapes` on the
     plan's device, and a function that pairs two ways' outputs over the real slots / keys for the bit comparison."""
     import torch
 
     import kernels
-    from reference import ops
 
     s, n, conv, nodes = shapes, plan.num_rows, plan.conv_paths, plan.attention
     device = plan.device
@@ -65,14 +76,12 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
         return (torch.randn(shape, generator=gen, device=device) * std + mean).bfloat16()
 
     hv = s.linear_num_value_heads
-    gdn_proj, attn_proj = normal(n, s.gdn_in_width), normal(n, s.attn_in_width)
+    gdn_proj = normal(n, s.gdn_in_width)
     a_log = torch.log(1 + 15 * torch.rand(hv, generator=gen, device=device))
     gdn_weights = (normal(s.conv_dim, s.linear_conv_kernel_dim, std=0.5), a_log, normal(hv, std=0.1, mean=1.0))
     gdn_dims = {"num_k_heads": s.linear_num_key_heads, "num_v_heads": hv, "head_k_dim": s.linear_key_head_dim,
                 "head_v_dim": s.linear_value_head_dim}  # fmt: skip
-    cos, sin = ops.rope_cos_sin(plan.positions, s.rotary_dim, s.rope_theta)
-    attn_args = (attn_proj, normal(s.head_dim, std=0.1), normal(s.head_dim, std=0.1), cos, sin, s.rms_norm_eps)
-    attn_dims = {"num_heads": s.num_attention_heads, "num_kv_heads": s.num_key_value_heads, "head_dim": s.head_dim}
+    attn_args, attn_dims = attn_prep_inputs(plan, s, normal)
 
     def gdn_paths():
         return kernels.gdn_prep(gdn_proj, *gdn_weights, conv.cu_seqlens_i32, rows=conv.rows, **gdn_dims)

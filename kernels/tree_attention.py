@@ -1,0 +1,181 @@
+"""Causal attention over the prefix tree's nodes with the keys read through the plan's key rows: no key layout.
+
+Stage `core`'s attention runs FlashAttention-2's varlen forward over `plan.attention` (engine/plan.py `NodeAttention`):
+each node's rows are the queries, its whole path the keys, so `attn_prep` writes k and v once per key entry (a shared
+root once per node that sees it: customer_service's bucket 12,708 key entries for 1,152 rows). This kernel takes k
+and v once per packed row and reads each node's path through `key_rows` (key entry j of sequence i is packed row
+key_rows[cu_seqlens_k[i] + j]), so the prep writes N rows instead of K (issue 22, item 2, first half: the prefix is
+still read once per node; attending to it once and merging by softmax state is the second half).
+
+Math, per sequence i (queries at the last n_q of its n_k key positions, bottom-right causal as FlashAttention's varlen
+kernel), query row r at key position p_r = n_k − n_q + r, kv head h // (Hq / Hkv):
+  s_rj = (q_r · k_j) · scale · log2(e)                 fp32 (bf16 dot operands on CUDA, fp32 holding them interpreted)
+  over key blocks of BLOCK_N positions from the path start, keys j <= p_r only, online softmax in base 2:
+  m ← max(m, max_j s_rj),  l ← l · 2^(m_old − m) + Σ_j 2^(s_rj − m),  acc ← acc · 2^(m_old − m) + bf16↓(2^(s − m)) · V
+  o_r = bf16↓(acc / l)
+The weights enter the P·V dot rounded to bf16 (as FlashAttention-2's kernel does), the denominator sums them unrounded.
+
+Exactness. Bounded against `engine.tree.blockwise_node_core` (fp32 throughout, 64-key blocks): |Δo| <= 3 · 2^-8 ·
+max |v| per element (bf16's unit roundoff 2^-8 for one rounding of each weight in P·V and for the output's rounding
+here and in the reference; o is a convex combination of v rows), tests/test_tree_attention.py. Bitwise
+prefix-invariant: a row's result depends on its own q row and the keys at positions <= its own, in key blocks counted
+from the path start; a block past a row's position is wholly masked for it (weights exactly 0, the running max
+unchanged, acc and l multiplied by exactly 1), so neither its node's other rows, the node's length, nor what shares
+the launch change its bits: a node's rows equal the same rows of their whole path run as one sequence (tree vs flat),
+and a sequence alone equals it in a batch (tested). Not yet compiled into the engine nor timed on the GPU (the probe
+question: this kernel with `attn_prep` over the N rows against FlashAttention-2 with `attn_prep` over the K key
+entries).
+
+Versions:
+* v1 (this file): grid (query block, sequence, query head); K and V gathered per key block through `key_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.numerics import LAUNCH_OPTIONS, check_tensor, ieee_quiet, kernel_mode, output_tensor, round_to_bf16, to_f32
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): the softmax in base 2 (a jit global must be a constexpr)
+BLOCK_N = 64  # keys per block, counted from the path start: fixes every row's reduction order (prefix invariance)
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr,  # [Nq, Hq, D] bf16 contiguous
+    k_ptr,  # [Nk, Hkv, D] bf16 contiguous: one row per packed row
+    v_ptr,  # like k
+    key_rows_ptr,  # [K] int32 or int64: the k/v row of each key entry
+    cu_q_ptr,  # [S + 1] int32
+    cu_k_ptr,  # [S + 1] int32
+    out_ptr,  # [Nq, Hq, D] bf16 contiguous
+    scale,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_kv = i_h // (HEADS // KV_HEADS)
+    q_start = tl.load(cu_q_ptr + i_s).to(tl.int64)
+    num_q = (tl.load(cu_q_ptr + i_s + 1).to(tl.int64) - q_start).to(tl.int32)
+    k_start = tl.load(cu_k_ptr + i_s).to(tl.int64)
+    num_k = (tl.load(cu_k_ptr + i_s + 1).to(tl.int64) - k_start).to(tl.int32)
+    if i_m * BLOCK_M < num_q:
+        row = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = row < num_q
+        position = num_k - num_q + row  # each query's key position
+        dim = tl.arange(0, BLOCK_D)
+        dim_ok = dim < HEAD_DIM
+        q_offsets = ((q_start + row) * HEADS + i_h)[:, None] * HEAD_DIM + dim[None, :]
+        q_tile = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if TORCH_CPU:
+            q_tile = to_f32(q_tile)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denominator = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        qk_scale = scale * LOG2E
+        last_key = tl.minimum(num_k, num_k - num_q + (i_m + 1) * BLOCK_M)  # keys up to the block's last query
+        for block_start in range(0, last_key, BLOCK_N):
+            key = block_start + tl.arange(0, BLOCK_N)
+            key_ok = key < num_k
+            kv_row = tl.load(key_rows_ptr + k_start + key, mask=key_ok, other=0).to(tl.int64)
+            kv_offsets = (kv_row * KV_HEADS + i_kv)[:, None] * HEAD_DIM + dim[None, :]
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k_tile = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v_tile = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if TORCH_CPU:
+                k_tile = to_f32(k_tile)
+                v_tile = to_f32(v_tile)
+            scores = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+            visible = (key[None, :] <= position[:, None]) & key_ok[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp2(running_max - new_max)
+            weights = tl.exp2(scores - new_max[:, None])
+            denominator = denominator * correction + tl.sum(weights, axis=1)
+            if TORCH_CPU:
+                weights_op = round_to_bf16(weights)
+            else:
+                weights_op = weights.to(tl.bfloat16)
+            acc = acc * correction[:, None] + tl.dot(weights_op, v_tile)
+            running_max = new_max
+        out = acc / denominator[:, None]
+        tl.store(out_ptr + q_offsets, out.to(tl.bfloat16), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_rows: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_q: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention per sequence with its keys read through `key_rows` (module docstring): -> [Nq, Hq, D] bf16.
+
+    q [Nq, Hq, D] bf16; k, v [Nk, Hkv, D] bf16 (one row per packed row), all contiguous, Hkv dividing Hq, D <= 256;
+    key_rows [K] int32/int64, values in [0, Nk) (not checked: a device sync); cu_seqlens_q, cu_seqlens_k [S + 1] int32
+    (sequence i: queries q rows cu_seqlens_q[i]..[i+1] - 1, keys key entries cu_seqlens_k[i]..[i+1] - 1, each
+    sequence with 0 < queries <= keys or none of either; not checked); max_q >= every sequence's query count (the
+    grid's query blocks, a host int: the plan's `max_q`). `out` [Nq, Hq, D] bf16 is written in place when given; rows
+    outside every sequence are not written.
+    """
+    device = q.device
+    if q.ndim != 3 or k.ndim != 3:
+        raise ValueError(
+            f"tree_attention: q must be [Nq, Hq, D] and k [Nk, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    rows, heads, head_dim = q.shape
+    kv_rows, kv_heads = k.shape[0], k.shape[1]
+    if heads % kv_heads or head_dim > 256:
+        raise ValueError(f"tree_attention: Hkv ({kv_heads}) must divide Hq ({heads}) and D ({head_dim}) be <= 256")
+    check_tensor("tree_attention: q", q, dtype=torch.bfloat16, shape=(rows, heads, head_dim), device=device,
+                 contiguous=True)  # fmt: skip
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(f"tree_attention: {name}", t, dtype=torch.bfloat16, shape=(kv_rows, kv_heads, head_dim),
+                     device=device, contiguous=True)  # fmt: skip
+    check_tensor("tree_attention: key_rows", key_rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device,
+                 contiguous=True)  # fmt: skip
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(f"tree_attention: {name}", cu, dtype=torch.int32, shape=(None,), device=device, contiguous=True)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        shapes = f"{tuple(cu_seqlens_q.shape)}, {tuple(cu_seqlens_k.shape)}"
+        raise ValueError(f"tree_attention: cu_seqlens_q and cu_seqlens_k must both be [S + 1], S >= 1; got {shapes}")
+    o = output_tensor("tree_attention: out", out, (rows, heads, head_dim), torch.bfloat16, device)
+    sequences = cu_seqlens_q.shape[0] - 1
+    torch_cpu = kernel_mode(_tree_attention_kernel, device)
+    block_m = 16 if torch_cpu else 64
+    if max_q > 0:
+        with ieee_quiet(torch_cpu):
+            _tree_attention_kernel[(triton.cdiv(max_q, block_m), sequences, heads)](
+                q,
+                k,
+                v,
+                key_rows,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                o,
+                scale,
+                HEADS=heads,
+                KV_HEADS=kv_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_M=block_m,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=triton.next_power_of_2(head_dim),
+                TORCH_CPU=torch_cpu,
+                num_warps=4 if head_dim <= 128 else 8,
+                **LAUNCH_OPTIONS,
+            )
+    return o

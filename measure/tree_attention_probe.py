@@ -1,0 +1,120 @@
+"""Stage `core`'s attention on a bucketed tree plan: FlashAttention-2 over the key layout against the tree attention
+kernel over the packed rows (issue 22, item 2).
+
+    python -m measure.tree_attention_probe        # writes results/tree-attention/<utc>-<gpu>-<commit>.json
+    python -m measure.tree_attention_probe --workloads drone --calls 10 --rounds 20
+
+What is timed, per workload, on the plan the `graphs` stage replays (`engine.plan.plan_tree(..., bucket=...)`, the
+bucket `engine.graphs.default_grid` picks) at the 27B shapes, with seeded random projections (synthetic: timings and
+numerics only), each captured in one CUDA graph of `--calls` back-to-back calls (a forward's attention layers), the
+per-call time the median over `--rounds` replays:
+* "flash": `kernels.attn_prep` with the plan's key rows (k and v written at every key entry: each node's whole path),
+  then `engine.tree.flash_node_core` (FlashAttention-2's varlen forward): what stage `core` runs;
+* "tree_kernel": `kernels.attn_prep` over the N packed rows, then `kernels.tree_attention.tree_attention` reading each
+  node's path through the key rows.
+Each way whole (prep and attention) and its attention call alone, on the same prepared inputs. Error: max |Δ| of the
+tree kernel's output against FlashAttention-2's over the real rows, beside the kernels' bound against the fp32
+blockwise reference (3 · 2^-8 · max |v| each, kernels/tree_attention.py), so |Δ| <= 6 · 2^-8 · max |v| is expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from measure.gdn_chunk_probe import bucketed_plan, graph_time_us
+from measure.prep_probe import attn_prep_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
+
+
+def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
+    import torch
+
+    import kernels
+    from engine.tree import flash_node_core
+    from kernels.tree_attention import tree_attention
+    from reference.shapes import QWEN38_27B as s
+
+    host, layout = bucketed_plan(workload_id)
+    plan = host.to("cuda")
+    nodes, scale = plan.attention, s.head_dim**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * std).bfloat16()
+
+    attn_args, attn_dims = attn_prep_inputs(plan, s, normal)
+    key_layout = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
+    packed = kernels.attn_prep(*attn_args, **attn_dims)
+
+    def flash_attention():
+        return flash_node_core(*key_layout, nodes, scale)
+
+    def tree_kernel_attention():
+        q, k, v = packed
+        return tree_attention(q, k, v, nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
+
+    def flash():
+        q, k, v = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
+        return flash_node_core(q, k, v, nodes, scale)
+
+    def tree_kernel():
+        q, k, v = kernels.attn_prep(*attn_args, **attn_dims)
+        return tree_attention(q, k, v, nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
+
+    real = slice(0, layout.rows)
+    theirs, mine = flash_attention()[real].float(), tree_kernel_attention()[real].float()
+    v_max = float(packed[2].float().abs().max())
+    result = {
+        "workload": workload_id,
+        "bucket": plan.bucket.name,
+        "rows": plan.num_rows,
+        "keys": nodes.num_keys,
+        "nodes": len(nodes.cu_seqlens_q_cpu) - 1,
+        "max_abs_diff": float((mine - theirs).abs().max()),
+        "bound_vs_flash": 6 * 2**-8 * v_max,
+        "bit_equal_share": float((mine == theirs).float().mean()),
+        "ways": {},
+    }
+    for name, whole, attention in (
+        ("flash", flash, flash_attention),
+        ("tree_kernel", tree_kernel, tree_kernel_attention),
+    ):
+        figures = {"us": graph_time_us(whole, calls, rounds), "attention_us": graph_time_us(attention, calls, rounds)}
+        result["ways"][name] = figures
+        print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us (attention {figures['attention_us']:7.1f} us)",
+              flush=True)  # fmt: skip
+    print(f"{workload_id:<24} tree_kernel vs flash: max |diff| {result['max_abs_diff']:.3e} (bound "
+          f"{result['bound_vs_flash']:.3e}), bit-equal {result['bit_equal_share']:.4f}", flush=True)  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m measure.tree_attention_probe", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")
+    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tree_attention_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from ablations.envinfo import collect, record_stem, write_json
+
+    env = collect("cuda")
+    record = {"probe": "tree_attention", "env": env, "calls": args.calls, "rounds": args.rounds, "workloads": []}
+    for workload_id in args.workloads.split(","):
+        with torch.no_grad():
+            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds))
+    write_json(record, REPO / "results" / "tree-attention" / f"{record_stem(env)}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
