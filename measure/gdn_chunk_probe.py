@@ -100,6 +100,25 @@ def graph_time_us(fn, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def layer_probe_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The options of every per-layer probe of `measure/` (this one, `prep_probe`, `tree_attention_probe`): the
+    workloads (default `WORKLOADS`), the calls per captured graph and the replays timed."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")
+    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    return parser
+
+
+def cuda_or_refuse(name: str) -> bool:
+    """Whether a GPU is there; if not, says so on stderr (the probe then exits with 2)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+    return torch.cuda.is_available()
+
+
 def rel_rmse(x, ref) -> float:
     return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
 
@@ -232,10 +251,7 @@ def probe_schedules(workload_id: str, calls: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m measure.gdn_chunk_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--calls", type=int, default=10, help="core calls per captured graph (layers)")
-    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
+    parser = layer_probe_parser("measure.gdn_chunk_probe", __doc__)
     parser.add_argument("--schedules", action="store_true", help="FLA's core in the replicated and handoff modes")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--no-record", action="store_true", help="print only (a run under a profiler)")
@@ -245,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's deterministic Triton path (reference-math.md §4.3)
+    if not cuda_or_refuse("gdn_chunk_probe"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("gdn_chunk_probe: needs a CUDA GPU", file=sys.stderr)
-        return 2
     from ablations.envinfo import collect, record_stem, write_json
     from engine.fla_configs import pin_fla_configs
 

@@ -23,12 +23,11 @@ understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from ablations.probes import equal_share
-from measure.gdn_chunk_probe import bucketed_plan, graph_time_us
+from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us, layer_probe_parser
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
@@ -141,16 +140,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int, tbps: float) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m measure.prep_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")
-    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
-    args = parser.parse_args(argv)
+    args = layer_probe_parser("measure.prep_probe", __doc__).parse_args(argv)
+    if not cuda_or_refuse("prep_probe"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("prep_probe: needs a CUDA GPU", file=sys.stderr)
-        return 2
     from ablations.envinfo import collect, record_stem, write_json
 
     env = collect("cuda")

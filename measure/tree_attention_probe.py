@@ -19,11 +19,10 @@ blockwise reference (3 · 2^-8 · max |v| each, kernels/tree_attention.py), so |
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from measure.gdn_chunk_probe import bucketed_plan, graph_time_us
+from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us, layer_probe_parser
 from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,18 +92,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m measure.tree_attention_probe", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")
-    parser.add_argument("--rounds", type=int, default=20, help="graph replays timed")
-    args = parser.parse_args(argv)
+    args = layer_probe_parser("measure.tree_attention_probe", __doc__).parse_args(argv)
+    if not cuda_or_refuse("tree_attention_probe"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("tree_attention_probe: needs a CUDA GPU", file=sys.stderr)
-        return 2
     from ablations.envinfo import collect, record_stem, write_json
 
     env = collect("cuda")
