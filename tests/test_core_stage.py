@@ -103,3 +103,21 @@ def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     prepared = bucketed.prepare(candidates, groups)
     assert prepared.batches[0].plan.bucket is not None
     assert torch.equal(bucketed.forward(prepared), unpadded.forward(unpadded.prepare(candidates, groups)))
+
+
+@pytest.mark.slow  # three tiny-twin forwards under the interpreter: 30-90 s on the 2-core CPU
+def test_core_with_tree_attention_kernel(merged_weights):
+    """`attention="tree_rows"` (kernels/tree_attention.py, k and v once per packed row; no stage runs it yet): the
+    bucketed tree forward (`graphs`' plans: dummy rows and nodes, trailing keys) gives the flat layout's bits, and it
+    stays within the stage's bound of `graphs`, the gate `core` would keep with this attention."""
+    bucketed = build_engine(merged_weights, "core", attention="tree_rows")
+    flat = build_engine(merged_weights, "core", graphs=False, layout="flat", attention="tree_rows")
+    graphs = build_engine(merged_weights, "graphs")
+    candidates, groups = request(5, root_len=70)
+    prepared = bucketed.prepare(candidates, groups)
+    assert prepared.batches[0].plan.bucket is not None and bucketed.batch_invariant
+    out = bucketed.forward(prepared)
+    assert torch.equal(out, flat.forward(flat.prepare(candidates, groups)))
+    error = rel_rmse(out, graphs.forward(graphs.prepare(candidates, groups)))
+    print(f"core with tree_rows attention vs graphs: hidden_rel_rmse {error:.3e}")
+    assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
