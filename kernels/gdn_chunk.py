@@ -77,8 +77,10 @@ engine/stages/core.md):
 * v3.2 (this file): v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core (drone 8.9 us a layer, customer_service 44.6 at
   0538e72). v3.1's bits (CPU: tests/test_gdn_chunk.py; H200: the tree-walk test of tests/test_gpu_gdn_chunk.py); sm_90
-  SASS of the walk 2,888 -> 2,960 instructions, spills 404 -> 416 bytes (Triton 3.9 here). Not yet timed on the
-  H200 (probe variants `stage` and `stage-gathered`, plus `gather_us`).
+  SASS of the walk 2,888 -> 2,960 instructions, spills 404 -> 416 bytes (Triton 3.9 here). The fla-blocks solve
+  forms all ten blocks of A before the substitution, so the four [16, K] key blocks are dead during it: spills
+  600 -> 0 bytes, 2,984 -> 2,768 SASS instructions, the same operations on the same values. Not yet timed on the
+  H200 (probe variants `stage` and `stage-gathered`, plus `gather_us`; the solve launch's own time).
 * v3.1: the "fla-blocks" solve on one warp is the default; rounding points through the hardware
   conversion (`kernels.numerics` v2; `_rounded_operand` where only a dot reads the value): at 0538e72 drone 93.0 us
   a layer (FLA 145.7), customer_service 169.2 (FLA 493.6); the bit rounding of d6a7de0 took 143.5 and 276.4.

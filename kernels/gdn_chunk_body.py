@@ -181,18 +181,18 @@ def _inverse_fla_blocks(
     k3 = _key_block(k, slot_rows, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
     be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
-    t00, t11, t22, t33 = _diagonal_inverses(
-        _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION),
-        _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION),
-        _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION),
-        _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION),
-    )
+    # every block of A before the substitution, so that the key blocks ([16, K] each) are dead during it
+    a00 = _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION)
+    a11 = _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION)
+    a22 = _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION)
+    a33 = _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION)
     a10 = _kkt_block(k1, k0, g1, g0, be1, False, DOT_PRECISION)
     a20 = _kkt_block(k2, k0, g2, g0, be2, False, DOT_PRECISION)
     a21 = _kkt_block(k2, k1, g2, g1, be2, False, DOT_PRECISION)
     a30 = _kkt_block(k3, k0, g3, g0, be3, False, DOT_PRECISION)
     a31 = _kkt_block(k3, k1, g3, g1, be3, False, DOT_PRECISION)
     a32 = _kkt_block(k3, k2, g3, g2, be3, False, DOT_PRECISION)
+    t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
     t10 = -_dot(_dot(t11, a10, SOLVE_PRECISION), t00, SOLVE_PRECISION)
     t21 = -_dot(_dot(t22, a21, SOLVE_PRECISION), t11, SOLVE_PRECISION)
     t32 = -_dot(_dot(t33, a32, SOLVE_PRECISION), t22, SOLVE_PRECISION)
