@@ -194,7 +194,12 @@ class _ReferenceOps:
         return ops.silu_mul(gate, up)
 
     def gdn_prep(
-        self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None, on_slots=True
+        self,
+        proj: Tensor,
+        layer: GDNLayerWeights,
+        conv: ConvInput,
+        row_slot: Tensor | None = None,
+        on_slots: bool = True,
     ):
         """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates.
         `row_slot` is the Triton ops' way to the same values (each packed row once); the torch ops convolve every
@@ -267,7 +272,12 @@ class _FusedOps:
         return kernels.silu_mul(gate_up)
 
     def gdn_prep(
-        self, proj: Tensor, layer: GDNLayerWeights, conv: ConvInput, row_slot: Tensor | None = None, on_slots=True
+        self,
+        proj: Tensor,
+        layer: GDNLayerWeights,
+        conv: ConvInput,
+        row_slot: Tensor | None = None,
+        on_slots: bool = True,
     ):
         """The prep kernel over the conv input (the projection read through the conv input's row index unless it is
         the packed rows), then the kept rows (none dropped for the paths, the history rows dropped for the node
@@ -292,9 +302,7 @@ class _FusedOps:
         )
         if row_slot is not None and on_slots:
             return tuple(t[0] for t in kernels.gather_slots(out, conv.rows))  # to every slot holding the row
-        if row_slot is not None:
-            return tuple(t[0] for t in out)
-        if conv.keep_all:
+        if row_slot is not None or conv.keep_all:
             return tuple(t[0] for t in out)
         return tuple(t[0].index_select(0, conv.keep) for t in out)
 
