@@ -179,12 +179,16 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
                 launches.append((label, call))
     attn_q, attn_kv = _meta(rows, s.num_attention_heads, s.head_dim), _meta(rows, s.num_key_value_heads, s.head_dim)
     node_bounds = _meta(19, dtype=torch.int32)  # drone's bucket: 18 nodes
-    launches.append(
-        (
-            "tree_attention",
-            lambda: tree_attention(attn_q, attn_kv, attn_kv, key_rows, node_bounds, node_bounds, 150, s.head_dim**-0.5),
-        )
-    )
+    for schedule in ("nodes", "row-blocks"):
+        launches.append(
+            (
+                f"tree_attention {schedule}",
+                lambda schedule=schedule: tree_attention(
+                    attn_q, attn_kv, attn_kv, key_rows, node_bounds, node_bounds, 150, s.head_dim**-0.5,
+                    schedule=schedule,
+                ),
+            )
+        )  # fmt: skip
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
     return launches

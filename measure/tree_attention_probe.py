@@ -10,11 +10,13 @@ numerics only), each captured in one CUDA graph of `--calls` back-to-back calls 
 per-call time the median over `--rounds` replays:
 * "flash": `kernels.attn_prep` with the plan's key rows (k and v written at every key entry: each node's whole path),
   then `engine.tree.flash_node_core` (FlashAttention-2's varlen forward): what stage `core` runs;
-* "tree_kernel": `kernels.attn_prep` over the N packed rows, then `kernels.tree_attention.tree_attention` reading each
-  node's path through the key rows.
-Each way whole (prep and attention) and its attention call alone, on the same prepared inputs. Error: max |Δ| of the
-tree kernel's output against FlashAttention-2's over the real rows, beside the kernels' bound against the fp32
-blockwise reference (3 · 2^-8 · max |v| each, kernels/tree_attention.py), so |Δ| <= 6 · 2^-8 · max |v| is expected.
+* "nodes" and "row-blocks": `kernels.attn_prep` over the N packed rows, then `kernels.tree_attention.tree_attention`
+  reading each node's path through the key rows, in each of its schedules.
+Each way whole (prep and attention) and its attention call alone, on the same prepared inputs; beside them the
+key-block steps each schedule takes (`key_block_steps`, host arithmetic on the plan). Errors: max |Δ| of the tree
+kernel's output against FlashAttention-2's over the real rows, beside the kernels' bound against the fp32 blockwise
+reference (3 · 2^-8 · max |v| each, kernels/tree_attention.py), so |Δ| <= 6 · 2^-8 · max |v| is expected; and whether
+the two schedules' outputs are bit-equal (they must be).
 """
 
 from __future__ import annotations
@@ -27,6 +29,34 @@ from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
+ROW_BLOCK = 64  # the kernel's query block on the GPU
+
+
+def key_block_steps(nodes, schedule: str) -> int:
+    """Key-block steps (one dot pair of a 64-row query block with a 64-key block) a schedule takes over the plan's
+    nodes: "nodes", each node's query blocks times its key blocks; "row-blocks", as its kernel walks them: for each
+    64-row block and key block, the runs of adjacent nodes with the same key rows there, counted when a row of the run
+    reaches the key block."""
+    bq, bk, key_rows = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist(), nodes.key_rows.cpu().tolist()
+    if schedule == "nodes":
+        return sum(-(-(bq[i + 1] - bq[i]) // ROW_BLOCK) * -(-(bk[i + 1] - bk[i]) // ROW_BLOCK)
+                   for i in range(len(bq) - 1) if bq[i + 1] > bq[i])  # fmt: skip
+    steps = 0
+    for first in range(0, bq[-1], ROW_BLOCK):
+        last = min(first + ROW_BLOCK, bq[-1]) - 1
+        present = [i for i in range(len(bq) - 1) if bq[i] <= last and bq[i + 1] > first]
+        # the key position of each present node's last row in this block
+        reach = {i: (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]) + min(last, bq[i + 1] - 1) - bq[i] for i in present}
+        for block in range(max(reach.values()) // ROW_BLOCK + 1):
+            runs: list[tuple[tuple, int]] = []  # (key rows at the block, the run's furthest position)
+            for i in present:
+                keys = tuple(key_rows[bk[i] + block * ROW_BLOCK : min(bk[i] + (block + 1) * ROW_BLOCK, bk[i + 1])])
+                if runs and runs[-1][0] == keys:
+                    runs[-1] = (keys, max(runs[-1][1], reach[i]))
+                else:
+                    runs.append((keys, reach[i]))
+            steps += sum(furthest >= block * ROW_BLOCK for _, furthest in runs)
+    return steps
 
 
 def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
@@ -34,7 +64,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
 
     import kernels
     from engine.tree import flash_node_core
-    from kernels.tree_attention import tree_attention
+    from kernels.tree_attention import SCHEDULES, tree_attention
     from reference.shapes import QWEN38_27B as s
 
     host, layout = bucketed_plan(workload_id)
@@ -52,20 +82,26 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
     def flash_attention():
         return flash_node_core(*key_layout, nodes, scale)
 
-    def tree_kernel_attention():
-        q, k, v = packed
-        return tree_attention(q, k, v, nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
+    bounds = (nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
 
     def flash():
         q, k, v = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
         return flash_node_core(q, k, v, nodes, scale)
 
-    def tree_kernel():
-        q, k, v = kernels.attn_prep(*attn_args, **attn_dims)
-        return tree_attention(q, k, v, nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
+    ways = {"flash": (flash, flash_attention)}
+    for schedule in SCHEDULES:
+
+        def attention(schedule=schedule):
+            return tree_attention(*packed, *bounds, schedule=schedule)
+
+        def whole(schedule=schedule):
+            return tree_attention(*kernels.attn_prep(*attn_args, **attn_dims), *bounds, schedule=schedule)
+
+        ways[schedule] = (whole, attention)
 
     real = slice(0, layout.rows)
-    theirs, mine = flash_attention()[real].float(), tree_kernel_attention()[real].float()
+    theirs, mine = flash_attention()[real].float(), ways["nodes"][1]()[real].float()
+    by_rows = ways["row-blocks"][1]()[real].float()
     v_max = float(packed[2].float().abs().max())
     result = {
         "workload": workload_id,
@@ -76,18 +112,19 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
         "max_abs_diff": float((mine - theirs).abs().max()),
         "bound_vs_flash": 6 * 2**-8 * v_max,
         "bit_equal_share": float((mine == theirs).float().mean()),
+        "schedules_bit_equal": bool(torch.equal(mine, by_rows)),
+        "key_block_steps": {schedule: key_block_steps(host.attention, schedule) for schedule in SCHEDULES},
         "ways": {},
     }
-    for name, whole, attention in (
-        ("flash", flash, flash_attention),
-        ("tree_kernel", tree_kernel, tree_kernel_attention),
-    ):
+    for name, (whole, attention) in ways.items():
         figures = {"us": graph_time_us(whole, calls, rounds), "attention_us": graph_time_us(attention, calls, rounds)}
         result["ways"][name] = figures
-        print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us (attention {figures['attention_us']:7.1f} us)",
-              flush=True)  # fmt: skip
-    print(f"{workload_id:<24} tree_kernel vs flash: max |diff| {result['max_abs_diff']:.3e} (bound "
-          f"{result['bound_vs_flash']:.3e}), bit-equal {result['bit_equal_share']:.4f}", flush=True)  # fmt: skip
+        steps = result["key_block_steps"].get(name, "-")
+        print(f"{workload_id:<24} {name:<10} {figures['us']:8.1f} us (attention {figures['attention_us']:7.1f} us), "
+              f"key-block steps {steps}", flush=True)  # fmt: skip
+    print(f"{workload_id:<24} nodes vs flash: max |diff| {result['max_abs_diff']:.3e} (bound "
+          f"{result['bound_vs_flash']:.3e}), bit-equal {result['bit_equal_share']:.4f}; row-blocks = nodes bit for "
+          f"bit: {result['schedules_bit_equal']}", flush=True)  # fmt: skip
     return result
 
 

@@ -24,7 +24,7 @@ import triton  # noqa: E402
 
 from engine.tree import blockwise_causal_attention  # noqa: E402
 from kernels import tree_attention as module  # noqa: E402
-from kernels.tree_attention import tree_attention  # noqa: E402
+from kernels.tree_attention import SCHEDULES, tree_attention  # noqa: E402
 
 if isinstance(module._tree_attention_kernel, triton.runtime.JITFunction):
     pytest.skip("kernels were compiled, not interpreted (TRITON_INTERPRET=1 unset)", allow_module_level=True)
@@ -65,11 +65,12 @@ def poisoned(rows: int) -> torch.Tensor:
     return torch.full((rows, HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
 
 
-def test_within_the_bound_of_the_blockwise_reference():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_within_the_bound_of_the_blockwise_reference(schedule):
     q, k, v = inputs(seed=1)
     names = list(NODES)
     key_rows, cu_q, cu_k, max_q = layout(names)
-    got = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, out=poisoned(ROWS))
+    got = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, schedule=schedule, out=poisoned(ROWS))
     want = blockwise_causal_attention(q, k[key_rows], v[key_rows], cu_q.long(), SCALE, cu_seqlens_k_cpu=cu_k.long())
     assert torch.isfinite(got).all()
     error = (got.float() - want.float()).abs().max().item()
@@ -77,12 +78,13 @@ def test_within_the_bound_of_the_blockwise_reference():
     assert 0 < error <= bound, (error, bound)
 
 
-def test_a_node_equals_its_rows_of_the_whole_path():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_node_equals_its_rows_of_the_whole_path(schedule):
     """Prefix invariance (tree vs flat): node d's rows (keys: its 219-row path) are bit-equal to the last 29 rows of
     the same path run as one sequence of 219 queries, and node c's one row to the last row of its path's run."""
     q, k, v = inputs(seed=2)
     key_rows, cu_q, cu_k, max_q = layout(list(NODES))
-    tree = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, out=poisoned(ROWS))
+    tree = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, schedule=schedule, out=poisoned(ROWS))
     for name in ("d", "c"):
         path = torch.tensor(path_rows(name))
         cu = torch.tensor([0, len(path)], dtype=torch.int32)
@@ -91,21 +93,23 @@ def test_a_node_equals_its_rows_of_the_whole_path():
         assert torch.equal(tree[first:end], flat[len(path) - (end - first) :])
 
 
-def test_a_sequence_alone_equals_it_in_a_batch():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_sequence_alone_equals_it_in_a_batch(schedule):
     """Batch invariance: node d alone (one sequence, its own query blocks) and inside the whole tree's launch."""
     q, k, v = inputs(seed=3)
     key_rows, cu_q, cu_k, max_q = layout(list(NODES))
-    batch = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, out=poisoned(ROWS))
+    batch = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, schedule=schedule, out=poisoned(ROWS))
     first, end, _ = NODES["d"]
     alone_rows, alone_q, alone_k, alone_max = layout(["d"])
     alone = tree_attention(q[first:end].contiguous(), k, v, alone_rows, alone_q, alone_k, alone_max, SCALE)
     assert torch.equal(batch[first:end], alone)
 
 
-def test_rows_outside_every_sequence_are_not_written():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_rows_outside_every_sequence_are_not_written(schedule):
     q, k, v = inputs(seed=4)
     key_rows, cu_q, cu_k, max_q = layout(["root", "a"])
-    out = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, out=poisoned(ROWS))
+    out = tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, schedule=schedule, out=poisoned(ROWS))
     assert torch.isfinite(out[:190]).all() and torch.isnan(out[190:]).all()
 
 
@@ -120,6 +124,8 @@ def test_bad_inputs_are_refused():
         tree_attention(q, k, v, key_rows, cu_q, cu_k.long(), max_q, SCALE)
     with pytest.raises(ValueError, match=r"both be \[S \+ 1\]"):
         tree_attention(q, k, v, key_rows, cu_q, cu_k[:1], max_q, SCALE)
+    with pytest.raises(ValueError, match="schedule 'cascade'"):
+        tree_attention(q, k, v, key_rows, cu_q, cu_k, max_q, SCALE, schedule="cascade")
 
 
 def test_a_bucketed_plan_within_the_bound():
@@ -146,3 +152,27 @@ def test_a_bucketed_plan_within_the_bound():
     assert torch.isfinite(got[real]).all()
     error = (got[real].float() - want[real].float()).abs().max().item()
     assert 0 < error <= 3 * 2**-8 * v.float().abs().max().item()
+
+
+@pytest.mark.parametrize("workload", ["drone", "customer_service"])
+def test_row_blocks_give_the_nodes_bits_on_a_bucketed_plan(workload):
+    """Schedule "row-blocks" (programs over consecutive query rows, a shared prefix's key blocks attended once for the
+    rows of several nodes) against schedule "nodes" on the workload's bucketed plan at the tiny twin's head width (two
+    query heads on one kv head): every element of the output bit-equal (NaN-poisoned alike)."""
+    import kernels
+    from measure.gdn_chunk_probe import bucketed_plan
+    from measure.prep_probe import attn_prep_inputs
+    from reference.shapes import TINY
+
+    plan, _ = bucketed_plan(workload)
+    gen = torch.Generator().manual_seed(7)
+    args, dims = attn_prep_inputs(
+        plan, TINY, lambda *shape, std=1.0: (torch.randn(shape, generator=gen) * std).bfloat16()
+    )
+    nodes, scale = plan.attention, TINY.head_dim**-0.5
+    q, k, v = kernels.attn_prep(*args, **dims)
+    q, k, v = q[:, :2].contiguous(), k[:, :1].contiguous(), v[:, :1].contiguous()  # two heads: interpreter time
+    bounds = (nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, scale)
+    by_nodes = tree_attention(q, k, v, *bounds, out=torch.full_like(q, float("nan")))
+    by_rows = tree_attention(q, k, v, *bounds, schedule="row-blocks", out=torch.full_like(q, float("nan")))
+    assert torch.equal(by_nodes.view(torch.int16), by_rows.view(torch.int16))
