@@ -58,16 +58,17 @@ NO_MAX = tl.constexpr(-1.0e30)  # the running max before any key: finite, below 
 
 @triton.jit
 def _attend_key_block(
-    q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv, dim, dim_ok,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TORCH_CPU: tl.constexpr,
+    q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """One key block's online-softmax step for every query row of the tile: the keys' k and v rows `kv_row` [BLOCK_N]
     (`key_ok` the block's real keys), `visible` [BLOCK_M, BLOCK_N] the keys each row sees; returns the new running
     max, denominator and accumulator. The running max starts at NO_MAX, not -inf, so a row that sees no key of the
     block keeps its values (max unchanged, correction 2^0 = 1, weights 0) even before its first key; at its first key
     the correction 2^(NO_MAX - max) is 0, as 2^(-inf) would be."""
+    dim = tl.arange(0, BLOCK_D)
     kv_offsets = (kv_row * KV_HEADS + i_kv)[:, None] * HEAD_DIM + dim[None, :]
-    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    kv_mask = key_ok[:, None] & (dim < HEAD_DIM)[None, :]
     k_tile = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
     v_tile = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
     if TORCH_CPU:
@@ -85,6 +86,23 @@ def _attend_key_block(
         weights_op = weights.to(tl.bfloat16)
     acc = acc * correction[:, None] + tl.dot(weights_op, v_tile)
     return new_max, denominator, acc
+
+
+@triton.jit
+def _load_queries(q_ptr, q_rows, row_ok, i_h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TORCH_CPU: tl.constexpr):  # fmt: skip
+    """The query tile [BLOCK_M, BLOCK_D] of head i_h at the int64 rows `q_rows` (the dot operand: bf16 on CUDA, fp32
+    interpreted), its element offsets and mask (the output's too), and the empty online-softmax state."""
+    dim = tl.arange(0, BLOCK_D)
+    offsets = (q_rows * HEADS + i_h)[:, None] * HEAD_DIM + dim[None, :]
+    mask = row_ok[:, None] & (dim < HEAD_DIM)[None, :]
+    q_tile = tl.load(q_ptr + offsets, mask=mask, other=0.0)
+    if TORCH_CPU:
+        q_tile = to_f32(q_tile)
+    running_max = tl.full([q_rows.shape[0]], NO_MAX, tl.float32)
+    denominator = tl.zeros([q_rows.shape[0]], tl.float32)
+    acc = tl.zeros([q_rows.shape[0], BLOCK_D], tl.float32)
+    return q_tile, offsets, mask, running_max, denominator, acc
 
 
 @triton.jit
@@ -118,15 +136,9 @@ def _tree_attention_kernel(
         row = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = row < num_q
         position = num_k - num_q + row  # each query's key position
-        dim = tl.arange(0, BLOCK_D)
-        dim_ok = dim < HEAD_DIM
-        q_offsets = ((q_start + row) * HEADS + i_h)[:, None] * HEAD_DIM + dim[None, :]
-        q_tile = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if TORCH_CPU:
-            q_tile = to_f32(q_tile)
-        running_max = tl.full([BLOCK_M], NO_MAX, tl.float32)
-        denominator = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        q_tile, q_offsets, out_mask, running_max, denominator, acc = _load_queries(
+            q_ptr, q_start + row, row_ok, i_h, HEADS, HEAD_DIM, BLOCK_D, TORCH_CPU
+        )
         qk_scale = scale * LOG2E
         last_key = tl.minimum(num_k, num_k - num_q + (i_m + 1) * BLOCK_M)  # keys up to the block's last query
         for block_start in range(0, last_key, BLOCK_N):
@@ -135,11 +147,10 @@ def _tree_attention_kernel(
             kv_row = tl.load(key_rows_ptr + k_start + key, mask=key_ok, other=0).to(tl.int64)
             visible = (key[None, :] <= position[:, None]) & key_ok[None, :]
             running_max, denominator, acc = _attend_key_block(
-                q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv, dim,
-                dim_ok, KV_HEADS, HEAD_DIM, TORCH_CPU,
+                q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv,
+                KV_HEADS, HEAD_DIM, BLOCK_D, TORCH_CPU,
             )  # fmt: skip
-        out = acc / denominator[:, None]
-        tl.store(out_ptr + q_offsets, out.to(tl.bfloat16), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(out_ptr + q_offsets, (acc / denominator[:, None]).to(tl.bfloat16), mask=out_mask)
 
 
 @triton.jit
@@ -195,15 +206,9 @@ def _tree_attention_rows_kernel(
     first_node = tl.min(tl.where(row_ok, node, num_nodes), axis=0)
     last_node = tl.max(tl.where(row_ok, node, -1), axis=0)
     blocks = tl.max(tl.where(row_ok, position, -1), axis=0) // BLOCK_N + 1
-    dim = tl.arange(0, BLOCK_D)
-    dim_ok = dim < HEAD_DIM
-    q_offsets = (row.to(tl.int64) * HEADS + i_h)[:, None] * HEAD_DIM + dim[None, :]
-    q_tile = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if TORCH_CPU:
-        q_tile = to_f32(q_tile)
-    running_max = tl.full([BLOCK_M], NO_MAX, tl.float32)
-    denominator = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_tile, q_offsets, out_mask, running_max, denominator, acc = _load_queries(
+        q_ptr, row.to(tl.int64), row_ok, i_h, HEADS, HEAD_DIM, BLOCK_D, TORCH_CPU
+    )
     qk_scale = scale * LOG2E
     offsets = tl.arange(0, BLOCK_N)
     for block in range(0, blocks):
@@ -222,15 +227,14 @@ def _tree_attention_rows_kernel(
                 visible = in_group[:, None] & (key[None, :] <= position[:, None]) & key_ok[None, :]
                 kv_row = tl.maximum(group_rows, 0).to(tl.int64)
                 running_max, denominator, acc = _attend_key_block(
-                    q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv, dim,
-                    dim_ok, KV_HEADS, HEAD_DIM, TORCH_CPU,
+                    q_tile, k_ptr, v_ptr, kv_row, key_ok, visible, running_max, denominator, acc, qk_scale, i_kv,
+                    KV_HEADS, HEAD_DIM, BLOCK_D, TORCH_CPU,
                 )  # fmt: skip
             if differs == 1:
                 in_group = row < 0
             group_rows = node_rows
             in_group = in_group | ((node == n) & row_ok)
-    out = acc / denominator[:, None]
-    tl.store(out_ptr + q_offsets, out.to(tl.bfloat16), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(out_ptr + q_offsets, (acc / denominator[:, None]).to(tl.bfloat16), mask=out_mask)
 
 
 def tree_attention(
