@@ -68,7 +68,7 @@ Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H2
   slot (CPU on a planned request with both publish slots and dummy paths; H200 on three bucketed workloads, five
   runs and a CUDA-graph replay);
 * reading the path slots through `rows` gives the bits of the inputs gathered to the slots, in every output element
-  (CPU: both solves, with and without the walk; H200: within the tree-walk test, eager and replayed).
+  (CPU: both solves with the walk, the stage's without; H200: within the tree-walk test, eager and replayed).
 
 Tiles: the walk's value block of BV columns per program (`value_block`, default min(64, V), 4 warps: two programs per
 (sequence, value head) at V = 128). BV < 64 is refused on CUDA: BV = 32 gave wrong outputs on sm_90 in v1 (relative

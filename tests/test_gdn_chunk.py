@@ -206,8 +206,8 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-@pytest.mark.parametrize("tree_walk", [False, True], ids=["plain", "tree-walk"])
+@pytest.mark.parametrize(("tree_walk", "solve"), [(True, "doubling"), (True, "fla-blocks"), (False, "fla-blocks")],
+                         ids=["tree-walk-doubling", "tree-walk-fla-blocks", "plain-fla-blocks"])  # fmt: skip
 def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve):
     """`rows`: each path slot reads q, k, v, g, beta at its packed row (no gathered copy) and gets, bit for bit, what
     the same call over the inputs gathered to the slots gives, in every element of o (NaN-poisoned alike, so the

@@ -176,3 +176,16 @@ def test_row_blocks_give_the_nodes_bits_on_a_bucketed_plan(workload):
     by_nodes = tree_attention(q, k, v, *bounds, out=torch.full_like(q, float("nan")))
     by_rows = tree_attention(q, k, v, *bounds, schedule="row-blocks", out=torch.full_like(q, float("nan")))
     assert torch.equal(by_nodes.view(torch.int16), by_rows.view(torch.int16))
+
+
+def test_key_block_steps_of_the_bucketed_plans():
+    """The step counts the kernel docstring and engine/stages/core.md quote (`measure.tree_attention_probe`'s host
+    count of 64-row x 64-key dot pairs): nodes -> row-blocks on the buckets `graphs` replays."""
+    from measure.gdn_chunk_probe import bucketed_plan
+    from measure.tree_attention_probe import key_block_steps
+
+    expected = {"drone": (33, 32), "customer_service": (268, 145), "context-512-choice-8": (162, 95),
+                "jevbench/easy-intent-00": (12, 17)}  # fmt: skip
+    for workload, steps in expected.items():
+        nodes = bucketed_plan(workload)[0].attention
+        assert (key_block_steps(nodes, "nodes"), key_block_steps(nodes, "row-blocks")) == steps, workload
