@@ -71,6 +71,7 @@ from kernels.numerics import (
     log1p_f32,
     output_tensor,
     round_to_bf16,
+    sequence_index,
     sigmoid_f32,
     silu_f32,
     tile_elements,
@@ -79,20 +80,6 @@ from kernels.numerics import (
 )
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus default: x itself above it (constexpr: a jit global)
-
-
-@triton.jit
-def _sequence_start(cu_seqlens_ptr, token, num_seqs, SEARCH_STEPS: tl.constexpr):
-    """First row of the sequence that holds each row in `token` [BLOCK_T]: the largest cu_seqlens[i] <= token,
-    i < num_seqs (so empty sequences are skipped), by binary search."""
-    low = tl.zeros(token.shape, tl.int32)
-    high = tl.zeros(token.shape, tl.int32) + (num_seqs - 1)
-    for _ in tl.static_range(SEARCH_STEPS):
-        middle = (low + high + 1) // 2
-        go_right = tl.load(cu_seqlens_ptr + middle).to(tl.int64) <= token
-        low = tl.where(go_right, middle, low)
-        high = tl.where(go_right, high, middle - 1)
-    return tl.load(cu_seqlens_ptr + low).to(tl.int64)
 
 
 @triton.jit
@@ -141,7 +128,8 @@ def _gdn_prep_kernel(
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < tl.where(is_qk, KEY_DIM, VALUE_DIM)
         channel = first_channel + dim
-        start = _sequence_start(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS)
+        sequence = sequence_index(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS)
+        start = tl.load(cu_seqlens_ptr + sequence).to(tl.int64)  # the first row of the row's sequence
         conv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
         for tap in tl.static_range(WIDTH):
             source = position - (WIDTH - 1) + tap  # oldest tap first

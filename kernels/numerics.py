@@ -1,10 +1,10 @@
 """Torch opmath in Triton: the device helpers and launcher helpers that every kernel of `kernels/` uses.
 
 Split. This module holds what is shared and computes no op of the model: the `@triton.jit` device functions (bf16
-rounding by bits, exp/log1p/rsqrt/sigmoid/silu in fp32 as torch's kernels evaluate them) and the host-side launch
-helpers (compile options, interpreter/CUDA mode, tile budget, numpy warnings, tensor checks, output buffers). Each op
-family (`activations`, `norms`, `gdn_prep`, `attn_prep`) is a module of its own that imports from here; nothing here
-imports them.
+rounding by bits, exp/log1p/rsqrt/sigmoid/silu in fp32 as torch's kernels evaluate them, `sequence_index`: the packed
+sequence of a row) and the host-side launch helpers (compile options, interpreter/CUDA mode, tile budget, numpy
+warnings, tensor checks, output buffers). Each op family (`activations`, `norms`, `gdn_prep`, `attn_prep`,
+`tree_attention`) is a module of its own that imports from here; nothing here imports them.
 
 How torch's numerics are reproduced:
 * Roundings to bf16 (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16` at a store, and `to_f32`
@@ -99,6 +99,20 @@ def to_f32(x):
     else:
         y = x.to(tl.float32)
     return y
+
+
+@triton.jit
+def sequence_index(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS: tl.constexpr):
+    """The packed sequence holding each row in `position`: the largest i < num_seqs with cu_seqlens[i] <= position
+    (binary search in SEARCH_STEPS = bit length of num_seqs - 1 steps; empty sequences are skipped), int32."""
+    low = tl.zeros(position.shape, tl.int32)
+    high = tl.zeros(position.shape, tl.int32) + (num_seqs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        middle = (low + high + 1) // 2
+        go_right = tl.load(cu_seqlens_ptr + middle).to(tl.int64) <= position
+        low = tl.where(go_right, middle, low)
+        high = tl.where(go_right, high, middle - 1)
+    return low
 
 
 @triton.jit

@@ -47,7 +47,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.numerics import LAUNCH_OPTIONS, check_tensor, ieee_quiet, kernel_mode, output_tensor, round_to_bf16, to_f32
+from kernels.numerics import (
+    LAUNCH_OPTIONS,
+    check_tensor,
+    ieee_quiet,
+    kernel_mode,
+    output_tensor,
+    round_to_bf16,
+    sequence_index,
+    to_f32,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): the softmax in base 2 (a jit global must be a constexpr)
 BLOCK_N = 64  # keys per block, counted from the path start: fixes every row's reduction order (prefix invariance)
@@ -154,20 +163,6 @@ def _tree_attention_kernel(
 
 
 @triton.jit
-def _node_of(cu_q_ptr, row, num_nodes, SEARCH_STEPS: tl.constexpr):
-    """The node holding each query row: the largest i < num_nodes with cu_q[i] <= row (binary search; empty nodes
-    are skipped)."""
-    low = tl.zeros(row.shape, tl.int32)
-    high = tl.zeros(row.shape, tl.int32) + (num_nodes - 1)
-    for _ in tl.static_range(SEARCH_STEPS):
-        middle = (low + high + 1) // 2
-        go_right = tl.load(cu_q_ptr + middle) <= row
-        low = tl.where(go_right, middle, low)
-        high = tl.where(go_right, high, middle - 1)
-    return low
-
-
-@triton.jit
 def _tree_attention_rows_kernel(
     q_ptr,
     k_ptr,
@@ -198,7 +193,7 @@ def _tree_attention_rows_kernel(
     num_rows = tl.load(cu_q_ptr + num_nodes)
     row = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = row < num_rows
-    node = _node_of(cu_q_ptr, row, num_nodes, SEARCH_STEPS)
+    node = sequence_index(cu_q_ptr, row, num_nodes, SEARCH_STEPS)
     q_start = tl.load(cu_q_ptr + node)
     num_q = tl.load(cu_q_ptr + node + 1) - q_start
     num_k = tl.load(cu_k_ptr + node + 1) - tl.load(cu_k_ptr + node)
