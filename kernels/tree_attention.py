@@ -59,6 +59,7 @@ from kernels.numerics import (
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): the softmax in base 2 (a jit global must be a constexpr)
+BLOCK_M = 64  # query rows per program on CUDA (16 interpreted, for the interpreter's time; rows never share bits)
 BLOCK_N = 64  # keys per block, counted from the path start: fixes every row's reduction order (prefix invariance)
 SCHEDULES = ("nodes", "row-blocks")
 SCHEDULE = "nodes"  # the engine's (`engine.tree.row_node_core`) until the H200 probe has timed both
@@ -281,7 +282,7 @@ def tree_attention(
     o = output_tensor("tree_attention: out", out, (rows, heads, head_dim), torch.bfloat16, device)
     sequences = cu_seqlens_q.shape[0] - 1
     torch_cpu = kernel_mode(_tree_attention_kernel, device)
-    block_m = 16 if torch_cpu else 64
+    block_m = 16 if torch_cpu else BLOCK_M
     tiles = {"HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N,
              "BLOCK_D": triton.next_power_of_2(head_dim), "TORCH_CPU": torch_cpu,
              "num_warps": 4 if head_dim <= 128 else 8}  # fmt: skip

@@ -30,7 +30,6 @@ from ablations.probes import equal_share
 from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us, layer_probe_parser
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 
 
 def copy_tbps() -> float:

@@ -28,8 +28,6 @@ from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us
 from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
-ROW_BLOCK = 64  # the kernel's query block on the GPU
 
 
 def key_block_steps(nodes, schedule: str) -> int:
@@ -37,25 +35,27 @@ def key_block_steps(nodes, schedule: str) -> int:
     nodes: "nodes", each node's query blocks times its key blocks; "row-blocks", as its kernel walks them: for each
     64-row block and key block, the runs of adjacent nodes with the same key rows there, counted when a row of the run
     reaches the key block."""
+    from kernels.tree_attention import BLOCK_M, BLOCK_N  # rows per program on the GPU, keys per block
+
     bq, bk, key_rows = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist(), nodes.key_rows.cpu().tolist()
     if schedule == "nodes":
-        return sum(-(-(bq[i + 1] - bq[i]) // ROW_BLOCK) * -(-(bk[i + 1] - bk[i]) // ROW_BLOCK)
+        return sum(-(-(bq[i + 1] - bq[i]) // BLOCK_M) * -(-(bk[i + 1] - bk[i]) // BLOCK_N)
                    for i in range(len(bq) - 1) if bq[i + 1] > bq[i])  # fmt: skip
     steps = 0
-    for first in range(0, bq[-1], ROW_BLOCK):
-        last = min(first + ROW_BLOCK, bq[-1]) - 1
+    for first in range(0, bq[-1], BLOCK_M):
+        last = min(first + BLOCK_M, bq[-1]) - 1
         present = [i for i in range(len(bq) - 1) if bq[i] <= last and bq[i + 1] > first]
         # the key position of each present node's last row in this block
         reach = {i: (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]) + min(last, bq[i + 1] - 1) - bq[i] for i in present}
-        for block in range(max(reach.values()) // ROW_BLOCK + 1):
+        for block in range(max(reach.values()) // BLOCK_N + 1):
             runs: list[tuple[tuple, int]] = []  # (key rows at the block, the run's furthest position)
             for i in present:
-                keys = tuple(key_rows[bk[i] + block * ROW_BLOCK : min(bk[i] + (block + 1) * ROW_BLOCK, bk[i + 1])])
+                keys = tuple(key_rows[bk[i] + block * BLOCK_N : min(bk[i] + (block + 1) * BLOCK_N, bk[i + 1])])
                 if runs and runs[-1][0] == keys:
                     runs[-1] = (keys, max(runs[-1][1], reach[i]))
                 else:
                     runs.append((keys, reach[i]))
-            steps += sum(furthest >= block * ROW_BLOCK for _, furthest in runs)
+            steps += sum(furthest >= block * BLOCK_N for _, furthest in runs)
     return steps
 
 
