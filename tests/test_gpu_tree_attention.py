@@ -17,28 +17,17 @@ import torch
 import kernels
 from engine.tree import blockwise_node_core
 from kernels.tree_attention import SCHEDULES, tree_attention
-from measure.gdn_chunk_probe import bucketed_plan
-from measure.prep_probe import attn_prep_inputs
 from reference.shapes import QWEN38_27B as S
+from tests.cases import bucketed_attention_inputs
 
 pytestmark = pytest.mark.gpu
 SCALE = S.head_dim**-0.5
 
 
-def prepared(workload: str, seed: int):
-    plan, layout = bucketed_plan(workload)
-    plan = plan.to("cuda")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    args, dims = attn_prep_inputs(
-        plan, S, lambda *shape, std=1.0: (torch.randn(shape, generator=gen, device="cuda") * std).bfloat16()
-    )
-    return plan, layout, args, dims
-
-
 @pytest.mark.parametrize("workload", ["drone", "customer_service"])
 def test_gpu_tree_attention_within_the_bound_27b(workload):
     """Both schedules within the bound of the fp32 reference on the real rows, and bit-equal in every element."""
-    plan, layout, args, dims = prepared(workload, seed=41)
+    plan, layout, args, dims = bucketed_attention_inputs(workload, S, seed=41, device="cuda")
     nodes = plan.attention
     want = blockwise_node_core(*kernels.attn_prep(*args, key_rows=nodes.key_rows, **dims), nodes, SCALE)
     q, k, v = kernels.attn_prep(*args, **dims)
@@ -56,7 +45,7 @@ def test_gpu_tree_attention_within_the_bound_27b(workload):
 def test_gpu_tree_attention_prefix_and_batch_invariant_27b(schedule):
     """Every real node of drone's bucket: its rows bit-equal to the same rows of its whole path run as one sequence
     (tree vs flat), and to the node run alone (batch invariance)."""
-    plan, layout, args, dims = prepared("drone", seed=42)
+    plan, layout, args, dims = bucketed_attention_inputs("drone", S, seed=42, device="cuda")
     nodes = plan.attention
     q, k, v = kernels.attn_prep(*args, **dims)
     bounds = (nodes.key_rows, nodes.cu_seqlens_q, nodes.cu_seqlens_k, nodes.max_q, SCALE)

@@ -25,6 +25,8 @@ import triton  # noqa: E402
 from engine.tree import blockwise_causal_attention  # noqa: E402
 from kernels import tree_attention as module  # noqa: E402
 from kernels.tree_attention import SCHEDULES, tree_attention  # noqa: E402
+from reference.shapes import TINY  # noqa: E402
+from tests.cases import bucketed_attention_inputs  # noqa: E402
 
 if isinstance(module._tree_attention_kernel, triton.runtime.JITFunction):
     pytest.skip("kernels were compiled, not interpreted (TRITON_INTERPRET=1 unset)", allow_module_level=True)
@@ -134,15 +136,8 @@ def test_a_bucketed_plan_within_the_bound():
     reference over the key layout (`attn_prep` with the key rows) on the real rows."""
     import kernels
     from engine.tree import blockwise_node_core
-    from measure.gdn_chunk_probe import bucketed_plan
-    from measure.prep_probe import attn_prep_inputs
-    from reference.shapes import TINY
 
-    plan, layout = bucketed_plan("drone")
-    gen = torch.Generator().manual_seed(6)
-    args, dims = attn_prep_inputs(
-        plan, TINY, lambda *shape, std=1.0: (torch.randn(shape, generator=gen) * std).bfloat16()
-    )
+    plan, layout, args, dims = bucketed_attention_inputs("drone", TINY, seed=6)
     nodes, scale = plan.attention, TINY.head_dim**-0.5
     want = blockwise_node_core(*kernels.attn_prep(*args, key_rows=nodes.key_rows, **dims), nodes, scale)
     q, k, v = kernels.attn_prep(*args, **dims)
@@ -160,15 +155,8 @@ def test_row_blocks_give_the_nodes_bits_on_a_bucketed_plan(workload):
     rows of several nodes) against schedule "nodes" on the workload's bucketed plan at the tiny twin's head width (two
     query heads on one kv head): every element of the output bit-equal (NaN-poisoned alike)."""
     import kernels
-    from measure.gdn_chunk_probe import bucketed_plan
-    from measure.prep_probe import attn_prep_inputs
-    from reference.shapes import TINY
 
-    plan, _ = bucketed_plan(workload)
-    gen = torch.Generator().manual_seed(7)
-    args, dims = attn_prep_inputs(
-        plan, TINY, lambda *shape, std=1.0: (torch.randn(shape, generator=gen) * std).bfloat16()
-    )
+    plan, _, args, dims = bucketed_attention_inputs(workload, TINY, seed=7)
     nodes, scale = plan.attention, TINY.head_dim**-0.5
     q, k, v = kernels.attn_prep(*args, **dims)
     q, k, v = q[:, :2].contiguous(), k[:, :1].contiguous(), v[:, :1].contiguous()  # two heads: interpreter time
