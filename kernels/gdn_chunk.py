@@ -1,5 +1,6 @@
-"""The chunked gated delta rule forward in two launches: the solve, then one program per (sequence, value head, value
-block) that walks the sequence's chunks with the state on chip; with a plan's tree walk, the shared prefixes once.
+"""The chunked gated delta rule forward in two steps: the solve (one launch, or two for the stage's solve), then one
+program per (sequence, value head, value block) that walks the sequence's chunks with the state on chip; with a plan's
+tree walk, the shared prefixes once.
 
 Replaces FLA 0.6.0's five forward launches (`kernels.gdn_core.FlaForwardCore`: cumsum, kkt + solve, w/u, state
 pass, output). The solve launch (`gdn_chunk_solve`, one program per (chunk, value head) over FLA's `chunk_indices`)
@@ -41,6 +42,17 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
   output bits but for a few elements (0.9998-0.9999 of them at the kernel tests' inputs, all but about one in 10^7 on
   the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md, "Exactness"); the
   substitution's 14 dependent steps make it the slower launch (drone 28.8 against 23.9 us a layer).
+* "fla-blocks-two-launch" (the stage's): the same arithmetic in two launches. The first
+  (`_gdn_chunk_diagonal_kernel`, grid chunks x Hv x 4, one warp, 64 registers) inverts one diagonal block per program
+  (`_diagonal_inverse`: the substitution of one block, the same steps on the same values) into an fp32 workspace
+  [chunks, Hv, 4, 16, 16]; the second is the one-launch solve reading them instead of substituting. Why: the H200
+  profile of 6b8278c (results/gpu/20261204T2114Z-...-ncu-drone-source.csv.gz) puts 66% of the one-launch solve's warp
+  samples in the substitution loop, one warp issuing 362 instructions an iteration for four interleaved blocks at
+  6.4 cycles an instruction (the grid is 720 warps, 1.4 per scheduler: latency, not throughput). Split, each warp
+  runs a quarter of the loop and 4x the warps share the schedulers. The same bits: tests/test_gdn_chunk.py
+  `test_the_two_launch_solve_gives_the_one_launch_bits`, tests/test_gpu_gdn_chunk.py
+  `test_the_two_launch_solve_gives_the_one_launch_bits_27b` (sm_90 SASS here: the loop body per block is the
+  one-launch loop's quarter, op for op).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -76,7 +88,11 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.2 (this file): v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
+* v3.3 (this file): the "fla-blocks-two-launch" solve (above) is the stage's. sm_90 (Triton 3.9 here): the diagonal
+  launch 544 SASS instructions, 64 registers, no spills; the solve launch reading the blocks 2,096 instructions (the
+  one-launch solve 2,768), 255 registers, no spills. Not yet timed on the H200 (probe variants `stage` against
+  `fla-blocks-one-launch`).
+* v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core (drone 8.9 us a layer, customer_service 44.6 at
   0538e72). v3.1's bits (CPU: tests/test_gdn_chunk.py; H200: the tree-walk test of tests/test_gpu_gdn_chunk.py); sm_90
   SASS of the walk 2,888 -> 2,960 instructions, spills 404 -> 416 bytes (Triton 3.9 here). The fla-blocks solve
@@ -113,6 +129,8 @@ from kernels.gdn_chunk_body import (
     _chunk_state,
     _chunk_u,
     _chunk_w,
+    _diagonal_block,
+    _diagonal_inverse,
     _input_rows,
     _inverse_doubling,
     _inverse_fla_blocks,
@@ -125,9 +143,9 @@ CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA
 VALUE_BLOCK = 64  # the walk's BV (capped at V)
 NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
-SOLVES = ("doubling", "fla-blocks")
-SOLVE = "fla-blocks"  # the stage's: FLA's bits but for ~1 element in 10^7 (engine/stages/core.md, "Exactness")
-SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # each solve's fastest warp count (probe of c2ff2ee)
+SOLVES = ("doubling", "fla-blocks", "fla-blocks-two-launch")
+SOLVE = "fla-blocks-two-launch"  # the stage's: FLA's bits but for ~1 element in 10^7 (core.md, "Exactness")
+SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "fla-blocks-two-launch": 1}  # fastest (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
 WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit global must be a constexpr)
@@ -141,11 +159,69 @@ def _chunk_gates(g, beta, gate_rows, valid):
 
 
 @triton.jit
+def _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE: tl.constexpr):
+    """Program i_c's chunk of the solve launches: (needed, its sequence's first slot, the sequence's length, the chunk's
+    index in it; the last three read only when needed). With TREE, chunks the walk does not compute (before the
+    sequence's start chunk, or a dummy sequence's: column 1 of `walk`, negative for a dummy) are not needed."""
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
+    needed = i_t >= 0
+    if TREE:
+        start = tl.load(walk + i_n * WALK_WIDTH + 1).to(tl.int32)
+        needed = (start >= 0) & (i_t >= start)
+    bos = tl.load(cu_seqlens + i_n, mask=needed, other=0).to(tl.int64)
+    seq_len = (tl.load(cu_seqlens + i_n + 1, mask=needed, other=0).to(tl.int64) - bos).to(tl.int32)
+    return needed, bos, seq_len, i_t
+
+
+@triton.jit
+def _gdn_chunk_diagonal_kernel(
+    k,
+    g,
+    beta,
+    diagonal,
+    cu_seqlens,
+    chunk_indices,
+    walk,
+    slot_rows,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    ROUND: tl.constexpr,
+    TREE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    """(I + A_jj)⁻¹ of diagonal block j of one (chunk, value head) into `diagonal` [chunks, Hv, 4, 16, 16] fp32
+    (`_diagonal_inverse`: the "fla-blocks-two-launch" solve's first launch, grid chunks x Hv x 4); chunks as
+    `_gdn_chunk_solve_kernel`'s."""
+    BT: tl.constexpr = 64
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_j = tl.program_id(2)
+    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
+    needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
+    if needed:
+        rows = i_t * BT + tl.arange(0, BT)
+        valid = rows < seq_len
+        input_row = _input_rows(slot_rows, bos + rows, valid, HAS_ROWS)
+        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
+        a = _diagonal_block(
+            k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_j, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
+            ROUND, DOT_PRECISION, TORCH_CPU,
+        )  # fmt: skip
+        block = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        tl.store(diagonal + ((i_c * VALUE_HEADS + i_hv) * 4 + i_j).to(tl.int64) * 256 + block, _diagonal_inverse(a))
+
+
+@triton.jit
 def _gdn_chunk_solve_kernel(
     k,
     g,
     beta,
     solved,
+    diagonal,
     cu_seqlens,
     chunk_indices,
     walk,
@@ -162,22 +238,15 @@ def _gdn_chunk_solve_kernel(
     TORCH_CPU: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
-    the chunk's sequence only). With TREE, chunks the walk does not compute (before the sequence's start chunk, or a
-    dummy sequence's: column 1 of `walk`, negative for a dummy) are skipped. With HAS_ROWS, k, g and beta are read
-    at row slot_rows[slot] of each slot."""
+    the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`). With
+    HAS_ROWS, k, g and beta are read at row slot_rows[slot] of each slot. The "fla-blocks-two-launch" solve reads the
+    diagonal blocks' inverses from `diagonal` (`_gdn_chunk_diagonal_kernel`'s)."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
-    needed = i_t >= 0
-    if TREE:
-        start = tl.load(walk + i_n * WALK_WIDTH + 1).to(tl.int32)
-        needed = (start >= 0) & (i_t >= start)
+    needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
     if needed:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
         o_t = tl.arange(0, BT)
         rows = i_t * BT + o_t
         valid = rows < seq_len
@@ -195,8 +264,9 @@ def _gdn_chunk_solve_kernel(
             )  # fmt: skip
         else:
             t_op = _inverse_fla_blocks(
-                k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
-                ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
+                k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta,
+                diagonal + ((i_c * VALUE_HEADS + i_hv) * 4).to(tl.int64) * 256, KEY_HEADS, KEY_DIM, HAS_ROWS,
+                SOLVE == "fla-blocks-two-launch", ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
         solved_rows = (token * VALUE_HEADS + i_hv) * BT
         tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
@@ -378,8 +448,8 @@ def gdn_chunk_forward(
     docstring; no initial or final states with it). `rows` [T] int32/int64: the sequences' T rows are slots, and slot
     s reads q, k, v, g, beta at their row rows[s] (inputs of any R rows, values in [0, R) not checked: a device sync;
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
-    o stays at the slots. Two launches, the solve (grid chunks x Hv) and the walk (grid V / value_block x Hv x N, or
-    its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
+    o stays at the slots. The solve's launches (`gdn_chunk_solve`) and the walk (grid V / value_block x Hv x N, or its
+    tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -493,11 +563,13 @@ def gdn_chunk_solve(
     solve_precision: str = "tf32",
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
+    """The solve of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
-    skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]. Returns
-    T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points): row r of a chunk holds T's row r; rows
-    outside every sequence and of skipped chunks are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
+    skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]; the
+    "fla-blocks-two-launch" solve launches the diagonal blocks' inverses first (grid chunks x Hv x 4, into an fp32
+    workspace [chunks, Hv, 4, 16, 16]). Returns T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points):
+    row r of a chunk holds T's row r; rows outside every sequence and of skipped chunks are not written. Inputs as
+    `gdn_chunk_forward`'s, checked there."""
     device, value_heads = k.device, g.shape[1]
     tokens = k.shape[0] if rows is None else rows.shape[0]
     if solve not in SOLVES:
@@ -511,29 +583,37 @@ def gdn_chunk_solve(
     torch_cpu = kernel_mode(_gdn_chunk_solve_kernel, device)
     solved = torch.empty((tokens, value_heads, CHUNK), dtype=torch.bfloat16 if bf16_points else torch.float32,
                          device=device)  # fmt: skip
-    if chunk_indices.shape[0]:
-        with ieee_quiet(torch_cpu):
-            _gdn_chunk_solve_kernel[(chunk_indices.shape[0], value_heads)](
-                k,
-                g,
-                beta,
-                solved,
-                cu_seqlens,
-                chunk_indices,
-                chunk_indices if walk is None else walk,  # not read without TREE
-                chunk_indices if rows is None else rows,  # not read without HAS_ROWS
-                KEY_HEADS=k.shape[1],
-                VALUE_HEADS=value_heads,
-                KEY_DIM=k.shape[2],
-                ROUND=bf16_points,
-                TREE=walk is not None,
-                HAS_ROWS=rows is not None,
-                SOLVE=solve,
-                SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
-                DOT_PRECISION="tf32" if bf16_points else "ieee",
-                TORCH_CPU=torch_cpu,
-                num_warps=num_warps,
+    chunks = chunk_indices.shape[0]
+    if not chunks:
+        return solved
+    shapes = {"KEY_HEADS": k.shape[1], "VALUE_HEADS": value_heads, "KEY_DIM": k.shape[2]}
+    flags = {"ROUND": bf16_points, "TREE": walk is not None, "HAS_ROWS": rows is not None,
+             "DOT_PRECISION": "tf32" if bf16_points else "ieee", "TORCH_CPU": torch_cpu}  # fmt: skip
+    walk = chunk_indices if walk is None else walk  # not read without TREE
+    rows = chunk_indices if rows is None else rows  # not read without HAS_ROWS
+    diagonal = solved  # not read but by the two-launch solve
+    with ieee_quiet(torch_cpu):
+        if solve == "fla-blocks-two-launch":
+            diagonal = torch.empty((chunks, value_heads, 4, 16, 16), dtype=torch.float32, device=device)
+            _gdn_chunk_diagonal_kernel[(chunks, value_heads, 4)](
+                k, g, beta, diagonal, cu_seqlens, chunk_indices, walk, rows, **shapes, **flags, num_warps=num_warps
             )
+        _gdn_chunk_solve_kernel[(chunks, value_heads)](
+            k,
+            g,
+            beta,
+            solved,
+            diagonal,
+            cu_seqlens,
+            chunk_indices,
+            walk,
+            rows,
+            **shapes,
+            **flags,
+            SOLVE=solve,
+            SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
+            num_warps=num_warps,
+        )
     return solved
 
 

@@ -13,7 +13,8 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   forward (the engine's steady state: one fill per forward, not per layer);
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path
   slot at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads
-  them; without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
+  them; without the walk; the fla-blocks solve in one launch, the diagonal blocks' substitutions inside it, as
+  before gdn_chunk v3.3; the doubling solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
   88 bytes where 4 warps spill 416 on sm_90: 8 warps lost at c2ff2ee, before the rounding change); the solve launch
   is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
@@ -54,6 +55,7 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "stage": ({}, True, True),
     "stage-gathered": ({}, True, False),
     "stage-no-walk": ({}, False, False),
+    "fla-blocks-one-launch": ({"solve": "fla-blocks"}, True, True),
     "doubling": ({"solve": "doubling"}, True, True),
     "walk-stages1": ({"num_stages": 1}, True, True),
     "walk-stages3": ({"num_stages": 3}, True, True),

@@ -33,13 +33,16 @@ import triton  # noqa: E402
 
 from engine.plan import plan_tree  # noqa: E402
 from kernels import gdn_chunk  # noqa: E402
-from kernels.gdn_chunk import SOLVES, GdnChunkCore, gdn_chunk_forward  # noqa: E402
+from kernels.gdn_chunk import SOLVE, SOLVES, GdnChunkCore, gdn_chunk_forward  # noqa: E402
 from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle  # noqa: E402
 
 if isinstance(gdn_chunk._gdn_chunk_fwd_kernel, triton.runtime.JITFunction):
     pytest.skip("kernels were compiled, not interpreted (TRITON_INTERPRET=1 unset)", allow_module_level=True)
 
 LENGTHS = (1, 63, 64, 65, 130)
+# the solves of distinct arithmetic: the two fla-blocks solves give the same bits
+# (test_the_two_launch_solve_gives_the_one_launch_bits), so the oracle tests run the stage's of the two
+ARITHMETIC_SOLVES = tuple(solve for solve in SOLVES if solve != "fla-blocks")
 DIMS = {"gva-2-6-k32-v16": (2, 6, 32, 16), "gva-1-2-k16-v32": (1, 2, 16, 32)}
 
 
@@ -76,7 +79,7 @@ def _check_against_reference(o, final, inputs, bf16_points: bool) -> list[tuple]
     return figures
 
 
-@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("solve", ARITHMETIC_SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dims", list(DIMS.values()), ids=list(DIMS))
 def test_matches_the_recurrent_reference(dims, bf16_points, solve):
@@ -88,7 +91,7 @@ def test_matches_the_recurrent_reference(dims, bf16_points, solve):
     _check_against_reference(o, ht, inputs, bf16_points)
 
 
-@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("solve", ARITHMETIC_SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
 def test_a_badly_conditioned_solve_stays_within_the_bound(bf16_points, solve):
     """Keys near one direction, beta near 1, slow decay: (I + A) is close to singular-looking lower-triangular (its
@@ -206,8 +209,8 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
-@pytest.mark.parametrize(("tree_walk", "solve"), [(True, "doubling"), (True, "fla-blocks"), (False, "fla-blocks")],
-                         ids=["tree-walk-doubling", "tree-walk-fla-blocks", "plain-fla-blocks"])  # fmt: skip
+@pytest.mark.parametrize(("tree_walk", "solve"), [(True, "doubling"), (True, "fla-blocks"), (False, SOLVE)],
+                         ids=["tree-walk-doubling", "tree-walk-fla-blocks", f"plain-{SOLVE}"])  # fmt: skip
 def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve):
     """`rows`: each path slot reads q, k, v, g, beta at its packed row (no gathered copy) and gets, bit for bit, what
     the same call over the inputs gathered to the slots gives, in every element of o (NaN-poisoned alike, so the
@@ -225,6 +228,34 @@ def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve)
     assert direct.shape == gathered.shape and torch.equal(direct.view(torch.int16), gathered.view(torch.int16))
     written = direct[call.out_slots[call.out_rows < plan.num_rows - 73]]
     assert torch.isfinite(written).all()
+
+
+def _solved_rows(cu_seqlens: torch.Tensor, walk: torch.Tensor) -> torch.Tensor:
+    """The slots whose T rows the solve writes with a tree walk: each sequence's rows from its start chunk (none of a
+    dummy path)."""
+    starts = walk[:, 1].tolist()
+    spans = [range(int(b) + 64 * s, int(e)) for b, e, s in zip(cu_seqlens[:-1], cu_seqlens[1:], starts) if s >= 0]
+    return torch.tensor([slot for span in spans for slot in span])
+
+
+def test_the_two_launch_solve_gives_the_one_launch_bits():
+    """The "fla-blocks-two-launch" solve (the diagonal blocks' inverses in a launch of their own, grid chunks x Hv x
+    4, read back by the solve launch) writes the T rows "fla-blocks" writes in one launch, bit for bit: every chunk the
+    walk computes, read through the slots' rows, partial last chunks and dummy paths included. (Every chunk without a
+    walk: the module's other tests run this solve, the stage's, against the oracle.)"""
+    plan = plan_tree(*_tree_request(seed=16), pad_lens=(3, 70))
+    call = plan.gdn["replicated"].calls[0]
+    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), DIMS["gva-1-2-k16-v32"], seed=17)
+    solved = {
+        solve: gdn_chunk.gdn_chunk_solve(
+            k, g, beta, call.cu_seqlens, call.chunk_indices, walk=call.walk, rows=call.rows, solve=solve
+        )  # fmt: skip
+        for solve in ("fla-blocks", "fla-blocks-two-launch")
+    }
+    written = _solved_rows(call.cu_seqlens, call.walk)
+    assert 0 < len(written) < int(call.cu_seqlens[-1])  # the walk skips chunks
+    one, two = (t[written] for t in solved.values())
+    assert torch.isfinite(one).all() and torch.equal(two.view(torch.int16), one.view(torch.int16))
 
 
 def test_two_runs_are_identical():

@@ -172,6 +172,45 @@ def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
         assert torch.equal(captured[read], plain[read])
 
 
+@pytest.mark.parametrize("workload", ["drone", "customer_service", "jevbench/easy-intent-00"])
+def test_the_two_launch_solve_gives_the_one_launch_bits_27b(workload):
+    """The "fla-blocks-two-launch" solve (the stage's: the diagonal blocks' inverses in a launch of their own, 64
+    registers, grid chunks x Hv x 4) against "fla-blocks" in one launch, on the bucketed call `core` runs (tree walk,
+    the packed rows read through the slots' rows): T bit-equal at every row the solve writes, eagerly and replayed in
+    a CUDA graph, and so the walk's o at every representative slot."""
+    from engine.graphs import GridIndex, default_grid
+    from engine.plan import plan_tree, tree_layout
+    from kernels.gdn_chunk import gdn_chunk_solve
+
+    candidates, groups = request_candidates(get_workload(workload).request)
+    layout = tree_layout(candidates, groups)
+    plan = plan_tree(candidates, groups, bucket=GridIndex(default_grid()).smallest(layout))
+    call = plan.gdn["replicated"].calls[0]
+    packed = engine_gdn_inputs(plan.num_rows, 37, "cuda")
+    cu, chunk_indices, walk, rows = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk, call.rows))
+    spans = [range(int(b) + 64 * int(s), int(e)) for b, e, s in zip(call.cu_seqlens[:-1], call.cu_seqlens[1:],
+                                                                     call.walk[:, 1]) if s >= 0]  # fmt: skip
+    written = torch.tensor([slot for span in spans for slot in span], device=DEVICE)
+    k, g, beta = packed[1], packed[3], packed[4]
+
+    def solved(solve):
+        return gdn_chunk_solve(k, g, beta, cu, chunk_indices, walk=walk, rows=rows, solve=solve)
+
+    one = solved("fla-blocks")[written]
+    assert torch.isfinite(one.float()).all()
+    assert torch.equal(solved("fla-blocks-two-launch")[written].view(torch.int16), one.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = solved("fla-blocks-two-launch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[written].view(torch.int16), one.view(torch.int16))
+    outputs = [gdn_chunk_forward(*packed, cu, chunk_indices=chunk_indices, walk=walk, rows=rows, solve=solve)[0]
+               for solve in ("fla-blocks", "fla-blocks-two-launch")]  # fmt: skip
+    read = call.out_slots.to(DEVICE)[(call.out_rows < layout.rows).to(DEVICE)]
+    assert torch.equal(outputs[1][read].view(torch.int16), outputs[0][read].view(torch.int16))
+
+
 # ---------------------------------------------------------------------------------------------------------- the stage
 
 
