@@ -4,6 +4,8 @@ machines (CI) that can only interpret the kernels.
     python -m kernels.compile_check                    # every launch of engine_launches(), for sm_90, installed Triton
     python -m kernels.compile_check --capability 103   # the same for sm_103 (B300); 100: B200
     python -m kernels.compile_check --usage            # also each compile's registers and spills (ptxas -v)
+    python -m kernels.compile_check --sass --only gdn_chunk   # SASS instructions and opcodes of the gdn_chunk launches
+    python -m kernels.compile_check --only gdn_chunk --listings /tmp/sass   # and their SASS listings, one file each
 
 How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
 at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
@@ -24,6 +26,7 @@ JITFunctions): tests run it in a subprocess (tests/test_kernels.py).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
 import os
@@ -40,6 +43,7 @@ CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300
 META = torch.device("meta")
 SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
 SLOTS_SEQUENCE_COUNTS = (3, 17, 255)  # gdn_prep's output slots (the tree's packed rows): 2, 5 and 8 search steps
+SASS_OPCODES_SHOWN = 8  # `--sass`: the most common opcodes listed per kernel
 SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16", torch.int32: "i32",
@@ -146,18 +150,20 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     ]
     chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
-    # drone's bucket (replicated) with its tree walk on the packed rows (the stage's) and on gathered inputs, without
-    # the walk; a hand-off call
-    for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff")):
+    # drone's bucket (replicated) with its tree walk on the packed rows (the stage's; and with the one-launch solve) and
+    # on gathered inputs, without the walk; a hand-off call
+    for sequences, mode in ((18, "walk rows"), (18, "walk rows one-launch"), (18, "walk"), (18, "replicated"),
+                            (5, "handoff")):  # fmt: skip
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
         walk = _meta(sequences, 7, dtype=torch.int64) if mode.startswith("walk") else None
-        slot_rows = _meta(keys, dtype=torch.int64) if mode == "walk rows" else None
+        slot_rows = _meta(keys, dtype=torch.int64) if mode.startswith("walk rows") else None
+        solve = {"solve": "fla-blocks"} if mode.endswith("one-launch") else {}  # the probe's variant
 
-        def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode):
+        def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode, solve=solve):
             cu_seqlens, chunk_indices = _meta(sequences + 1, dtype=torch.int64), _meta(26, 2, dtype=torch.int64)
             return gdn_chunk_forward(
                 chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states,
-                output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk, rows=slot_rows,
+                output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk, rows=slot_rows, **solve,
             )  # fmt: skip
 
         launches.append((f"gdn_chunk {sequences} seqs {mode}", chunk_call))
@@ -247,10 +253,35 @@ def ptxas_usage(compiled, capability: int = SM90) -> str:
     return f"{registers}; {spills}"
 
 
-def check(capability: int = SM90, *, usage: bool = False) -> list[tuple[str, str, bool, str | None, str | None]]:
-    """(label, kernel name, aligned, None or the compiler's last error line, None or the usage) for every launch of
-    `engine_launches`; the usage (`ptxas_usage`: registers and spills) of each aligned compile with `usage`."""
+def sass_opcodes(compiled) -> collections.Counter:
+    """How many SASS instructions of each opcode (modifiers dropped: `FADD.FTZ` is FADD) a compiled kernel has,
+    from cuobjdump's listing of its cubin (`triton.tools.disasm`, Triton's bundled cuobjdump): static counts, each
+    loop body once."""
+    from triton.tools.disasm import get_sass
+
+    opcodes = collections.Counter()
+    for line in get_sass(compiled.asm["cubin"]).splitlines():
+        words = line.split("\t", 1)[1].split() if "\t" in line else []
+        words = words[1:] if words and words[0].startswith("@") else words  # a predicate
+        if words:
+            opcodes[words[0].rstrip(";").split(".")[0]] += 1
+    return opcodes
+
+
+def check(
+    capability: int = SM90,
+    *,
+    usage: bool = False,
+    sass: bool = False,
+    only: str | None = None,
+    listings: str | None = None,
+) -> list[tuple[str, str, bool, str | None, str | None]]:
+    """(label, kernel name, aligned, None or the compiler's last error line, None or the notes) for every launch of
+    `engine_launches`; the notes of each aligned compile: with `usage` its registers and spills (`ptxas_usage`), with
+    `sass` its SASS instruction count and most common opcodes (`sass_opcodes`); `only`: the launches whose label
+    starts with it; `listings`: a folder that gets each aligned compile's SASS listing (<label>.<kernel>.sass)."""
     import triton
+    from triton.tools.disasm import get_sass
 
     from kernels import activations
 
@@ -258,6 +289,8 @@ def check(capability: int = SM90, *, usage: bool = False) -> list[tuple[str, str
         raise RuntimeError("compile_check: the kernels were defined under TRITON_INTERPRET=1; run without it")
     results = []
     for label, call in engine_launches():
+        if only is not None and not label.startswith(only):
+            continue
         with captured_launches() as launches:
             call()
         if not launches:
@@ -269,8 +302,18 @@ def check(capability: int = SM90, *, usage: bool = False) -> list[tuple[str, str
                 error = None
             except Exception as failure:  # CompilationError, RuntimeError from the pass manager: report either
                 error = (str(failure).strip().splitlines() or [repr(failure)])[-1]
-            if error is None and usage and aligned:
-                note = ptxas_usage(compiled, capability)
+            if error is None and aligned:
+                notes = [ptxas_usage(compiled, capability)] if usage else []
+                if listings is not None:
+                    os.makedirs(listings, exist_ok=True)
+                    listing = os.path.join(listings, f"{label.replace(' ', '_')}.{launch.kernel.__name__}.sass")
+                    with open(listing, "w") as out:
+                        out.write(get_sass(compiled.asm["cubin"]))
+                if sass:
+                    opcodes = sass_opcodes(compiled)
+                    common = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(SASS_OPCODES_SHOWN))
+                    notes.append(f"{sum(opcodes.values())} SASS instructions: {common}")
+                note = "; ".join(notes) or None
             results.append((label, launch.kernel.__name__, aligned, error, note))
     return results
 
@@ -294,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--capability", type=int, default=SM90, help="CUDA compute capability, e.g. 90, 100, 103")
     parser.add_argument("--usage", action="store_true", help="registers and spills per aligned compile (ptxas -v)")
+    parser.add_argument("--sass", action="store_true", help="SASS instructions and opcodes per aligned compile")
+    parser.add_argument("--only", default=None, help="only the launches whose label starts with this")
+    parser.add_argument("--listings", default=None, help="a folder for each aligned compile's SASS listing")
     args = parser.parse_args(argv)
     capability = args.capability
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -303,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacking:
         print(f"compile_check: {lacking}", file=sys.stderr)
         return 2
-    results = check(capability, usage=args.usage)
+    results = check(capability, usage=args.usage, sass=args.sass, only=args.only, listings=args.listings)
     print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")
     for label, name, aligned, error, note in results:
         line = f"  {label:<34} {name:<26} {'aligned' if aligned else 'unaligned':<9} {error or 'ok'}"

@@ -88,7 +88,8 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.3 (this file): the "fla-blocks-two-launch" solve (above) is the stage's. sm_90 (Triton 3.9 here): the diagonal
+* v3.3 (this file): the "fla-blocks-two-launch" solve (above) is the stage's. sm_90 (Triton 3.9 here,
+  `python -m kernels.compile_check --usage --sass --only gdn_chunk`): the diagonal
   launch 544 SASS instructions, 64 registers, no spills; the solve launch reading the blocks 2,096 instructions (the
   one-launch solve 2,768), 255 registers, no spills. Not yet timed on the H200 (probe variants `stage` against
   `fla-blocks-one-launch`).

@@ -22,6 +22,7 @@ Every test prints its bit-identity table (`pytest -s` shows it).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -186,11 +187,13 @@ def test_kernels_compile_for(capability: int, compile_runs) -> None:
     stdout, stderr = run.communicate(timeout=900)
     print(stdout)
     lines = stdout.splitlines()
-    # each launch aligned and unaligned; a gdn_chunk call launches three kernels (the stage's solve in two: the
-    # diagonal blocks, the merge; the walk)
-    launches = len(compile_check.engine_launches()) + 2 * sum(
-        label.startswith("gdn_chunk") for label, _ in compile_check.engine_launches()
-    )
+
+    # each launch aligned and unaligned; a gdn_chunk call launches the walk and the solve's kernels: two for the stage's
+    # (the diagonal blocks, the merge), one for the one-launch fla-blocks
+    def kernels_of(label: str) -> int:
+        return (2 if label.endswith("one-launch") else 3) if label.startswith("gdn_chunk") else 1
+
+    launches = sum(kernels_of(label) for label, _ in compile_check.engine_launches())
     expected = f"{2 * launches} compiled, 0 failed"
     assert run.returncode == 0 and lines and lines[-1] == expected, stdout + stderr[-3000:]
     names = {line.split()[-3] for line in lines if line.endswith(" ok")}
@@ -198,6 +201,34 @@ def test_kernels_compile_for(capability: int, compile_runs) -> None:
                 "gather_slots", "gdn_chunk_diagonal", "gdn_chunk_solve", "gdn_chunk_fwd", "tree_attention",
                 "tree_attention_rows")  # fmt: skip
     assert names == {f"_{k}_kernel" for k in families}
+
+
+@pytest.mark.slow
+def test_compile_check_reports_usage_and_sass(tmp_path) -> None:
+    """`--usage --sass --only silu_mul --listings DIR`: the one silu_mul launch, its aligned compile annotated with
+    ptxas' registers and spills and with its SASS instruction count (the instruction lines of the listing it writes)
+    and the most common opcodes, whose counts add up to no more than the total; the unaligned compile unannotated."""
+    pytest.importorskip("triton.backends.nvidia")
+    if compile_check.ptxas_lacks(compile_check.SM90):
+        pytest.skip(compile_check.ptxas_lacks(compile_check.SM90))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check", "--usage", "--sass", "--only", "silu_mul", "--listings",
+         str(tmp_path)],
+        env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0 and lines[-1] == "2 compiled, 0 failed", run.stdout + run.stderr[-3000:]
+    aligned, unaligned = (line for line in lines if "_silu_mul_kernel" in line)
+    assert unaligned.endswith("unaligned ok")
+    note = re.fullmatch(r".* aligned +ok +\[(\d+) registers.*spill stores.*; (\d+) SASS instructions: (.*)\]", aligned)
+    assert note is not None, aligned
+    registers, total = int(note.group(1)), int(note.group(2))
+    counts = [int(pair.split()[1]) for pair in note.group(3).split(", ")]
+    assert 0 < registers <= 255 and len(counts) == compile_check.SASS_OPCODES_SHOWN and 0 < sum(counts) <= total
+    (listing,) = tmp_path.iterdir()
+    assert listing.name == "silu_mul._silu_mul_kernel.sass"
+    assert sum("\t" in line for line in listing.read_text().splitlines()) == total
 
 
 def test_gdn_prep_without_l2norm_tiny() -> None:
