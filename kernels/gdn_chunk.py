@@ -91,8 +91,12 @@ engine/stages/core.md):
 * v3.3 (this file): the "fla-blocks-two-launch" solve (above) is the stage's. sm_90 (Triton 3.9 here,
   `python -m kernels.compile_check --usage --sass --only gdn_chunk`): the diagonal
   launch 544 SASS instructions, 64 registers, no spills; the solve launch reading the blocks 2,096 instructions (the
-  one-launch solve 2,768), 255 registers, no spills. Not yet timed on the H200 (probe variants `stage` against
-  `fla-blocks-one-launch`).
+  one-launch solve 2,768), 255 registers, no spills. The walk runs a sequence's last chunk apart (`_walk_chunk`
+  without UPDATE) unless a final state or a publish reads the state after it: that chunk skips the state update
+  (1,856 instructions against the loop body's 2,196; the loop body unchanged, spills 416 -> 396 bytes; the kernel
+  2,960 -> 4,816 instructions with the peeled chunk). Same output bits (tests/test_gdn_chunk.py
+  `test_the_output_does_not_depend_on_asking_for_the_final_state`; GPU: `test_kernel_bitwise_invariances`). Not yet
+  timed on the H200 (probe variants `stage` against `fla-blocks-one-launch`; the peeled chunk in every variant).
 * v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core (drone 8.9 us a layer, customer_service 44.6 at
   0538e72). v3.1's bits (CPU: tests/test_gdn_chunk.py; H200: the tree-walk test of tests/test_gpu_gdn_chunk.py); sm_90
@@ -274,6 +278,56 @@ def _gdn_chunk_solve_kernel(
 
 
 @triton.jit
+def _walk_chunk(
+    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, causal, scale,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    UPDATE: tl.constexpr,
+):  # fmt: skip
+    """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
+    the chunk (UPDATE) or the chunk-start state unchanged (the last chunk when nothing reads the state after it)."""
+    BT: tl.constexpr = 64
+    rows = i_t * BT + o_t
+    valid = rows < seq_len
+    token = bos + rows
+    input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
+    k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
+    v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
+    b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
+    # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
+    # exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used and kept in
+    # bf16 (the dot operands on CUDA), to keep the registers for the state.
+    k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+    k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
+    t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
+                  other=0.0)  # fmt: skip
+    t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
+
+    # w = T (K beta 2^γ), u = T (V beta)
+    w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
+    b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
+
+    # v' = u - w Sb; output from the chunk-start state; then the state update
+    state_op = _rounded_operand(state, ROUND, TORCH_CPU)
+    v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
+    q_op = _loaded_operand(
+        tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+    )
+    b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND, DOT_PRECISION, TORCH_CPU)
+    o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
+    if ROUND:
+        tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
+    else:
+        tl.store(o_ptrs, b_o, mask=valid[:, None])
+    if UPDATE:
+        last = tl.minimum(seq_len - i_t * BT, BT) - 1
+        g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
+        state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
+    return state
+
+
+@triton.jit
 def _publish(state, bank, flags, slot, i_hv, i_v, state_tile, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
              VALUE_DIM: tl.constexpr, NV: tl.constexpr):  # fmt: skip
     """Store the state in bank slot `slot`, then raise its flag (after a CTA barrier, with release semantics, so that
@@ -310,6 +364,7 @@ def _gdn_chunk_fwd_kernel(
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    LAST_APART: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
@@ -368,48 +423,27 @@ def _gdn_chunk_fwd_kernel(
             source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
             state = tl.load(bank + source_state + state_tile, cache_modifier=".cg")
 
-    for i_t in range(start, num_chunks):
-        rows = i_t * BT + o_t
-        valid = rows < seq_len
-        token = bos + rows
-        input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
-        k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
-        v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
-        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
-        last = tl.minimum(seq_len - i_t * BT, BT) - 1
-        g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
-        # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and
-        # Q Kᵀ are exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used
-        # and kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
-        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
-        k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
-        t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
-                      other=0.0)  # fmt: skip
-        t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
-
-        # w = T (K beta 2^γ), u = T (V beta)
-        w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-        b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-        b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
-
-        # v' = u - w Sb; output from the chunk-start state; then the state update
-        state_op = _rounded_operand(state, ROUND, TORCH_CPU)
-        v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
-        q_op = _loaded_operand(
-            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-        )
-        b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND, DOT_PRECISION, TORCH_CPU)
-        o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
-        if ROUND:
-            tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
-        else:
-            tl.store(o_ptrs, b_o, mask=valid[:, None])
-        state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
+    # the state after the sequence's last chunk is computed only where it is read (a final state, a publish there):
+    # otherwise the last chunk runs apart, its output only
+    last_read = STORE_HT or not LAST_APART
+    if TREE:
+        last_read = last_read or publish_chunks == num_chunks or publish2_chunks == num_chunks
+    loop_end = num_chunks if last_read else num_chunks - 1
+    for i_t in range(start, loop_end):
+        state = _walk_chunk(
+            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, causal,
+            scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, True,
+        )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
                 _publish(state, bank, flags, publish_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
             if i_t + 1 == publish2_chunks:
                 _publish(state, bank, flags, publish2_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
+    if (loop_end < num_chunks) & (start < num_chunks):
+        _walk_chunk(
+            q, k, v, g, beta, o, solved, slot_rows, state, num_chunks - 1, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v,
+            causal, scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, False,
+        )  # fmt: skip
 
     if STORE_HT:
         tl.store(ht + state_offsets + state_tile, state)
@@ -438,6 +472,7 @@ def gdn_chunk_forward(
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    last_chunk_apart: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -451,6 +486,7 @@ def gdn_chunk_forward(
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
     o stays at the slots. The solve's launches (`gdn_chunk_solve`) and the walk (grid V / value_block x Hv x N, or its
     tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
+    `last_chunk_apart=False` keeps every chunk in the walk's loop, state update included (the probe's comparison).
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -542,6 +578,7 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
+            LAST_APART=last_chunk_apart,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,

@@ -14,7 +14,8 @@ Measured here, for scale: fp32 mode ~4e-7, bf16 mode ~3.5e-3 (far inside both).
 Bitwise claims, each its own test: a sequence alone equals the same sequence inside a batch; dummy sequences (empty
 and not), NaN rows after the last sequence and NaN-filled outputs change no real row; a prefix of a sequence gives
 the bits of the whole sequence on its rows; a hand-off at a multiple of 64 (final state in, the rest from it) equals
-one pass; two runs are identical.
+one pass; the output without the final state (last chunks run apart) equals the output with it; the two-launch solve
+writes the one-launch solve's T; two runs are identical.
 """
 
 from __future__ import annotations
@@ -256,6 +257,33 @@ def test_the_two_launch_solve_gives_the_one_launch_bits():
     assert 0 < len(written) < int(call.cu_seqlens[-1])  # the walk skips chunks
     one, two = (t[written] for t in solved.values())
     assert torch.isfinite(one).all() and torch.equal(two.view(torch.int16), one.view(torch.int16))
+
+
+def test_the_output_does_not_depend_on_asking_for_the_final_state():
+    """Without a final state asked (and no tree publish after it) the walk runs each sequence's last chunk apart,
+    without the state update nothing reads: every output element (NaN-poisoned) bit-equal to the run that computes
+    and returns the final state, and to the walk with every chunk in its loop (`last_chunk_apart=False`), on
+    sequences of 1-130 tokens with initial states."""
+    dims = DIMS["gva-1-2-k16-v32"]
+    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(LENGTHS, dims, seed=18)
+    out, final = _poisoned(q.shape[0], dims, len(LENGTHS))
+    with_state, _ = _run(q, k, v, g, beta, cu, h0, out=out, final=final)
+    out = _poisoned(q.shape[0], dims, len(LENGTHS))[0]
+    alone, none = gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, out=out)
+    in_loop, _ = gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, last_chunk_apart=False)
+    assert none is None and torch.isfinite(alone.float()).all()
+    assert torch.equal(alone.view(torch.int16), with_state.view(torch.int16))
+    assert torch.equal(in_loop.view(torch.int16), with_state.view(torch.int16))
+
+
+def test_walked_and_peeled_chunks_of_the_bucketed_calls():
+    """The counts engine/stages/core.md quotes (`measure.gdn_chunk_probe.walk_chunks`): chunks the tree walk computes
+    and last chunks it runs without the state update, on the buckets `graphs` replays."""
+    from measure.gdn_chunk_probe import bucketed_plan, walk_chunks
+
+    expected = {"drone": (15, 7), "jevbench/easy-intent-00": (10, 5), "customer_service": (21, 8)}
+    for workload, counts in expected.items():
+        assert walk_chunks(bucketed_plan(workload)[0].gdn["replicated"].calls[0]) == counts, workload
 
 
 def test_two_runs_are_identical():

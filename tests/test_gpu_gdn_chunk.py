@@ -10,8 +10,10 @@ Declared and checked:
   the stage's), and within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the
   oracle); the share of output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
 * bitwise: a sequence alone vs in the batch, bucket padding (empty and dummy sequences, NaN trailing rows), a hand-off
-  at a multiple of 64 vs one pass, two runs; a CUDA-graph replay of the launches vs the eager launches; the tree walk
-  vs the plain walk at every representative slot of three bucketed calls (five walks, three graph replays);
+  at a multiple of 64 vs one pass, two runs, the output without the final state (last chunks without the state
+  update) vs with it; a CUDA-graph replay of the launches vs the eager launches; the tree walk vs the plain walk at
+  every representative slot of three bucketed calls (five walks, three graph replays); the two-launch solve vs the
+  one-launch solve;
 * the stage (its GPU gate): `core` against `graphs` within the registry's bound (hidden_rel_rmse of the head's rows)
   on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise on drone.
 Synthetic weights and random inputs: only bits and bounds are compared, never accuracy.
@@ -101,6 +103,9 @@ def test_kernel_bitwise_invariances(kernel):
     o, final = forward(q, k, v, g, beta, cu, h0)
     again = forward(q, k, v, g, beta, cu, h0)
     assert torch.equal(o, again[0]) and torch.equal(final, again[1]), "two runs differ"
+    # without the final state the last chunks run apart, with no state update: the same output bits
+    without = gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, **KERNELS[kernel])
+    assert without[1] is None and torch.equal(without[0].view(torch.int16), o.view(torch.int16)), "no final state"
     bounds = cu.tolist()
     for i in (0, 6, 7):
         s, e = bounds[i], bounds[i + 1]
