@@ -148,11 +148,17 @@ def _diagonal_inverses(a0, a1, a2, a3):
 @triton.jit
 def _diagonal_inverse(a):
     """(I + a)⁻¹ of one strictly lower 16 x 16 block: `_diagonal_inverses`' substitution for one block alone (the
-    same steps on the same values)."""
+    same steps on the same values). The step is `_substitution_step` written out, its loop invariants hoisted: the
+    Triton interpreter re-patches the language at every nested jit call and pays for every op, and this loop is the
+    CPU tests' hottest (compiled, the SASS is the same instruction for instruction)."""
     o = tl.arange(0, 16)
-    t = -a
+    minus_a = -a
+    t = minus_a
     for i in range(2, 16):
-        t = _substitution_step(a, t, i, o)
+        row_i = (o == i)[:, None]
+        row = tl.sum(tl.where(row_i, minus_a, 0.0), axis=0)
+        row = row + tl.sum(row[:, None] * t, axis=0)
+        t = tl.where(row_i, row[None, :], t)
     return t + (o[:, None] == o[None, :]).to(tl.float32)
 
 
