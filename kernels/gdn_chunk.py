@@ -157,10 +157,19 @@ WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit globa
 
 
 @triton.jit
-def _chunk_gates(g, beta, gate_rows, valid):
-    """γ = cumsum(g) · log2(e) over the chunk (constant after the last valid row: g loads as 0 there) and β, fp32."""
+def _chunk_rows_and_gates(
+    g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS: tl.constexpr, HAS_ROWS: tl.constexpr
+):  # fmt: skip
+    """Chunk i_t of the sequence at slot `bos` of length `seq_len`: its 64 slots, which of them are the sequence's, the
+    input row of each (`_input_rows`), and its gates for value head i_hv in fp32: γ = cumsum(g) · log2(e) over the
+    chunk (constant after the last valid row: g loads as 0 there) and β."""
+    rows = i_t * 64 + tl.arange(0, 64)
+    valid = rows < seq_len
+    token = bos + rows
+    input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
+    gate_rows = input_row * VALUE_HEADS + i_hv
     b_gc = tl.cumsum(tl.load(g + gate_rows, mask=valid, other=0.0), axis=0) * RCP_LN2
-    return b_gc, to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
+    return token, valid, input_row, b_gc, to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
 
 
 @triton.jit
@@ -208,10 +217,9 @@ def _gdn_chunk_diagonal_kernel(
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
     needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
     if needed:
-        rows = i_t * BT + tl.arange(0, BT)
-        valid = rows < seq_len
-        input_row = _input_rows(slot_rows, bos + rows, valid, HAS_ROWS)
-        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
+        _, _, _, b_gc, b_beta = _chunk_rows_and_gates(
+            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+        )
         a = _diagonal_block(
             k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_j, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
             ROUND, DOT_PRECISION, TORCH_CPU,
@@ -253,11 +261,9 @@ def _gdn_chunk_solve_kernel(
     needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
     if needed:
         o_t = tl.arange(0, BT)
-        rows = i_t * BT + o_t
-        valid = rows < seq_len
-        token = bos + rows
-        input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
-        b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
+        token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+        )
         if SOLVE == "doubling":
             k16 = tl.load(k + ((input_row * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
                           mask=valid[:, None], other=0.0)  # fmt: skip
@@ -287,13 +293,11 @@ def _walk_chunk(
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
     the chunk (UPDATE) or the chunk-start state unchanged (the last chunk when nothing reads the state after it)."""
     BT: tl.constexpr = 64
-    rows = i_t * BT + o_t
-    valid = rows < seq_len
-    token = bos + rows
-    input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
+    token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+        g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+    )
     k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
     v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
-    b_gc, b_beta = _chunk_gates(g, beta, input_row * VALUE_HEADS + i_hv, valid)
     # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
     # exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used and kept in
     # bf16 (the dot operands on CUDA), to keep the registers for the state.
