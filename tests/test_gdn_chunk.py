@@ -35,7 +35,8 @@ import triton  # noqa: E402
 from engine.plan import plan_tree  # noqa: E402
 from kernels import gdn_chunk  # noqa: E402
 from kernels.gdn_chunk import SOLVE, SOLVES, GdnChunkCore, gdn_chunk_forward  # noqa: E402
-from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle  # noqa: E402
+from measure.gdn_chunk_probe import bucketed_plan, walk_chunks  # noqa: E402
+from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle, walked_slots  # noqa: E402
 
 if isinstance(gdn_chunk._gdn_chunk_fwd_kernel, triton.runtime.JITFunction):
     pytest.skip("kernels were compiled, not interpreted (TRITON_INTERPRET=1 unset)", allow_module_level=True)
@@ -203,9 +204,7 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     real = call.out_rows < plan.num_rows - sum(pad_lens)
     assert torch.equal(tree[call.out_slots[real]], plain[call.out_slots[real]])
     assert torch.isfinite(plain).all() and (tree[call.out_slots[~real]] == 0).all()
-    walked = sum(
-        -(-int(n) // 64) - int(start) for n, start in zip(call.cu_seqlens.diff(), call.walk[:, 1]) if start >= 0
-    )
+    walked, _ = walk_chunks(call)
     dummy_chunks = sum(-(-n // 64) for n in pad_lens)  # the hand-off runs the dummy paths, the walk zeroes them
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
@@ -231,14 +230,6 @@ def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve)
     assert torch.isfinite(written).all()
 
 
-def _solved_rows(cu_seqlens: torch.Tensor, walk: torch.Tensor) -> torch.Tensor:
-    """The slots whose T rows the solve writes with a tree walk: each sequence's rows from its start chunk (none of a
-    dummy path)."""
-    starts = walk[:, 1].tolist()
-    spans = [range(int(b) + 64 * s, int(e)) for b, e, s in zip(cu_seqlens[:-1], cu_seqlens[1:], starts) if s >= 0]
-    return torch.tensor([slot for span in spans for slot in span])
-
-
 def test_the_two_launch_solve_gives_the_one_launch_bits():
     """The "fla-blocks-two-launch" solve (the diagonal blocks' inverses in a launch of their own, grid chunks x Hv x
     4, read back by the solve launch) writes the T rows "fla-blocks" writes in one launch, bit for bit: every chunk the
@@ -253,7 +244,7 @@ def test_the_two_launch_solve_gives_the_one_launch_bits():
         )  # fmt: skip
         for solve in ("fla-blocks", "fla-blocks-two-launch")
     }
-    written = _solved_rows(call.cu_seqlens, call.walk)
+    written = walked_slots(call.cu_seqlens, call.walk)
     assert 0 < len(written) < int(call.cu_seqlens[-1])  # the walk skips chunks
     one, two = (t[written] for t in solved.values())
     assert torch.isfinite(one).all() and torch.equal(two.view(torch.int16), one.view(torch.int16))
@@ -279,8 +270,6 @@ def test_the_output_does_not_depend_on_asking_for_the_final_state():
 def test_walked_and_peeled_chunks_of_the_bucketed_calls():
     """The counts engine/stages/core.md quotes (`measure.gdn_chunk_probe.walk_chunks`): chunks the tree walk computes
     and last chunks it runs without the state update, on the buckets `graphs` replays."""
-    from measure.gdn_chunk_probe import bucketed_plan, walk_chunks
-
     expected = {"drone": (15, 7), "jevbench/easy-intent-00": (10, 5), "customer_service": (21, 8)}
     for workload, counts in expected.items():
         assert walk_chunks(bucketed_plan(workload)[0].gdn["replicated"].calls[0]) == counts, workload

@@ -36,7 +36,7 @@ from kernels.gdn_chunk import chunk_indices_of, gdn_chunk_forward
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
-from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
+from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle, walked_slots
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -193,9 +193,7 @@ def test_the_two_launch_solve_gives_the_one_launch_bits_27b(workload):
     call = plan.gdn["replicated"].calls[0]
     packed = engine_gdn_inputs(plan.num_rows, 37, "cuda")
     cu, chunk_indices, walk, rows = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk, call.rows))
-    spans = [range(int(b) + 64 * int(s), int(e)) for b, e, s in zip(call.cu_seqlens[:-1], call.cu_seqlens[1:],
-                                                                     call.walk[:, 1]) if s >= 0]  # fmt: skip
-    written = torch.tensor([slot for span in spans for slot in span], device=DEVICE)
+    written = walked_slots(call.cu_seqlens, call.walk).to(DEVICE)
     k, g, beta = packed[1], packed[3], packed[4]
 
     def solved(solve):
