@@ -150,20 +150,18 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     ]
     chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
-    # drone's bucket (replicated) with its tree walk on the packed rows (the stage's; and with the one-launch solve) and
-    # on gathered inputs, without the walk; a hand-off call
-    for sequences, mode in ((18, "walk rows"), (18, "walk rows one-launch"), (18, "walk"), (18, "replicated"),
-                            (5, "handoff")):  # fmt: skip
+    # drone's bucket (replicated) with its tree walk on the packed rows (the stage's) and on gathered inputs, without
+    # the walk; a hand-off call
+    for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff")):
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
         walk = _meta(sequences, 7, dtype=torch.int64) if mode.startswith("walk") else None
-        slot_rows = _meta(keys, dtype=torch.int64) if mode.startswith("walk rows") else None
-        solve = {"solve": "fla-blocks"} if mode.endswith("one-launch") else {}  # the probe's variant
+        slot_rows = _meta(keys, dtype=torch.int64) if mode == "walk rows" else None
 
-        def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode, solve=solve):
+        def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode):
             cu_seqlens, chunk_indices = _meta(sequences + 1, dtype=torch.int64), _meta(26, 2, dtype=torch.int64)
             return gdn_chunk_forward(
                 chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states,
-                output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk, rows=slot_rows, **solve,
+                output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk, rows=slot_rows,
             )  # fmt: skip
 
         launches.append((f"gdn_chunk {sequences} seqs {mode}", chunk_call))

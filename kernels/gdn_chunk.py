@@ -1,6 +1,5 @@
-"""The chunked gated delta rule forward in two steps: the solve (one launch, or two for the stage's solve), then one
-program per (sequence, value head, value block) that walks the sequence's chunks with the state on chip; with a plan's
-tree walk, the shared prefixes once.
+"""The chunked gated delta rule forward in two launches: the solve, then one program per (sequence, value head, value
+block) that walks the sequence's chunks with the state on chip; with a plan's tree walk, the shared prefixes once.
 
 Replaces FLA 0.6.0's five forward launches (`kernels.gdn_core.FlaForwardCore`: cumsum, kkt + solve, w/u, state
 pass, output). The solve launch (`gdn_chunk_solve`, one program per (chunk, value head) over FLA's `chunk_indices`)
@@ -40,19 +39,11 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
   `_inverse_fla_blocks`): the ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward
   substitution in fp32, the others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's
   output bits but for a few elements (0.9998-0.9999 of them at the kernel tests' inputs, all but about one in 10^7 on
-  the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md, "Exactness"); the
-  substitution's 14 dependent steps make it the slower launch (drone 28.8 against 23.9 us a layer).
-* "fla-blocks-two-launch" (the stage's): the same arithmetic in two launches. The first
-  (`_gdn_chunk_diagonal_kernel`, grid chunks x Hv x 4, one warp, 64 registers) inverts one diagonal block per program
-  (`_diagonal_inverse`: the substitution of one block, the same steps on the same values) into an fp32 workspace
-  [chunks, Hv, 4, 16, 16]; the second is the one-launch solve reading them instead of substituting. Why: the H200
-  profile of 6b8278c (results/gpu/20261204T2114Z-...-ncu-drone-source.csv.gz) puts 66% of the one-launch solve's warp
-  samples in the substitution loop, one warp issuing 362 instructions an iteration for four interleaved blocks at
-  6.4 cycles an instruction (the grid is 720 warps, 1.4 per scheduler: latency, not throughput). Split, each warp
-  runs a quarter of the loop and 4x the warps share the schedulers. The same bits: tests/test_gdn_chunk.py
-  `test_the_two_launch_solve_gives_the_one_launch_bits`, tests/test_gpu_gdn_chunk.py
-  `test_the_two_launch_solve_gives_the_one_launch_bits_27b` (sm_90 SASS here: the loop body per block is the
-  one-launch loop's quarter, op for op).
+  the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md, "Exactness"). Since v3.2 the
+  faster of the two at 6683faa: the solve launch 17.9 / 16.7 / 31.2 us a layer on drone / easy-intent-00 /
+  customer_service against doubling's 24.0 / 17.7 / 35.0. Its diagonal blocks' substitutions in a launch of their
+  own (4 warps per chunk instead of one) were slower: 24.7 / 20.2 / 37.3 us for the two launches (attempt
+  `gdn-chunk-solve-diagonal-launch`).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -88,22 +79,19 @@ RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); the in
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.3 (this file): the "fla-blocks-two-launch" solve (above) is the stage's. sm_90 (Triton 3.9 here,
-  `python -m kernels.compile_check --usage --sass --only gdn_chunk`): the diagonal
-  launch 544 SASS instructions, 64 registers, no spills; the solve launch reading the blocks 2,096 instructions (the
-  one-launch solve 2,768), 255 registers, no spills. The walk runs a sequence's last chunk apart (`_walk_chunk`
-  without UPDATE) unless a final state or a publish reads the state after it: that chunk skips the state update
-  (1,856 instructions against the loop body's 2,196; the loop body unchanged, spills 416 -> 396 bytes; the kernel
-  2,960 -> 4,816 instructions with the peeled chunk). Same output bits (tests/test_gdn_chunk.py
-  `test_the_output_does_not_depend_on_asking_for_the_final_state`; GPU: `test_kernel_bitwise_invariances`). Not yet
-  timed on the H200 (probe variants `stage` against `fla-blocks-one-launch`; the peeled chunk in every variant).
-* v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
-  `core` drops the `gather_slots` launch in front of the core (drone 8.9 us a layer, customer_service 44.6 at
-  0538e72). v3.1's bits (CPU: tests/test_gdn_chunk.py; H200: the tree-walk test of tests/test_gpu_gdn_chunk.py); sm_90
-  SASS of the walk 2,888 -> 2,960 instructions, spills 404 -> 416 bytes (Triton 3.9 here). The fla-blocks solve
-  forms all ten blocks of A before the substitution, so the four [16, K] key blocks are dead during it: spills
-  600 -> 0 bytes, 2,984 -> 2,768 SASS instructions, the same operations on the same values. Not yet timed on the
-  H200 (probe variants `stage` and `stage-gathered`, plus `gather_us`; the solve launch's own time).
+* v3.2 (this file): v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
+  `core` drops the `gather_slots` launch in front of the core. The fla-blocks solve forms all ten blocks of A before
+  the substitution, so the four [16, K] key blocks are dead during it (sm_90: spills 600 -> 0 bytes, 2,984 -> 2,768
+  SASS instructions, the same operations on the same values). v3.1's bits: the ladder records of 6683faa and 0538e72
+  have the same probabilities and fidelity figures in `core` on all four workloads (`python -m measure.equivalence`);
+  tests/test_gdn_chunk.py, and the tree-walk test of tests/test_gpu_gdn_chunk.py (passed at 6683faa). At 6683faa,
+  drone 83.0 us a layer (solve 17.9) against stage-gathered 89.0 plus the gather's 9.0, customer_service 152.7
+  (solve 31.2) against 150.0 plus 43.7; FLA 146.3 and 492.6. (Timed with v3.3's peeled last chunk, below, which
+  changed the walk's time by -2.6 to +1.8 us; the kernels here are those of its `last_chunk_apart=False` with the
+  one-launch solve, SASS instruction for instruction on sm_90, constant-bank offsets aside.)
+  v3.3 (6683faa, dropped): the solve's diagonal substitutions in a launch of their own, and each sequence's last
+  chunk after the walk's loop without the state update; neither gained (attempts `gdn-chunk-solve-diagonal-launch`,
+  `gdn-chunk-walk-last-chunk-apart`).
 * v3.1: the "fla-blocks" solve on one warp is the default; rounding points through the hardware
   conversion (`kernels.numerics` v2; `_rounded_operand` where only a dot reads the value): at 0538e72 drone 93.0 us
   a layer (FLA 145.7), customer_service 169.2 (FLA 493.6); the bit rounding of d6a7de0 took 143.5 and 276.4.
@@ -134,8 +122,6 @@ from kernels.gdn_chunk_body import (
     _chunk_state,
     _chunk_u,
     _chunk_w,
-    _diagonal_block,
-    _diagonal_inverse,
     _input_rows,
     _inverse_doubling,
     _inverse_fla_blocks,
@@ -148,9 +134,9 @@ CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA
 VALUE_BLOCK = 64  # the walk's BV (capped at V)
 NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
-SOLVES = ("doubling", "fla-blocks", "fla-blocks-two-launch")
-SOLVE = "fla-blocks-two-launch"  # the stage's: FLA's bits but for ~1 element in 10^7 (core.md, "Exactness")
-SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "fla-blocks-two-launch": 1}  # fastest (probe of c2ff2ee)
+SOLVES = ("doubling", "fla-blocks")
+SOLVE = "fla-blocks"  # the stage's: FLA's bits but for ~1 element in 10^7 (core.md, "Exactness")
+SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # fastest (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
 WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit global must be a constexpr)
@@ -189,52 +175,11 @@ def _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE: tl.constexpr):
 
 
 @triton.jit
-def _gdn_chunk_diagonal_kernel(
-    k,
-    g,
-    beta,
-    diagonal,
-    cu_seqlens,
-    chunk_indices,
-    walk,
-    slot_rows,
-    KEY_HEADS: tl.constexpr,
-    VALUE_HEADS: tl.constexpr,
-    KEY_DIM: tl.constexpr,
-    ROUND: tl.constexpr,
-    TREE: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):
-    """(I + A_jj)⁻¹ of diagonal block j of one (chunk, value head) into `diagonal` [chunks, Hv, 4, 16, 16] fp32
-    (`_diagonal_inverse`: the "fla-blocks-two-launch" solve's first launch, grid chunks x Hv x 4); chunks as
-    `_gdn_chunk_solve_kernel`'s."""
-    BT: tl.constexpr = 64
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_j = tl.program_id(2)
-    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
-    needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
-    if needed:
-        _, _, _, b_gc, b_beta = _chunk_rows_and_gates(
-            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-        )
-        a = _diagonal_block(
-            k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_j, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
-            ROUND, DOT_PRECISION, TORCH_CPU,
-        )  # fmt: skip
-        block = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        tl.store(diagonal + ((i_c * VALUE_HEADS + i_hv) * 4 + i_j).to(tl.int64) * 256 + block, _diagonal_inverse(a))
-
-
-@triton.jit
 def _gdn_chunk_solve_kernel(
     k,
     g,
     beta,
     solved,
-    diagonal,
     cu_seqlens,
     chunk_indices,
     walk,
@@ -252,8 +197,7 @@ def _gdn_chunk_solve_kernel(
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
     the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`). With
-    HAS_ROWS, k, g and beta are read at row slot_rows[slot] of each slot. The "fla-blocks-two-launch" solve reads the
-    diagonal blocks' inverses from `diagonal` (`_gdn_chunk_diagonal_kernel`'s)."""
+    HAS_ROWS, k, g and beta are read at row slot_rows[slot] of each slot."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -275,9 +219,8 @@ def _gdn_chunk_solve_kernel(
             )  # fmt: skip
         else:
             t_op = _inverse_fla_blocks(
-                k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta,
-                diagonal + ((i_c * VALUE_HEADS + i_hv) * 4).to(tl.int64) * 256, KEY_HEADS, KEY_DIM, HAS_ROWS,
-                SOLVE == "fla-blocks-two-launch", ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
+                k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
+                ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
         solved_rows = (token * VALUE_HEADS + i_hv) * BT
         tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
@@ -288,10 +231,9 @@ def _walk_chunk(
     q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, causal, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
-    UPDATE: tl.constexpr,
 ):  # fmt: skip
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
-    the chunk (UPDATE) or the chunk-start state unchanged (the last chunk when nothing reads the state after it)."""
+    the chunk."""
     BT: tl.constexpr = 64
     token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
         g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
@@ -324,11 +266,9 @@ def _walk_chunk(
         tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
     else:
         tl.store(o_ptrs, b_o, mask=valid[:, None])
-    if UPDATE:
-        last = tl.minimum(seq_len - i_t * BT, BT) - 1
-        g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
-        state = _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
-    return state
+    last = tl.minimum(seq_len - i_t * BT, BT) - 1
+    g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
+    return _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
 
 
 @triton.jit
@@ -368,7 +308,6 @@ def _gdn_chunk_fwd_kernel(
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
-    LAST_APART: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
@@ -427,28 +366,16 @@ def _gdn_chunk_fwd_kernel(
             source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
             state = tl.load(bank + source_state + state_tile, cache_modifier=".cg")
 
-    # the state after the sequence's last chunk is computed only where it is read (a final state, a publish there):
-    # otherwise the last chunk runs apart, its output only
-    last_read = STORE_HT or not LAST_APART
-    if TREE:
-        last_read = last_read or publish_chunks == num_chunks or publish2_chunks == num_chunks
-    loop_end = num_chunks if last_read else num_chunks - 1
-    for i_t in range(start, loop_end):
+    for i_t in range(start, num_chunks):
         state = _walk_chunk(
             q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, causal,
-            scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, True,
+            scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
                 _publish(state, bank, flags, publish_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
             if i_t + 1 == publish2_chunks:
                 _publish(state, bank, flags, publish2_slot, i_hv, i_v, state_tile, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-    if (loop_end < num_chunks) & (start < num_chunks):
-        _walk_chunk(
-            q, k, v, g, beta, o, solved, slot_rows, state, num_chunks - 1, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v,
-            causal, scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, False,
-        )  # fmt: skip
-
     if STORE_HT:
         tl.store(ht + state_offsets + state_tile, state)
 
@@ -476,7 +403,6 @@ def gdn_chunk_forward(
     value_block: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
-    last_chunk_apart: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -490,7 +416,6 @@ def gdn_chunk_forward(
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
     o stays at the slots. The solve's launches (`gdn_chunk_solve`) and the walk (grid V / value_block x Hv x N, or its
     tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
-    `last_chunk_apart=False` keeps every chunk in the walk's loop, state update included (the probe's comparison).
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -582,7 +507,6 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
-            LAST_APART=last_chunk_apart,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,
@@ -605,13 +529,11 @@ def gdn_chunk_solve(
     solve_precision: str = "tf32",
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """The solve of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
+    """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
-    skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]; the
-    "fla-blocks-two-launch" solve launches the diagonal blocks' inverses first (grid chunks x Hv x 4, into an fp32
-    workspace [chunks, Hv, 4, 16, 16]). Returns T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points):
-    row r of a chunk holds T's row r; rows outside every sequence and of skipped chunks are not written. Inputs as
-    `gdn_chunk_forward`'s, checked there."""
+    skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]. Returns
+    T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points): row r of a chunk holds T's row r; rows
+    outside every sequence and of skipped chunks are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
     device, value_heads = k.device, g.shape[1]
     tokens = k.shape[0] if rows is None else rows.shape[0]
     if solve not in SOLVES:
@@ -625,37 +547,29 @@ def gdn_chunk_solve(
     torch_cpu = kernel_mode(_gdn_chunk_solve_kernel, device)
     solved = torch.empty((tokens, value_heads, CHUNK), dtype=torch.bfloat16 if bf16_points else torch.float32,
                          device=device)  # fmt: skip
-    chunks = chunk_indices.shape[0]
-    if not chunks:
-        return solved
-    shapes = {"KEY_HEADS": k.shape[1], "VALUE_HEADS": value_heads, "KEY_DIM": k.shape[2]}
-    flags = {"ROUND": bf16_points, "TREE": walk is not None, "HAS_ROWS": rows is not None,
-             "DOT_PRECISION": "tf32" if bf16_points else "ieee", "TORCH_CPU": torch_cpu}  # fmt: skip
-    walk = chunk_indices if walk is None else walk  # not read without TREE
-    rows = chunk_indices if rows is None else rows  # not read without HAS_ROWS
-    diagonal = solved  # not read but by the two-launch solve
-    with ieee_quiet(torch_cpu):
-        if solve == "fla-blocks-two-launch":
-            diagonal = torch.empty((chunks, value_heads, 4, 16, 16), dtype=torch.float32, device=device)
-            _gdn_chunk_diagonal_kernel[(chunks, value_heads, 4)](
-                k, g, beta, diagonal, cu_seqlens, chunk_indices, walk, rows, **shapes, **flags, num_warps=num_warps
+    if chunk_indices.shape[0]:
+        with ieee_quiet(torch_cpu):
+            _gdn_chunk_solve_kernel[(chunk_indices.shape[0], value_heads)](
+                k,
+                g,
+                beta,
+                solved,
+                cu_seqlens,
+                chunk_indices,
+                chunk_indices if walk is None else walk,  # not read without TREE
+                chunk_indices if rows is None else rows,  # not read without HAS_ROWS
+                KEY_HEADS=k.shape[1],
+                VALUE_HEADS=value_heads,
+                KEY_DIM=k.shape[2],
+                ROUND=bf16_points,
+                TREE=walk is not None,
+                HAS_ROWS=rows is not None,
+                SOLVE=solve,
+                SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
+                DOT_PRECISION="tf32" if bf16_points else "ieee",
+                TORCH_CPU=torch_cpu,
+                num_warps=num_warps,
             )
-        _gdn_chunk_solve_kernel[(chunks, value_heads)](
-            k,
-            g,
-            beta,
-            solved,
-            diagonal,
-            cu_seqlens,
-            chunk_indices,
-            walk,
-            rows,
-            **shapes,
-            **flags,
-            SOLVE=solve,
-            SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
-            num_warps=num_warps,
-        )
     return solved
 
 

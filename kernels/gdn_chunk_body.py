@@ -79,7 +79,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _slice16(x, j):
+def _slice16(x, j: tl.constexpr):
     """Rows 16 j .. 16 j + 15 of a [64] vector (exact: a masked sum of one term)."""
     blocks = tl.reshape(x, (4, 16))
     return tl.sum(tl.where((tl.arange(0, 4) == j)[:, None], blocks, 0.0), axis=0)
@@ -97,7 +97,7 @@ def _input_rows(slot_rows, slots, valid, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _key_block(
-    k, slot_rows, token0, rows_left, j, i_hk, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+    k, slot_rows, token0, rows_left, j: tl.constexpr, i_hk, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Rows 16 j .. 16 j + 15 of the chunk's keys [16, K] as a dot operand (slots token0 + ..., read through
@@ -146,23 +146,6 @@ def _diagonal_inverses(a0, a1, a2, a3):
 
 
 @triton.jit
-def _diagonal_inverse(a):
-    """(I + a)⁻¹ of one strictly lower 16 x 16 block: `_diagonal_inverses`' substitution for one block alone (the
-    same steps on the same values). The step is `_substitution_step` written out, its loop invariants hoisted: the
-    Triton interpreter re-patches the language at every nested jit call and pays for every op, and this loop is the
-    CPU tests' hottest (compiled, the SASS is the same instruction for instruction)."""
-    o = tl.arange(0, 16)
-    minus_a = -a
-    t = minus_a
-    for i in range(2, 16):
-        row_i = (o == i)[:, None]
-        row = tl.sum(tl.where(row_i, minus_a, 0.0), axis=0)
-        row = row + tl.sum(row[:, None] * t, axis=0)
-        t = tl.where(row_i, row[None, :], t)
-    return t + (o[:, None] == o[None, :]).to(tl.float32)
-
-
-@triton.jit
 def _cat_columns(left, right):
     """[M, N], [M, N] -> [M, 2N]: left's columns, then right's."""
     return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], 2 * left.shape[1]))
@@ -181,26 +164,15 @@ def _block_row(b0, b1, b2, b3):
 
 
 @triton.jit
-def _diagonal_block(
-    k, slot_rows, token0, rows_left, j, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
-    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
-):  # fmt: skip
-    """A's diagonal block j (a program's block index, a runtime value) from the chunk's key block j, fp32."""
-    k_j = _key_block(k, slot_rows, token0, rows_left, j, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
-    g_j = _slice16(b_gc, j)
-    return _kkt_block(k_j, k_j, g_j, g_j, _slice16(b_beta, j), True, DOT_PRECISION)
-
-
-@triton.jit
 def _inverse_fla_blocks(
-    k, slot_rows, token0, rows_left, i_hk, b_gc, b_beta, diagonal, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
-    HAS_ROWS: tl.constexpr, LOAD_DIAGONAL: tl.constexpr, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    k, slot_rows, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
     kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
-    inverted by forward substitution (`_diagonal_inverses`; with LOAD_DIAGONAL read from `diagonal` [4, 16, 16] fp32,
-    where `_diagonal_inverse` put them), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
+    inverted by forward substitution (`_diagonal_inverses`), the 6 blocks below merged in FLA's order with 16 dots
+    at SOLVE_PRECISION:
     T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
     T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
     k0 = _key_block(k, slot_rows, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
@@ -210,23 +182,17 @@ def _inverse_fla_blocks(
     g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
     be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
     # every block of A before the substitution, so that the key blocks ([16, K] each) are dead during it
-    if not LOAD_DIAGONAL:
-        a00 = _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION)
-        a11 = _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION)
-        a22 = _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION)
-        a33 = _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION)
+    a00 = _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION)
+    a11 = _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION)
+    a22 = _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION)
+    a33 = _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION)
     a10 = _kkt_block(k1, k0, g1, g0, be1, False, DOT_PRECISION)
     a20 = _kkt_block(k2, k0, g2, g0, be2, False, DOT_PRECISION)
     a21 = _kkt_block(k2, k1, g2, g1, be2, False, DOT_PRECISION)
     a30 = _kkt_block(k3, k0, g3, g0, be3, False, DOT_PRECISION)
     a31 = _kkt_block(k3, k1, g3, g1, be3, False, DOT_PRECISION)
     a32 = _kkt_block(k3, k2, g3, g2, be3, False, DOT_PRECISION)
-    if LOAD_DIAGONAL:
-        block = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        t00, t11 = tl.load(diagonal + block), tl.load(diagonal + 256 + block)
-        t22, t33 = tl.load(diagonal + 512 + block), tl.load(diagonal + 768 + block)
-    else:
-        t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
+    t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
     t10 = -_dot(_dot(t11, a10, SOLVE_PRECISION), t00, SOLVE_PRECISION)
     t21 = -_dot(_dot(t22, a21, SOLVE_PRECISION), t11, SOLVE_PRECISION)
     t32 = -_dot(_dot(t33, a32, SOLVE_PRECISION), t22, SOLVE_PRECISION)

@@ -13,9 +13,7 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   forward (the engine's steady state: one fill per forward, not per layer);
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path
   slot at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads
-  them; without the walk; the fla-blocks solve in one launch, the diagonal blocks' substitutions inside it, as
-  before gdn_chunk v3.3; every last chunk inside the walk's loop with its state update, as before v3.3; the doubling
-  solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
+  them; without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
   88 bytes where 4 warps spill 416 on sm_90: 8 warps lost at c2ff2ee, before the rounding change); the solve launch
   is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
@@ -56,8 +54,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "stage": ({}, True, True),
     "stage-gathered": ({}, True, False),
     "stage-no-walk": ({}, False, False),
-    "fla-blocks-one-launch": ({"solve": "fla-blocks"}, True, True),
-    "last-chunk-in-loop": ({"last_chunk_apart": False}, True, True),
     "doubling": ({"solve": "doubling"}, True, True),
     "walk-stages1": ({"num_stages": 1}, True, True),
     "walk-stages3": ({"num_stages": 3}, True, True),
@@ -80,16 +76,11 @@ def bucketed_plan(workload_id: str):
     return plan_tree(candidates, groups, bucket=bucket), layout
 
 
-def walk_chunks(call) -> tuple[int, int]:
-    """(chunks the tree walk computes, last chunks it runs apart without the state update: those of sequences that
-    publish no state at their end) of a replicated call, from its walk rows (kernels/gdn_chunk.py)."""
-    walked = apart = 0
-    for n, (_, start, _, publish, _, publish2, _) in zip(call.cu_seqlens_cpu.diff().tolist(), call.walk.tolist()):
-        chunks = -(-n // 64)
-        if 0 <= start < chunks:
-            walked += chunks - start
-            apart += chunks not in (publish, publish2)
-    return walked, apart
+def walked_chunks(call) -> int:
+    """The chunks the tree walk of a replicated call computes: each sequence's from its start chunk (column 1 of its
+    walk row, kernels/gdn_chunk.py), none of a dummy path's."""
+    lens, starts = call.cu_seqlens_cpu.diff().tolist(), call.walk[:, 1].tolist()
+    return sum(-(-n // 64) - start for n, start in zip(lens, starts) if start >= 0)
 
 
 def graph_time_us(fn, calls: int, rounds: int) -> float:
@@ -168,15 +159,13 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
     def run_fla():
         return fla(q, k, v, g, beta, **fla_options)
 
-    walked, apart = walk_chunks(call)
     result = {
         "workload": workload_id,
         "bucket": plan.bucket.name,
         "path_slots": len(call.rows),  # the bucket's, trailing slots (in no sequence) included, as the engine's
         "sequences": call.num_sequences,
         "chunks": call.chunks,
-        "walked_chunks": walked,
-        "last_chunks_apart": apart,
+        "walked_chunks": walked_chunks(call),
         "fla_us": graph_time_us(run_fla, calls, rounds),
         "gather_us": graph_time_us(lambda: kernels.gather_slots(packed, path_rows), calls, rounds),
         "variants": {},

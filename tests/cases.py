@@ -108,14 +108,6 @@ def gdn_chunk_bounds(key_dim: int, chunks: int) -> dict[str, float]:
     return {"fp32": fp32_terms * 2.0**-24, "bf16": (10 + 2 * (chunks - 1)) * 2.0**-8}
 
 
-def walked_slots(cu_seqlens: torch.Tensor, walk: torch.Tensor) -> torch.Tensor:
-    """The slots a tree walk computes, so the slots whose T rows the GDN chunk solve writes: each sequence's rows from
-    its start chunk (column 1 of `walk`), none of a dummy path; on cu_seqlens' device."""
-    bounds, starts = cu_seqlens.tolist(), walk[:, 1].tolist()
-    spans = [range(b + 64 * s, e) for b, e, s in zip(bounds[:-1], bounds[1:], starts) if s >= 0]
-    return torch.tensor([slot for span in spans for slot in span], device=cu_seqlens.device)
-
-
 def bucketed_attention_inputs(workload: str, shapes: ModelShapes, seed: int, device: str = "cpu"):
     """(plan, layout, attn_args, attn_dims): the bucketed plan `graphs` replays for the workload (on `device`), its
     unpadded tree layout (the real rows), and `kernels.attn_prep`'s arguments from seeded random projections."""

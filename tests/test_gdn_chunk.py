@@ -14,8 +14,7 @@ Measured here, for scale: fp32 mode ~4e-7, bf16 mode ~3.5e-3 (far inside both).
 Bitwise claims, each its own test: a sequence alone equals the same sequence inside a batch; dummy sequences (empty
 and not), NaN rows after the last sequence and NaN-filled outputs change no real row; a prefix of a sequence gives
 the bits of the whole sequence on its rows; a hand-off at a multiple of 64 (final state in, the rest from it) equals
-one pass; the output without the final state (last chunks run apart) equals the output with it; the two-launch solve
-writes the one-launch solve's T; two runs are identical.
+one pass; two runs are identical.
 """
 
 from __future__ import annotations
@@ -35,16 +34,13 @@ import triton  # noqa: E402
 from engine.plan import plan_tree  # noqa: E402
 from kernels import gdn_chunk  # noqa: E402
 from kernels.gdn_chunk import SOLVE, SOLVES, GdnChunkCore, gdn_chunk_forward  # noqa: E402
-from measure.gdn_chunk_probe import bucketed_plan, walk_chunks  # noqa: E402
-from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle, walked_slots  # noqa: E402
+from measure.gdn_chunk_probe import bucketed_plan, walked_chunks  # noqa: E402
+from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle  # noqa: E402
 
 if isinstance(gdn_chunk._gdn_chunk_fwd_kernel, triton.runtime.JITFunction):
     pytest.skip("kernels were compiled, not interpreted (TRITON_INTERPRET=1 unset)", allow_module_level=True)
 
 LENGTHS = (1, 63, 64, 65, 130)
-# the solves of distinct arithmetic: the two fla-blocks solves give the same bits
-# (test_the_two_launch_solve_gives_the_one_launch_bits), so the oracle tests run the stage's of the two
-ARITHMETIC_SOLVES = tuple(solve for solve in SOLVES if solve != "fla-blocks")
 DIMS = {"gva-2-6-k32-v16": (2, 6, 32, 16), "gva-1-2-k16-v32": (1, 2, 16, 32)}
 
 
@@ -81,7 +77,7 @@ def _check_against_reference(o, final, inputs, bf16_points: bool) -> list[tuple]
     return figures
 
 
-@pytest.mark.parametrize("solve", ARITHMETIC_SOLVES)
+@pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dims", list(DIMS.values()), ids=list(DIMS))
 def test_matches_the_recurrent_reference(dims, bf16_points, solve):
@@ -93,7 +89,7 @@ def test_matches_the_recurrent_reference(dims, bf16_points, solve):
     _check_against_reference(o, ht, inputs, bf16_points)
 
 
-@pytest.mark.parametrize("solve", ARITHMETIC_SOLVES)
+@pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("bf16_points", [False, True], ids=["fp32", "bf16"])
 def test_a_badly_conditioned_solve_stays_within_the_bound(bf16_points, solve):
     """Keys near one direction, beta near 1, slow decay: (I + A) is close to singular-looking lower-triangular (its
@@ -204,7 +200,7 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     real = call.out_rows < plan.num_rows - sum(pad_lens)
     assert torch.equal(tree[call.out_slots[real]], plain[call.out_slots[real]])
     assert torch.isfinite(plain).all() and (tree[call.out_slots[~real]] == 0).all()
-    walked, _ = walk_chunks(call)
+    walked = walked_chunks(call)
     dummy_chunks = sum(-(-n // 64) for n in pad_lens)  # the hand-off runs the dummy paths, the walk zeroes them
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
@@ -230,49 +226,12 @@ def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve)
     assert torch.isfinite(written).all()
 
 
-def test_the_two_launch_solve_gives_the_one_launch_bits():
-    """The "fla-blocks-two-launch" solve (the diagonal blocks' inverses in a launch of their own, grid chunks x Hv x
-    4, read back by the solve launch) writes the T rows "fla-blocks" writes in one launch, bit for bit: every chunk the
-    walk computes, read through the slots' rows, partial last chunks and dummy paths included. (Every chunk without a
-    walk: the module's other tests run this solve, the stage's, against the oracle.)"""
-    plan = plan_tree(*_tree_request(seed=16), pad_lens=(3, 70))
-    call = plan.gdn["replicated"].calls[0]
-    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), DIMS["gva-1-2-k16-v32"], seed=17)
-    solved = {
-        solve: gdn_chunk.gdn_chunk_solve(
-            k, g, beta, call.cu_seqlens, call.chunk_indices, walk=call.walk, rows=call.rows, solve=solve
-        )  # fmt: skip
-        for solve in ("fla-blocks", "fla-blocks-two-launch")
-    }
-    written = walked_slots(call.cu_seqlens, call.walk)
-    assert 0 < len(written) < int(call.cu_seqlens[-1])  # the walk skips chunks
-    one, two = (t[written] for t in solved.values())
-    assert torch.isfinite(one).all() and torch.equal(two.view(torch.int16), one.view(torch.int16))
-
-
-def test_the_output_does_not_depend_on_asking_for_the_final_state():
-    """Without a final state asked (and no tree publish after it) the walk runs each sequence's last chunk apart,
-    without the state update nothing reads: every output element (NaN-poisoned) bit-equal to the run that computes
-    and returns the final state, and to the walk with every chunk in its loop (`last_chunk_apart=False`), on
-    sequences of 1-130 tokens with initial states."""
-    dims = DIMS["gva-1-2-k16-v32"]
-    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(LENGTHS, dims, seed=18)
-    out, final = _poisoned(q.shape[0], dims, len(LENGTHS))
-    with_state, _ = _run(q, k, v, g, beta, cu, h0, out=out, final=final)
-    out = _poisoned(q.shape[0], dims, len(LENGTHS))[0]
-    alone, none = gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, out=out)
-    in_loop, _ = gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, last_chunk_apart=False)
-    assert none is None and torch.isfinite(alone.float()).all()
-    assert torch.equal(alone.view(torch.int16), with_state.view(torch.int16))
-    assert torch.equal(in_loop.view(torch.int16), with_state.view(torch.int16))
-
-
-def test_walked_and_peeled_chunks_of_the_bucketed_calls():
-    """The counts engine/stages/core.md quotes (`measure.gdn_chunk_probe.walk_chunks`): chunks the tree walk computes
-    and last chunks it runs without the state update, on the buckets `graphs` replays."""
-    expected = {"drone": (15, 7), "jevbench/easy-intent-00": (10, 5), "customer_service": (21, 8)}
-    for workload, counts in expected.items():
-        assert walk_chunks(bucketed_plan(workload)[0].gdn["replicated"].calls[0]) == counts, workload
+def test_walked_chunks_of_the_bucketed_calls():
+    """The counts engine/stages/core.md quotes (`measure.gdn_chunk_probe.walked_chunks`): chunks the tree walk
+    computes on the buckets `graphs` replays."""
+    expected = {"drone": 15, "jevbench/easy-intent-00": 10, "customer_service": 21}
+    for workload, count in expected.items():
+        assert walked_chunks(bucketed_plan(workload)[0].gdn["replicated"].calls[0]) == count, workload
 
 
 def test_two_runs_are_identical():

@@ -174,8 +174,8 @@ def compile_runs(request) -> Iterator[dict[int, subprocess.Popen]]:
 def test_kernels_compile_for(capability: int, compile_runs) -> None:
     """`python -m kernels.compile_check --capability N`: every kernel, as the wrappers launch it at the 27B shapes
     (gdn_prep at every binary-search depth, with and without a row index, and at output slots for three depths;
-    gather_slots; residual_rmsnorm_splitk at S = 1-4; gdn_chunk's solve (two launches) and walk for drone's bucket
-    with and without its tree walk and for a hand-off call),
+    gather_slots; residual_rmsnorm_splitk at S = 1-4; gdn_chunk's solve and walk for drone's bucket with and without
+    its tree walk and for a hand-off call),
     compiles for sm_N with the installed Triton, aligned and unaligned (the interpreter never runs Triton's compiler
     passes, kernels/compile_check.py): sm_90 (H200), sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas
     cannot target one. The three targets compile in parallel (`compile_runs`): about 92-121 s each one after another
@@ -187,18 +187,15 @@ def test_kernels_compile_for(capability: int, compile_runs) -> None:
     stdout, stderr = run.communicate(timeout=900)
     print(stdout)
     lines = stdout.splitlines()
-
-    # each launch aligned and unaligned; a gdn_chunk call launches the walk and the solve's kernels: two for the stage's
-    # (the diagonal blocks, the merge), one for the one-launch fla-blocks
-    def kernels_of(label: str) -> int:
-        return (2 if label.endswith("one-launch") else 3) if label.startswith("gdn_chunk") else 1
-
-    launches = sum(kernels_of(label) for label, _ in compile_check.engine_launches())
+    # each launch aligned and unaligned; a gdn_chunk call launches two kernels (the solve, the walk)
+    launches = len(compile_check.engine_launches()) + sum(
+        label.startswith("gdn_chunk") for label, _ in compile_check.engine_launches()
+    )
     expected = f"{2 * launches} compiled, 0 failed"
     assert run.returncode == 0 and lines and lines[-1] == expected, stdout + stderr[-3000:]
     names = {line.split()[-3] for line in lines if line.endswith(" ok")}
     families = ("silu_mul", "residual_rmsnorm", "gated_rmsnorm", "attn_prep", "attention_gate", "gdn_prep",
-                "gather_slots", "gdn_chunk_diagonal", "gdn_chunk_solve", "gdn_chunk_fwd", "tree_attention",
+                "gather_slots", "gdn_chunk_solve", "gdn_chunk_fwd", "tree_attention",
                 "tree_attention_rows")  # fmt: skip
     assert names == {f"_{k}_kernel" for k in families}
 
