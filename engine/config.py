@@ -12,11 +12,8 @@ Fields (values; what each picks):
   (`engine/plan.py`).
 * `elementwise` (`torch`, `triton`): element-wise ops as torch compositions at HF's rounding points
   (`reference/ops.py`), or the fused Triton kernels of `kernels/`.
-* `attention` (`sdpa_padded`, `mask`, `varlen`, `tree_rows`): HF's SDPA per padded batch; one SDPA call with an
-  additive mask over the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise
-  fp32 on the CPU), k and v written at every node's path; the same nodes through our kernel with k and v once per
-  packed row, each path read through the plan's key rows (`kernels/tree_attention.py`; no registered stage runs it
-  until the H200 probe has timed it).
+* `attention` (`sdpa_padded`, `mask`, `varlen`): HF's SDPA per padded batch; one SDPA call with an additive mask over
+  the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise fp32 on the CPU).
 * `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
   `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
   gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
@@ -52,7 +49,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "backbone": ("hf", "engine"),
     "layout": ("padded", "flat", "tree"),
     "elementwise": ("torch", "triton"),
-    "attention": ("sdpa_padded", "mask", "varlen", "tree_rows"),
+    "attention": ("sdpa_padded", "mask", "varlen"),
     "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
@@ -71,8 +68,6 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("attention", "sdpa_padded"): "SDPA per padded batch",
     ("attention", "mask"): "one masked SDPA call over the packed rows",
     ("attention", "varlen"): "one varlen causal call per layer over the plan's nodes (FlashAttention-2 on CUDA)",
-    ("attention", "tree_rows"): "one call per layer over the plan's nodes, k and v once per packed row, each path read "
-    "through its key rows (our Triton kernel)",
     ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
     ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
@@ -135,23 +130,19 @@ class EngineConfig:
                 )
         else:
             if self.layout == "padded" or self.attention == "sdpa_padded":
-                raise ValueError(
-                    "the engine runs packed rows: layout 'flat' or 'tree', attention 'mask', 'varlen' or 'tree_rows'"
-                )
+                raise ValueError("the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or 'varlen'")
             if self.gdn_core == "chunk_fused" and self.elementwise != "triton":
                 raise ValueError(
                     "gdn_core='chunk_fused' takes q/k L2-normalised by the Triton prep kernel: it needs "
                     "elementwise='triton'"
                 )
         if self.graphs:
-            needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton"}
+            needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton", "attention": "varlen"}
             wrong = {name: getattr(self, name) for name, value in needs.items() if getattr(self, name) != value}
-            if self.attention not in ("varlen", "tree_rows"):
-                wrong["attention"] = self.attention
             if wrong or self.gdn_core == "fla":
                 raise ValueError(
-                    f"graphs=True replays bucketed tree plans: it needs {needs}, attention 'varlen' or 'tree_rows' and "
-                    f"gdn_core 'fla_forward' (or its CPU form), got {wrong or {'gdn_core': self.gdn_core}}"
+                    f"graphs=True replays bucketed tree plans: it needs {needs} and gdn_core 'fla_forward' (or its CPU "
+                    f"form), got {wrong or {'gdn_core': self.gdn_core}}"
                 )
 
     def replace(self, **changes: Any) -> EngineConfig:

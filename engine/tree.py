@@ -9,9 +9,7 @@ Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run onc
   path) or `handoff` (root once to its last 64-token boundary, fp32 state handed to the branches, the straddling chunk
   recomputed per branch). `core` is any varlen GDN function with FLA's `chunk_gated_delta_rule` signature.
 * attention: one varlen sequence per node whose queries are the node's rows and whose keys are its path
-  (`plan.attention`), with the cores `flash_node_core` on CUDA and `blockwise_node_core` anywhere (both on keys
-  written at every node's path), and `row_node_core` anywhere (k and v once per packed row, read through the key
-  rows). The other ways of
+  (`plan.attention`), with the cores `flash_node_core` on CUDA and `blockwise_node_core` anywhere. The other ways of
   running attention over a tree (masked SDPA, FlexAttention, gathered paths) are references, in `reference/tree.py`.
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
@@ -39,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.plan import NodeAttention, TreePlan
-from kernels.tree_attention import tree_attention
 from reference import ops
 
 
@@ -251,18 +248,6 @@ def flash_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: N
         q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_q, layout.max_k, 0.0, True, False, scale=scale
     )
     return out[0]
-
-
-def row_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: NodeAttention, scale: float):
-    """Node-wise causal attention with k and v once per packed row, each node's keys read through `layout.key_rows`
-    (`kernels.tree_attention`, Triton: compiled on CUDA, interpreted on the CPU).
-
-    q [Nq, Hq, D] (the queries of `layout`'s sequences), k and v [N, Hkv, D] (the packed rows) -> [Nq, Hq, D] bf16.
-    Prefix-invariant like the other node cores (64-key blocks from the path start); bounded against
-    `blockwise_node_core` (tests/test_tree_attention.py).
-    """
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    return tree_attention(q, k, v, layout.key_rows, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_q, scale)
 
 
 def default_node_core(device: torch.device) -> Callable:

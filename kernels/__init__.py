@@ -17,9 +17,6 @@
   slots at their packed rows (stage `core`).
   Bounded against the fp32 oracle `reference.ops.gdn_recurrent`; bitwise batch-, padding- and prefix-invariant, and
   the tree walk bitwise the plain walk where the engine reads.
-* `tree_attention.tree_attention`: causal attention over the tree's nodes with k and v once per packed row, each
-  node's path read through the plan's key rows. Bounded against the fp32 blockwise reference; bitwise prefix- and
-  batch-invariant. Not in the engine yet (`measure.tree_attention_probe` times it against FlashAttention-2).
 * `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the
   sum-of-squares order. `attn_prep.attention_gate_view` is the gate half of the q projection as a view.
 

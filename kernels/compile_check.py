@@ -67,7 +67,7 @@ def captured_launches() -> Iterator[list[Launch]]:
     import triton
 
     # the modules, not the same-named functions that `kernels` re-exports
-    families = ("activations", "attn_prep", "gdn_chunk", "gdn_prep", "norms", "tree_attention")
+    families = ("activations", "attn_prep", "gdn_chunk", "gdn_prep", "norms")
     modules = [importlib.import_module(f"kernels.{name}") for name in families]
     launches: list[Launch] = []
 
@@ -94,11 +94,9 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
-    """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts), and the tree
-    attention kernel that `measure.tree_attention_probe` launches."""
+    """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts)."""
     import kernels
     from kernels.gdn_chunk import gdn_chunk_forward
-    from kernels.tree_attention import tree_attention
     from reference.shapes import QWEN38_27B as s
 
     rows, keys = 337, 1300
@@ -181,18 +179,6 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
                     )
 
                 launches.append((label, call))
-    attn_q, attn_kv = _meta(rows, s.num_attention_heads, s.head_dim), _meta(rows, s.num_key_value_heads, s.head_dim)
-    node_bounds = _meta(19, dtype=torch.int32)  # drone's bucket: 18 nodes
-    for schedule in ("nodes", "row-blocks"):
-        launches.append(
-            (
-                f"tree_attention {schedule}",
-                lambda schedule=schedule: tree_attention(
-                    attn_q, attn_kv, attn_kv, key_rows, node_bounds, node_bounds, 150, s.head_dim**-0.5,
-                    schedule=schedule,
-                ),
-            )
-        )  # fmt: skip
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
     return launches

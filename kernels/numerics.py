@@ -3,8 +3,8 @@
 Split. This module holds what is shared and computes no op of the model: the `@triton.jit` device functions (bf16
 rounding by bits, exp/log1p/rsqrt/sigmoid/silu in fp32 as torch's kernels evaluate them, `sequence_index`: the packed
 sequence of a row) and the host-side launch helpers (compile options, interpreter/CUDA mode, tile budget, numpy
-warnings, tensor checks, output buffers). Each op family (`activations`, `norms`, `gdn_prep`, `attn_prep`,
-`tree_attention`) is a module of its own that imports from here; nothing here imports them.
+warnings, tensor checks, output buffers). Each op family (`activations`, `norms`, `gdn_prep`, `attn_prep`) is a
+module of its own that imports from here; nothing here imports them.
 
 How torch's numerics are reproduced:
 * Roundings to bf16 (nearest, ties to even): `round_to_bf16` between two ops, `to_bf16` at a store, and `to_f32`

@@ -108,8 +108,8 @@ def graph_time_us(fn, calls: int, rounds: int) -> float:
 
 
 def layer_probe_parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """The options of every per-layer probe of `measure/` (this one, `prep_probe`, `tree_attention_probe`): the
-    workloads (default `WORKLOADS`), the calls per captured graph and the replays timed."""
+    """The options of every per-layer probe of `measure/` (this one, `prep_probe`): the workloads (default
+    `WORKLOADS`), the calls per captured graph and the replays timed."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--calls", type=int, default=10, help="calls per captured graph (layers)")

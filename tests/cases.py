@@ -8,9 +8,6 @@ it shares from here, never from another test module.
 * `gdn_chunk_inputs(...)`, `gdn_chunk_oracle(...)`, `gdn_chunk_bounds(...)`: packed inputs of the fused GDN kernel, the
   fp32 token-by-token oracle per sequence, and the error bounds against it, derived in `gdn_chunk_bounds`
   (tests/test_gdn_chunk.py on the CPU, tests/test_gpu_gdn_chunk.py at 27B shapes).
-* `bucketed_attention_inputs(workload, shapes, seed, device)`: a workload's bucketed plan on the device, its tree
-  layout and seeded `kernels.attn_prep` arguments (tests/test_tree_attention.py on the CPU at the tiny twin's widths,
-  tests/test_gpu_tree_attention.py at 27B shapes).
 * `check_bf16_rounding_matches_torch(device)`: `kernels.numerics`' bf16 rounding against torch's conversion,
   interpreted on the CPU (tests/test_kernels.py) and compiled on CUDA (tests/test_gpu_kernels.py).
 * `write_tiny_checkpoint(root)`: a tiny-twin base checkpoint and an Open-Jev LoRA package (tests/test_weights.py,
@@ -106,21 +103,6 @@ def gdn_chunk_bounds(key_dim: int, chunks: int) -> dict[str, float]:
     """
     fp32_terms = 4 * key_dim + 14 * 64 + 64 + 2 * chunks * (64 + key_dim)
     return {"fp32": fp32_terms * 2.0**-24, "bf16": (10 + 2 * (chunks - 1)) * 2.0**-8}
-
-
-def bucketed_attention_inputs(workload: str, shapes: ModelShapes, seed: int, device: str = "cpu"):
-    """(plan, layout, attn_args, attn_dims): the bucketed plan `graphs` replays for the workload (on `device`), its
-    unpadded tree layout (the real rows), and `kernels.attn_prep`'s arguments from seeded random projections."""
-    from measure.gdn_chunk_probe import bucketed_plan
-    from measure.prep_probe import attn_prep_inputs
-
-    plan, layout = bucketed_plan(workload)
-    plan = plan.to(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    args, dims = attn_prep_inputs(
-        plan, shapes, lambda *shape, std=1.0: (torch.randn(shape, generator=gen, device=device) * std).bfloat16()
-    )
-    return plan, layout, args, dims
 
 
 def random_activations(

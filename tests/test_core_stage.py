@@ -58,22 +58,16 @@ def test_core_stage_is_registered_kept_on_gemm():
     assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages
 
 
-@pytest.fixture(scope="module")
-def graphs_answer(merged_weights) -> torch.Tensor:
-    """`graphs`' candidate outputs for request(1, root_len=70), the reference of the gates below."""
-    graphs = build_engine(merged_weights, "graphs")
-    return graphs.forward(graphs.prepare(*request(1, root_len=70)))
-
-
 @pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
-def test_core_stage_close_to_graphs(merged_weights, graphs_answer):
+def test_core_stage_close_to_graphs(merged_weights):
     """The stage's CPU gate: `core` against `graphs` on one request, candidate outputs within the registry's bound
     (the runner's hidden_rel_rmse: the head's input rows), every residual state finite."""
-    core = build_engine(merged_weights, "core")
-    got = core.prepare(*request(1, root_len=70))
+    core, graphs = build_engine(merged_weights, "core"), build_engine(merged_weights, "graphs")
+    candidates, groups = request(1, root_len=70)
+    got, want = core.prepare(candidates, groups), graphs.prepare(candidates, groups)
     assert got.batches[0].plan.bucket is not None  # a bucketed plan, as `graphs` runs it
-    out = core.forward(got)
-    error = rel_rmse(out, graphs_answer)
+    out, ref = core.forward(got), graphs.forward(want)
+    error = rel_rmse(out, ref)
     print(f"core vs graphs: hidden_rel_rmse {error:.3e} (bound {get_stage('core').exactness.bound})")
     assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
 
@@ -109,20 +103,3 @@ def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     prepared = bucketed.prepare(candidates, groups)
     assert prepared.batches[0].plan.bucket is not None
     assert torch.equal(bucketed.forward(prepared), unpadded.forward(unpadded.prepare(candidates, groups)))
-
-
-@pytest.mark.slow  # two tiny-twin forwards under the interpreter (graphs' is shared): 20-60 s on the 2-core CPU
-def test_core_with_tree_attention_kernel(merged_weights, graphs_answer):
-    """`attention="tree_rows"` (kernels/tree_attention.py, k and v once per packed row; no stage runs it yet): the
-    bucketed tree forward (`graphs`' plans: dummy rows and nodes, trailing keys) gives the flat layout's bits, and it
-    stays within the stage's bound of `graphs`, the gate `core` would keep with this attention."""
-    bucketed = build_engine(merged_weights, "core", attention="tree_rows")
-    flat = build_engine(merged_weights, "core", graphs=False, layout="flat", attention="tree_rows")
-    candidates, groups = request(1, root_len=70)
-    prepared = bucketed.prepare(candidates, groups)
-    assert prepared.batches[0].plan.bucket is not None and bucketed.batch_invariant
-    out = bucketed.forward(prepared)
-    assert torch.equal(out, flat.forward(flat.prepare(candidates, groups)))
-    error = rel_rmse(out, graphs_answer)
-    print(f"core with tree_rows attention vs graphs: hidden_rel_rmse {error:.3e}")
-    assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
