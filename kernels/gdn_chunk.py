@@ -160,7 +160,7 @@ def _chunk_rows_and_gates(
 
 @triton.jit
 def _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE: tl.constexpr):
-    """Program i_c's chunk of the solve launches: (needed, its sequence's first slot, the sequence's length, the chunk's
+    """Program i_c's chunk of the solve launch: (needed, its sequence's first slot, the sequence's length, the chunk's
     index in it; the last three read only when needed). With TREE, chunks the walk does not compute (before the
     sequence's start chunk, or a dummy sequence's: column 1 of `walk`, negative for a dummy) are not needed."""
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
@@ -414,8 +414,9 @@ def gdn_chunk_forward(
     docstring; no initial or final states with it). `rows` [T] int32/int64: the sequences' T rows are slots, and slot
     s reads q, k, v, g, beta at their row rows[s] (inputs of any R rows, values in [0, R) not checked: a device sync;
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
-    o stays at the slots. The solve's launches (`gdn_chunk_solve`) and the walk (grid V / value_block x Hv x N, or its
-    tickets), plus a zero fill of the walk's flags with `walk`; no host sync when chunk_indices is given.
+    o stays at the slots. Two launches, the solve (`gdn_chunk_solve`, grid chunks x Hv) and the walk (grid
+    V / value_block x Hv x N, or its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when
+    chunk_indices is given.
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:

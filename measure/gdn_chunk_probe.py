@@ -14,7 +14,8 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path
   slot at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads
   them; without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
-  88 bytes where 4 warps spill 416 on sm_90: 8 warps lost at c2ff2ee, before the rounding change); the solve launch
+  88 bytes where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts
+  `gdn-chunk-walk-tilings-v3` and `gdn-chunk-walk-eight-warps-v3.3`); the solve launch
   is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
