@@ -418,8 +418,11 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
     and, where its question's prefix crosses a later boundary A_r, there too (slot S); the first candidate of every
     other question starts at A0 from slot 0 and publishes at A_r (its own slot); every other candidate starts at A_r
     (or A0) from its question's (or the root's) state. Dummy paths start at -1 (their rows get zeros). Rows are
-    ordered so that every publisher precedes its readers (the kernel's tickets run them in this order) and the
-    independent sequences come before the readers. Checked: no representative slot lies in a skipped chunk."""
+    ordered so that every publisher precedes its readers (the kernel's tickets run them in this order): candidate 0,
+    the other real sequences that read nothing, the readers that publish, the other readers, then the dummy paths,
+    which compute nothing (ahead of the readers, as before gdn_chunk v3.4, their programs took the SMs' slots while
+    the readers waited for tickets: drone's bucket has 11 dummy paths to 7 candidates, 1,056 programs to 672).
+    Checked: no representative slot lies in a skipped chunk; every reader runs after its publisher."""
     num_seqs, num_cands = len(path_cu) - 1, len(lens)
     q_of = np.asarray(question_of, dtype=np.int64)
     q_lens = np.asarray(question_lens, dtype=np.int64)
@@ -451,9 +454,10 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
         skipped[path_cu[seq] : path_cu[seq] + walk[seq, 1] * chunk_size] = True
     if skipped[row_slot].any():
         raise AssertionError("the tree walk skips a representative slot")
-    readers, publishers = walk[1:, 2] >= 0, (walk[1:, 3] > 0) | (walk[1:, 5] > 0)
+    readers, publishers, dummies = walk[1:, 2] >= 0, (walk[1:, 3] > 0) | (walk[1:, 5] > 0), walk[1:, 1] < 0
     rest = np.arange(1, num_seqs)
-    order = np.concatenate([[0], rest[~readers], rest[readers & publishers], rest[readers & ~publishers]])
+    independent = rest[~readers & ~dummies]
+    order = np.concatenate([[0], independent, rest[readers & publishers], rest[readers & ~publishers], rest[dummies]])
     position = np.empty(num_seqs + 1, dtype=np.int64)
     position[order] = np.arange(num_seqs)
     position[num_seqs] = position[0]  # slot S is candidate 0's second publish

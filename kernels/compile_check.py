@@ -45,7 +45,7 @@ SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary se
 SLOTS_SEQUENCE_COUNTS = (3, 17, 255)  # gdn_prep's output slots (the tree's packed rows): 2, 5 and 8 search steps
 SASS_OPCODES_SHOWN = 8  # `--sass`: the most common opcodes listed per kernel
 SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
-OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
+OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "enable_reflect_ftz")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16", torch.int32: "i32",
           torch.int64: "i64"}  # fmt: skip
 
@@ -149,17 +149,21 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
     # drone's bucket (replicated) with its tree walk on the packed rows (the stage's) and on gathered inputs, without
-    # the walk; a hand-off call
-    for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff")):
+    # the walk; a hand-off call; the probe's value block of 32 (`measure.gdn_chunk_probe`), with a 168-register cap
+    bv32 = {"value_block": 32, "unverified_value_block": True}
+    tiles = {"walk rows bv32": bv32, "walk rows bv32 r168": bv32 | {"max_registers": 168}}
+    for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff"),
+                            (18, "walk rows bv32"), (18, "walk rows bv32 r168")):  # fmt: skip
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
         walk = _meta(sequences, 7, dtype=torch.int64) if mode.startswith("walk") else None
-        slot_rows = _meta(keys, dtype=torch.int64) if mode == "walk rows" else None
+        slot_rows = _meta(keys, dtype=torch.int64) if mode.startswith("walk rows") else None
 
         def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode):
             cu_seqlens, chunk_indices = _meta(sequences + 1, dtype=torch.int64), _meta(26, 2, dtype=torch.int64)
             return gdn_chunk_forward(
                 chunk_qk, chunk_qk, chunk_v, *chunk_gates, cu_seqlens, initial_state=states,
                 output_final_state=mode == "handoff", chunk_indices=chunk_indices, walk=walk, rows=slot_rows,
+                **tiles.get(mode, {}),
             )  # fmt: skip
 
         launches.append((f"gdn_chunk {sequences} seqs {mode}", chunk_call))

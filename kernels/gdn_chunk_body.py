@@ -16,10 +16,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.numerics import round_to_bf16, to_f32
+from kernels.numerics import INTERPRETED, round_to_bf16, to_f32
 
 LOG2_CHUNK = tl.constexpr(6)  # log2 of the 64-row chunk (a jit global must be a constexpr)
 RCP_LN2 = tl.constexpr(1.4426950216)  # FLA's constant (fla.ops.utils.constant.RCP_LN2): γ in log2 units
+
+
+@triton.jit
+def _opaque_zero():
+    """The int32 0 as inline PTX that is not pure, so the compiler cannot see its value or hoist it: an index tile
+    built on it inside the walk's loop is recomputed where it is used, not computed before the loop and kept live (in
+    spilled registers) across it. Plain 0 when interpreted (the interpreter runs no PTX)."""
+    if INTERPRETED:
+        zero = 0
+    else:
+        zero = tl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    return zero
 
 
 @triton.jit
@@ -225,13 +237,15 @@ def _chunk_u(t_op, b_v, b_beta, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr
 
 @triton.jit
 def _chunk_output(
-    state_op, v_new, q_op, k_op, b_gc, causal, scale, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    state_op, v_new, q_op, k_op, b_gc, scale, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """o = scale · (Q S_b ⊙ 2^γ) + scale · (bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) · bf16↓(v')), from the chunk-start
     state S_b (as the operand `state_op`) and v' = u − w S_b; fp32."""
     inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
     b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
+    o_t = tl.arange(0, 64) + _opaque_zero()  # the causal mask rebuilt in every chunk: not live across the loop
+    causal = o_t[:, None] >= o_t[None, :]
     b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
     intra = tl.dot(
         _rounded_operand(b_qk, ROUND, TORCH_CPU),

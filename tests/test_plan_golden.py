@@ -195,13 +195,15 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
 SWEEP_REQUESTS = 120
 SWEEP_DIGEST = "01197b00e64d1673"  # at commit 35ca3d3's planner (the one before fewer numpy calls per plan)
 NEW_ARRAYS = ("walk",)  # added after the pins above: the replicated call's tree walk (engine.plan_arrays._tree_walk)
-WALK_DIGESTS = {  # the walk arrays alone, per request as DIGESTS (at the commit that added them)
+WALK_DIGESTS = {  # the walk arrays alone, per request as DIGESTS (at the commit that ordered the dummy paths last)
     "one option": ("aef5ed51649fc07a", "aef5ed51649fc07a", "9cd20c02a536bf59", "5c283a1e12c45bef"),
-    "five options": ("63f9408144854f8c", "46dd31ba95510edd", "e5be36a71bb93f80", "c5f2d1dec01dc7b7"),
-    "six options": ("c2ecfed732377eb9", "b5283c4022757519", "e4a5f89a9d84e1e9", "becbb8b590cc3166"),
-    "three questions": ("fa983e4939286ed4", "2ad5d37ebe7cbe91", "937395373cbe47a9", "e86eabecf6131731"),
+    "five options": ("63f9408144854f8c", "46dd31ba95510edd", "80020836da2805ed", "7839c36ae7e1672a"),
+    "six options": ("c2ecfed732377eb9", "b5283c4022757519", "62d9632681b9b463", "599df49f4a1fbf58"),
+    "three questions": ("fa983e4939286ed4", "2ad5d37ebe7cbe91", "dc15aef7e8d04773", "5fbf394f142f2b71"),
 }
-WALK_SWEEP_DIGEST = "a37f3f3e3d7e2a93"  # the walk arrays of the sweep's plans (at the commit that added them)
+# The walk arrays of the sweep's plans (at the commit that ordered the dummy paths last: the per-sequence columns of
+# all 495 walks as before, the run order changed in 86, where dummy paths had run before readers).
+WALK_SWEEP_DIGEST = "b1bc962ff405e03e"
 
 
 def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple[int, ...]]:
@@ -292,3 +294,21 @@ def test_smallest_bucket_is_the_minimum_in_any_grid_order():
         assert (want is None) == (options > 32), "only the 40-option request is outside the grid"
         if options * questions <= 2:  # slots <= candidates x rows: the own candidate class holds them
             assert want.candidates == options * questions
+
+
+def test_the_tree_walk_runs_dummy_paths_last():
+    """`engine.plan_arrays._tree_walk`'s run order (column 0) on the sweep's padded and bucketed plans: every dummy path
+    (start -1: no chunk computed) after every real sequence, so the kernel's tickets reach the readers first."""
+    grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
+    dummies_seen = 0
+    for seed in range(40):
+        candidates, groups, chunk_size, pad_lens = generated_request(seed)
+        plans = [plan_tree(candidates, groups, chunk_size=chunk_size, pad_lens=pad_lens)]
+        bucket = smallest_bucket(tree_layout(candidates, groups), grid)
+        plans += [] if bucket is None else [plan_tree(candidates, groups, bucket=bucket)]
+        for plan in plans:
+            walk = plan.gdn["replicated"].calls[0].walk.numpy()
+            dummy = walk[walk[:, 0], 1] < 0  # in run order
+            assert not (dummy[:-1] & ~dummy[1:]).any(), (seed, walk[:, 0].tolist())
+            dummies_seen += int(dummy.sum())
+    assert dummies_seen > 0
