@@ -24,13 +24,15 @@ return normed[read rows]                               [C, H]
 ```
 
 GDN layer over a plan, by the batch's GDN mode (the planner's cost rule, or forced with `gdn_mode`):
-* `replicated`: the conv input is every candidate's path (`plan.conv_paths`: for `fused` the prep kernel reads the
-  projection through the paths' row index, no gather; identity for a flat plan), the core runs once over all paths
-  (one varlen call, the plan's `replicated` schedule), and each packed row takes its representative path's output
-  (`plan.row_slot`, read through by the gated norm kernel).
+* `replicated`: the conv input is every candidate's path (`plan.conv_paths`; identity for a flat plan), the core runs
+  once over all paths (one varlen call, the plan's `replicated` schedule), and each packed row takes its
+  representative path's output (`plan.row_slot`, read through by the gated norm kernel).
 * `handoff`: the conv input is each node after its 3 history rows (`plan.conv_segments`), compacted to the packed
   rows, and `engine.tree.tree_gdn_core` runs the plan's `handoff` schedule (root once, fp32 states handed to the
   branches at 64-row chunk boundaries).
+In both modes the `fused` prep kernel convolves each packed row once, from its conv window on its path
+(`plan.conv_taps`), which gives the same values; the paths of a `replicated` call then get their rows by one
+gather (FLA's core), or read them through `rows` (stage `core`'s).
 
 Stages (element-wise ops). `merged` (`elementwise="torch"`) runs every element-wise op as the reference composition of
 `reference/ops.py`, so each op has HF's rounding points; the conv is `reference.ops.causal_conv1d_silu` over the
@@ -157,11 +159,12 @@ class _Ranges:
 #   residual_rmsnorm_splitk(residual [N, H], partials [S, N, H] fp32, weight [H]) -> the same, the delta reduced from
 #       split-K partials (fp32 sum in split order, one rounding; engine/gemm.py)
 #   silu_mul(gate_up [N, 2I]) -> [N, I]
-#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput, row_slot [N] | None, on_slots=True) -> q, k [n, Hk, K],
-#       v [n, Hv, V] bf16; g fp32, beta bf16 [n, Hv], for the conv input's kept rows (n = len(conv.keep)); q/k
-#       L2-normalised (FLA numerics) iff `qk_normalised`; row_slot (a tree's paths): each packed row's slot, so it is
-#       prepared once; with on_slots=False the N packed rows themselves (a core that reads the paths through
-#       conv.rows)
+#   gdn_prep(proj [N, gdn_in_width], layer, conv: ConvInput, taps [N, W], row_slot [N] | None, on_slots=True)
+#       -> q, k [n, Hk, K], v [n, Hv, V] bf16; g fp32, beta bf16 [n, Hv], for the conv input's kept rows
+#       (n = len(conv.keep)); q/k L2-normalised (FLA numerics) iff `qk_normalised`; taps: the plan's `conv_taps`
+#       (each packed row's window on its path: how the kernels prepare each packed row once); row_slot (a tree's
+#       paths): each packed row's slot; with on_slots=False the N packed rows themselves (a core that reads the
+#       paths through conv.rows)
 #   gated_rmsnorm(o [N, Hv, V] contiguous, z [N, Hv V], weight [V], o_rows [N] | None) -> [N, Hv V]; with o_rows,
 #       o is [L, Hv, V] and row r is normalised from o's row o_rows[r] (a tree's packed rows from their paths)
 #   attn_prep(proj [N, attn_in_width], layer, cos, sin [N, r], key_rows [K] | None, heads_first)
@@ -194,12 +197,13 @@ class _ReferenceOps:
         proj: Tensor,
         layer: GDNLayerWeights,
         conv: ConvInput,
+        taps: Tensor,
         row_slot: Tensor | None = None,
         on_slots: bool = True,
     ):
         """Conv + SiLU over the conv input with W-1 zero rows before each sequence (zero history), split, gates.
-        `row_slot` is the Triton ops' way to the same values (each packed row once); the torch ops convolve every
-        slot (and with on_slots=False return each packed row's slot)."""
+        `taps` is the Triton ops' way to the same values (each packed row once, not read here); the torch ops
+        convolve every slot (and with on_slots=False return each packed row's slot)."""
         s = self.shapes
         hv = s.linear_num_value_heads
         qkv, _, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
@@ -272,35 +276,34 @@ class _FusedOps:
         proj: Tensor,
         layer: GDNLayerWeights,
         conv: ConvInput,
+        taps: Tensor,
         row_slot: Tensor | None = None,
         on_slots: bool = True,
     ):
-        """The prep kernel over the conv input (the projection read through the conv input's row index unless it is
-        the packed rows), then the kept rows (none dropped for the paths, the history rows dropped for the node
-        segments). With `row_slot` (the paths of a tree): each packed row once at its representative slot, then
-        gathered to every path slot (`on_slots`; else the N packed rows are returned, for a core that reads the paths
-        through conv.rows); the same bits as the kernel over every slot, which computes a shared row once per path
-        that holds it (kernels/gdn_prep.py v4)."""
+        """The prep kernel over each packed row's conv window (`taps`, the plan's `conv_taps`; kernels/gdn_prep.py v5):
+        the N packed rows once, with no search for a row's sequence. Those are the conv input's kept rows where its
+        outputs are the packed rows in order (the hand-off's node segments, a flat plan's paths); a tree's paths
+        (`row_slot`) get them by one gather to every slot that holds the row (`on_slots`), or take the packed rows
+        (on_slots=False, for a core that reads the paths through conv.rows)."""
+        if row_slot is None and not conv.keep_rows_are_packed:
+            raise ValueError("gdn_prep: this conv input's outputs are not the packed rows; pass the tree's row_slot")
         s = self.shapes
         out = kernels.gdn_prep(
             proj,
             layer.conv_weight,
             layer.A_log,
             layer.dt_bias,
-            conv.cu_seqlens_i32,
+            None,
             num_k_heads=s.linear_num_key_heads,
             num_v_heads=s.linear_num_value_heads,
             head_k_dim=s.linear_key_head_dim,
             head_v_dim=s.linear_value_head_dim,
             qk_l2norm=self.qk_normalised,
-            rows=None if conv.rows_are_packed else conv.rows,  # [M] proj rows of the conv input
-            slots=row_slot,  # [N] one slot per packed row, or None: every slot
+            taps=taps,  # [N, W] the proj rows of each packed row's window
         )
         if row_slot is not None and on_slots:
             return tuple(t[0] for t in kernels.gather_slots(out, conv.rows))  # to every slot holding the row
-        if row_slot is not None or conv.keep_all:
-            return tuple(t[0] for t in out)
-        return tuple(t[0].index_select(0, conv.keep) for t in out)
+        return tuple(t[0] for t in out)
 
     def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor, o_rows: Tensor | None) -> Tensor:
         return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps, o_rows=o_rows)
@@ -598,7 +601,9 @@ class EngineBackbone:
             slot_rows = plan.conv_paths.rows if row_slot is not None and self.gdn_core == "chunk_fused" else None
             with rng("gdn_prep"):  # the paths' rows [L, ...], or the packed rows [N, ...] for our core to read
                 on_slots = slot_rows is None
-                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_paths, row_slot, on_slots=on_slots)
+                q, k, v, g, beta = self._ops.gdn_prep(
+                    proj, layer, plan.conv_paths, plan.conv_taps, row_slot, on_slots=on_slots
+                )
             with rng("gdn_core"):
                 call = plan.gdn["replicated"].calls[0]  # all paths, from position 0
                 o, _ = self._core(
@@ -619,7 +624,7 @@ class EngineBackbone:
         else:
             o_rows = None
             with rng("gdn_prep"):
-                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_segments)  # packed rows [N, ...]
+                q, k, v, g, beta = self._ops.gdn_prep(proj, layer, plan.conv_segments, plan.conv_taps)  # [N, ...]
             with rng("gdn_core"):
                 offsets = self.gdn_core != "fla"  # the direct core takes the arena's chunk offsets
                 o = tree_gdn_core(

@@ -127,6 +127,7 @@ def host_arrays(
         "path_rows": path_rows,
         "path_cu_seqlens": path_cu,
         "read_rows": read_rows,
+        "conv_taps": conv_rows,
         "attention.key_rows": key_rows,
         "attention.cu_seqlens_q": attn_cu_q,
         "attention.cu_seqlens_k": attn_cu_k,

@@ -183,6 +183,8 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
                     )
 
                 launches.append((label, call))
+    taps = _meta(rows, s.linear_conv_kernel_dim, dtype=torch.int64)  # a plan's conv_taps: the engine's gdn_prep
+    launches.append(("gdn_prep taps", lambda: kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=taps, **gdn)))
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
     return launches

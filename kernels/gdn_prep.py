@@ -46,12 +46,21 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
 * v2: v1 plus an optional row index (`rows`): the tree's candidate paths read through it, no gather first;
   bitwise against the gathered call (tests/test_kernels.py, tests/test_gpu_kernels.py).
 * v3: the row-index load masked by the row's validity at a clamped index (v2's bits; compiles on 3.6).
-* v4 (this file): v3 plus optional output slots (`slots`): only the wanted conv-input rows are computed (v3's bits
+* v4: v3 plus optional output slots (`slots`): only the wanted conv-input rows are computed (v3's bits
   per row). The kernel is bound by its per-element arithmetic (the 4-tap conv,
   expf and IEEE division of the SiLU, two roundings by bits, the L2 norm: 971 rows took 33.9 us, 1.2 TB/s, in the
   tile sweep of 9be5aba), so the tree's replicated paths (drone 1,074 slots for 352 rows, customer_service 5,778
   for 1,152) are prepared once per packed row and laid out on the paths by `gather_slots`, one launch that moves
   the five outputs' bits (engine/stages/core.md, "Prep kernels").
+* v5 (this file): v4 plus `taps`, the proj rows of each output row's conv window (a plan's `conv_taps`): the
+  engine's call in every GDN mode, each packed row once, with no binary search in cu_seqlens for the row's sequence,
+  no slot and row-index reads before the window's rows (two dependent loads in front of the conv instead of 5-9 on
+  drone's bucket); and q/k and v in branches of their own (`_conv_silu` in each), so v, which has no L2 norm, gets
+  code without its selects. sm_90 listing (`python -m kernels.compile_check --sass --only gdn_prep`): the q/k path
+  976 and the v path 867 instructions against v4's shared path of 1,170 (the call at slots over 17 sequences), 20
+  global loads against 34. v4's bits (tests/test_kernels.py: the taps of a plan against its `conv_paths` at the
+  representative slots and its `conv_segments`; random windows against `rows` and `slots`). `rows` and `slots`
+  stay for the prep probe's comparison on the H200 (`measure.prep_probe`); not timed yet.
 """
 
 from __future__ import annotations
@@ -83,6 +92,41 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus default: x itself above it
 
 
 @triton.jit
+def _conv_silu(
+    proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs, proj_rows,
+    proj_sr, first_channel, dim, dim_ok, WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_TAPS: tl.constexpr, TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """bf16↓(silu(bf16↓(conv))) of channels first_channel + dim for the rows `token` [BLOCK_T, BLOCK_D], fp32: the
+    depthwise conv over each row's window, oldest tap first, from its taps or from its position in its sequence."""
+    channel = first_channel + dim
+    if not HAS_TAPS:
+        sequence = sequence_index(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS)
+        start = tl.load(cu_seqlens_ptr + sequence).to(tl.int64)  # the first row of the row's sequence
+    conv = tl.zeros((token.shape[0], dim.shape[0]), tl.float32)
+    for tap in tl.static_range(WIDTH):  # oldest tap first
+        if HAS_TAPS:  # the window's proj rows, given; outside [0, proj_rows): before the sequence (zeros)
+            source = tl.load(taps_ptr + token * WIDTH + tap, mask=token_ok, other=-1).to(tl.int64)
+            source_ok = token_ok & (source >= 0) & (source < proj_rows)
+        else:
+            source = position - (WIDTH - 1) + tap
+            source_ok = token_ok & (source >= start)
+            if HAS_ROWS:  # the conv input's row `source` is proj's row rows[source]
+                source = tl.load(rows_ptr + tl.maximum(source, 0), mask=token_ok, other=0).to(tl.int64)
+        x = to_f32(
+            tl.load(
+                proj_ptr + source[:, None] * proj_sr + channel[None, :],
+                mask=source_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+        )
+        weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
+        conv = conv + x * weight[None, :]
+    conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
+    return round_to_bf16(silu_f32(conv, TORCH_CPU))  # F.silu: bf16↓
+
+
+@triton.jit
 def _gdn_prep_kernel(
     proj_ptr,  # [T, P] bf16, row stride proj_sr
     conv_weight_ptr,  # [conv_dim, W] bf16 contiguous
@@ -91,6 +135,7 @@ def _gdn_prep_kernel(
     cu_seqlens_ptr,  # [N + 1] int32 or int64
     rows_ptr,  # [M] int32 or int64: the proj row of each conv-input row (unused without HAS_ROWS)
     slots_ptr,  # [T] int32 or int64: the conv-input row of each output row (unused without HAS_SLOTS)
+    taps_ptr,  # [T, W] int32 or int64: the proj rows of each output row's conv window (unused without HAS_TAPS)
     q_ptr,  # [T, Hk, K] bf16 contiguous
     k_ptr,  # [T, Hk, K] bf16 contiguous
     v_ptr,  # [T, Hv, V] bf16 contiguous
@@ -98,6 +143,7 @@ def _gdn_prep_kernel(
     beta_ptr,  # [T, Hv] bf16 contiguous
     tokens,
     num_seqs,
+    proj_rows,
     proj_sr,
     eps,
     KEY_HEADS: tl.constexpr,  # Hk
@@ -109,6 +155,7 @@ def _gdn_prep_kernel(
     QK_L2NORM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    HAS_TAPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
@@ -121,53 +168,37 @@ def _gdn_prep_kernel(
         position = tl.load(slots_ptr + token, mask=token_ok, other=0).to(tl.int64)
     else:
         position = tl.minimum(token, tokens - 1)
-    if slot < 2 * KEY_HEADS + VALUE_HEADS:
-        # conv + silu (+ l2norm) of one q, k or v head
-        is_qk = slot < 2 * KEY_HEADS
-        first_channel = tl.where(is_qk, slot * KEY_DIM, 2 * KEY_HEADS * KEY_DIM + (slot - 2 * KEY_HEADS) * VALUE_DIM)
+    if slot < 2 * KEY_HEADS:  # conv + silu (+ l2norm) of one q or k head
         dim = tl.arange(0, BLOCK_D)
-        dim_ok = dim < tl.where(is_qk, KEY_DIM, VALUE_DIM)
-        channel = first_channel + dim
-        sequence = sequence_index(cu_seqlens_ptr, position, num_seqs, SEARCH_STEPS)
-        start = tl.load(cu_seqlens_ptr + sequence).to(tl.int64)  # the first row of the row's sequence
-        conv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-        for tap in tl.static_range(WIDTH):
-            source = position - (WIDTH - 1) + tap  # oldest tap first
-            source_ok = token_ok & (source >= start)
-            if HAS_ROWS:  # the conv input's row `source` is proj's row rows[source]
-                source = tl.load(rows_ptr + tl.maximum(source, 0), mask=token_ok, other=0).to(tl.int64)
-            x = to_f32(
-                tl.load(
-                    proj_ptr + source[:, None] * proj_sr + channel[None, :],
-                    mask=source_ok[:, None] & dim_ok[None, :],
-                    other=0.0,
-                )
-            )
-            weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
-            conv = conv + x * weight[None, :]
-        conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
-        activated = round_to_bf16(silu_f32(conv, TORCH_CPU))  # F.silu: bf16↓
-        out_mask = token_ok[:, None] & dim_ok[None, :]
-        if slot < 2 * KEY_HEADS:
-            if QK_L2NORM:  # FLA l2norm_fwd: rstd = 1 / sqrt(Σx² + eps); y = x · rstd (Triton's own / and sqrt)
-                rstd = 1 / tl.sqrt(tl.sum(activated * activated, axis=1) + eps)
-                activated = activated * rstd[:, None]
-            if slot < KEY_HEADS:
-                out_offset = token[:, None] * (KEY_HEADS * KEY_DIM) + slot * KEY_DIM + dim[None, :]
-                tl.store(q_ptr + out_offset, to_bf16(activated), mask=out_mask)
-            else:
-                out_offset = token[:, None] * (KEY_HEADS * KEY_DIM) + (slot - KEY_HEADS) * KEY_DIM + dim[None, :]
-                tl.store(k_ptr + out_offset, to_bf16(activated), mask=out_mask)
-        else:
-            out_offset = token[:, None] * (VALUE_HEADS * VALUE_DIM) + (slot - 2 * KEY_HEADS) * VALUE_DIM + dim[None, :]
-            tl.store(v_ptr + out_offset, to_bf16(activated), mask=out_mask)
+        activated = _conv_silu(
+            proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs,
+            proj_rows, proj_sr, slot * KEY_DIM, dim, dim < KEY_DIM, WIDTH, SEARCH_STEPS, HAS_ROWS, HAS_TAPS, TORCH_CPU,
+        )  # fmt: skip
+        if QK_L2NORM:  # FLA l2norm_fwd: rstd = 1 / sqrt(Σx² + eps); y = x · rstd (Triton's own / and sqrt)
+            rstd = 1 / tl.sqrt(tl.sum(activated * activated, axis=1) + eps)
+            activated = activated * rstd[:, None]
+        out_mask = token_ok[:, None] & (dim < KEY_DIM)[None, :]
+        out_offset = token[:, None] * (KEY_HEADS * KEY_DIM) + (slot % KEY_HEADS) * KEY_DIM + dim[None, :]
+        tl.store(tl.where(slot < KEY_HEADS, q_ptr, k_ptr) + out_offset, to_bf16(activated), mask=out_mask)
+    elif slot < 2 * KEY_HEADS + VALUE_HEADS:  # conv + silu of one v head (a layout of its own: no reduction)
+        v_dim = tl.arange(0, BLOCK_D)  # names apart from the other branches' (the if is a runtime one: v0)
+        v_head = slot - 2 * KEY_HEADS
+        value = _conv_silu(
+            proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs,
+            proj_rows, proj_sr, 2 * KEY_HEADS * KEY_DIM + v_head * VALUE_DIM, v_dim, v_dim < VALUE_DIM, WIDTH,
+            SEARCH_STEPS, HAS_ROWS, HAS_TAPS, TORCH_CPU,
+        )  # fmt: skip
+        v_offset = token[:, None] * (VALUE_HEADS * VALUE_DIM) + v_head * VALUE_DIM + v_dim[None, :]
+        tl.store(v_ptr + v_offset, to_bf16(value), mask=token_ok[:, None] & (v_dim < VALUE_DIM)[None, :])
     else:
         # beta and g of every value head
         head = tl.arange(0, BLOCK_HV)
         head_ok = head < VALUE_HEADS
         gate_mask = token_ok[:, None] & head_ok[None, :]
         b_column = 2 * KEY_HEADS * KEY_DIM + 2 * VALUE_HEADS * VALUE_DIM  # b follows q | k | v | z
-        if HAS_ROWS:
+        if HAS_TAPS:  # the window's last row is the row itself
+            proj_row = tl.load(taps_ptr + token * WIDTH + (WIDTH - 1), mask=token_ok, other=0).to(tl.int64)
+        elif HAS_ROWS:
             proj_row = tl.load(rows_ptr + position, mask=token_ok, other=0).to(tl.int64)
         else:
             proj_row = position
@@ -191,7 +222,7 @@ def gdn_prep(
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     *,
     num_k_heads: int,
     num_v_heads: int,
@@ -201,6 +232,7 @@ def gdn_prep(
     eps: float = 1e-6,
     rows: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
+    taps: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
@@ -218,6 +250,12 @@ def gdn_prep(
     `slots`. The tree's packed rows, each prepared once at its representative path slot (`TreePlan.row_slot`) and
     gathered to every path slot afterwards, instead of once per path that holds it. Values in [0, conv-input rows)
     are not checked (a device sync).
+    taps: optional [T, W] int32/int64 on proj's device, instead of cu_seqlens, rows and slots (pass None for them):
+    output row t is the conv over proj rows taps[t, 0], ..., taps[t, W-1] (oldest first; an entry outside
+    [0, proj rows) stands for a zero row before the sequence) and takes its gates from proj row taps[t, W-1]. A
+    plan's `conv_taps` (every packed row's window on its path) gives each packed row once, in any GDN mode, with no
+    search for the row's sequence and no index read before the conv's own: the bits of the `rows` and `slots` call
+    for the same rows (tests/test_kernels.py).
     out: optional (q, k, v, g, beta) tensors of the output shapes below, written in place.
     Returns q, k [1, T, Hk, K] bf16; v [1, T, Hv, V] bf16; g [1, T, Hv] fp32; beta [1, T, Hv] bf16.
     """
@@ -226,6 +264,8 @@ def gdn_prep(
             f"gdn_prep: proj must be [T, P] and conv_weight [C, W], got {tuple(proj.shape)}, {tuple(conv_weight.shape)}"
         )
     device = proj.device
+    if taps is not None and (cu_seqlens is not None or rows is not None or slots is not None):
+        raise ValueError("gdn_prep: taps replace cu_seqlens, rows and slots; pass None for those")
     conv_rows = proj.shape[0] if rows is None else rows.shape[0]
     tokens = conv_rows if slots is None else slots.shape[0]
     conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
@@ -255,9 +295,16 @@ def gdn_prep(
         check_tensor(
             f"gdn_prep: {name}", param, dtype=(torch.bfloat16, torch.float32), shape=(num_v_heads,), device=device
         )
-    check_tensor("gdn_prep: cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"gdn_prep: cu_seqlens must hold N + 1 >= 2 offsets, got {tuple(cu_seqlens.shape)}")
+    if taps is not None:
+        check_tensor("gdn_prep: taps", taps, dtype=(torch.int32, torch.int64), shape=(None, width), device=device,
+                     contiguous=True)  # fmt: skip
+        tokens = taps.shape[0]
+    elif cu_seqlens is None:
+        raise ValueError("gdn_prep: needs cu_seqlens, or taps")
+    else:
+        check_tensor("gdn_prep: cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"gdn_prep: cu_seqlens must hold N + 1 >= 2 offsets, got {tuple(cu_seqlens.shape)}")
     if max(head_k_dim, head_v_dim) > 256 or num_v_heads % num_k_heads:
         raise ValueError(f"gdn_prep: need K, V <= 256 and Hk | Hv, got K={head_k_dim} V={head_v_dim} Hk={num_k_heads}")
     shapes = (
@@ -278,7 +325,8 @@ def gdn_prep(
     if tokens == 0:
         return q, k, v, g, beta
     torch_cpu = kernel_mode(_gdn_prep_kernel, device)
-    num_seqs = cu_seqlens.shape[0] - 1
+    num_seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    index = taps if cu_seqlens is None else cu_seqlens  # a tensor for the unused index arguments
     block_t = tile_elements(torch_cpu) // 256  # from the widths only (K, V <= 256): batch-invariant bits
     grid = (triton.cdiv(tokens, block_t), 2 * num_k_heads + num_v_heads + 1)
     with ieee_quiet(torch_cpu):
@@ -287,9 +335,10 @@ def gdn_prep(
             conv_weight,
             A_log,
             dt_bias,
-            cu_seqlens,
-            cu_seqlens if rows is None else rows,
-            cu_seqlens if slots is None else slots,
+            index,  # cu_seqlens, or (not read) the taps
+            index if rows is None else rows,
+            index if slots is None else slots,
+            index if taps is None else taps,
             q,
             k,
             v,
@@ -297,6 +346,7 @@ def gdn_prep(
             beta,
             tokens,
             num_seqs,
+            proj.shape[0],
             proj.stride(0),
             eps,
             KEY_HEADS=num_k_heads,
@@ -308,6 +358,7 @@ def gdn_prep(
             QK_L2NORM=qk_l2norm,
             HAS_ROWS=rows is not None,
             HAS_SLOTS=slots is not None,
+            HAS_TAPS=taps is not None,
             BLOCK_T=block_t,
             BLOCK_D=triton.next_power_of_2(max(head_k_dim, head_v_dim)),
             BLOCK_HV=triton.next_power_of_2(num_v_heads),

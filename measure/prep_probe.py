@@ -11,14 +11,16 @@ per-call time the median over `--rounds` replays:
 * `gdn_prep` "paths": `kernels.gdn_prep` over every path slot of the replicated call (`conv_paths`, read through its
   row index), what the engine ran before gdn_prep v4; "packed": the same kernel at each packed row's representative
   slot (`slots=plan.row_slot`), then q, k, v, g, beta laid out on the path slots (`kernels.gather_slots` by
-  `conv_paths.rows`, one launch), what `engine.backbone` runs now (the record of f9b30ea gathered with five
-  `index_select` calls instead).
+  `conv_paths.rows`, one launch), what `engine.backbone` ran with gdn_prep v4 (the record of f9b30ea gathered with
+  five `index_select` calls instead); "taps": each packed row once from its conv window on its path (`plan.conv_taps`,
+  gdn_prep v5: no search for the row's sequence, no index read before the conv's own), then the same gather: what
+  `engine.backbone` runs since v5 (stage `core` runs the prep alone and reads the packed rows through `rows`).
 * `attn_prep` "key_rows": `kernels.attn_prep` with the tree's key rows (k and v prepared at every key entry, each
   node's whole path); "packed": over the packed rows, then k and v gathered at the key rows.
-Each pair must be bit-equal over the real candidates' slots and keys (`bit_equal_share`, 1.0 expected: the same
-kernel math per row). Floors: bytes read and written once (`measure.kernel_floors`) over the copy rate this process
-measures as the runner does (`copy_tbps`; the record of f9b30ea used a copy inside a CUDA graph, 2.76 TB/s, which
-understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
+Every way must be bit-equal to the first over the real candidates' slots and keys (`bit_equal_share`, the smallest
+share, 1.0 expected: the same kernel math per row). Floors: bytes read and written once (`measure.kernel_floors`)
+over the copy rate this process measures as the runner does (`copy_tbps`; the record of f9b30ea used a copy inside a
+CUDA graph, 2.76 TB/s, which understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def attn_prep_inputs(plan, s, normal) -> tuple[tuple, dict]:
 
 
 def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
-    """Per kernel: its two ways (name -> a function returning its outputs) on seeded random inputs at `shapes` on the
+    """Per kernel: its ways (name -> a function returning its outputs) on seeded random inputs at `shapes` on the
     plan's device, and a function that pairs two ways' outputs over the real slots / keys for the bit comparison."""
     import torch
 
@@ -89,6 +91,10 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
                                   **gdn_dims)  # fmt: skip
         return kernels.gather_slots(packed, conv.rows)
 
+    def gdn_taps():
+        packed = kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=plan.conv_taps, **gdn_dims)
+        return kernels.gather_slots(packed, conv.rows)
+
     def attn_key_rows():
         return kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
 
@@ -103,7 +109,7 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
         return [(a[0], b[0])] + [(x[: layout.keys], y[: layout.keys]) for x, y in zip(a[1:], b[1:])]
 
     return {
-        "gdn_prep": ({"paths": gdn_paths, "packed": gdn_packed}, real_slots),
+        "gdn_prep": ({"paths": gdn_paths, "packed": gdn_packed, "taps": gdn_taps}, real_slots),
         "attn_prep": ({"key_rows": attn_key_rows, "packed": attn_packed}, real_keys),
     }
 
@@ -122,9 +128,9 @@ def probe_workload(workload_id: str, calls: int, rounds: int, tbps: float) -> di
     result = {"workload": workload_id, "bucket": plan.bucket.name, "rows": n, "path_slots": slots, "keys": keys,
               "real_slots": layout.slots, "real_keys": layout.keys, "kernels": {}}  # fmt: skip
     for kernel, (ways, pairs) in prep_ways(plan, layout, QWEN38_27B).items():
-        first, second = (fn() for fn in ways.values())
+        first, *others = (fn() for fn in ways.values())
         nbytes, nbytes_once = floors[kernel]
-        equal = min(equal_share(a, b) for a, b in pairs(first, second))
+        equal = min(equal_share(a, b) for other in others for a, b in pairs(first, other))
         figures = {"bytes": nbytes, "floor_us": nbytes / tbps / 1e6, "bytes_once_per_row": nbytes_once,
                    "floor_us_once_per_row": nbytes_once / tbps / 1e6, "bit_equal_share": equal, "ways": {}}  # fmt: skip
         for name, fn in ways.items():

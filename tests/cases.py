@@ -200,10 +200,11 @@ def check_row_indexed_kernels(
     seed: int,
     index_dtype: torch.dtype,
 ) -> None:
-    """gdn_prep through `rows` (and at output `slots`), gated_rmsnorm through `o_rows` and attn_prep through `key_rows`
-    (the prefix tree's paths, read without a gather) against the same kernels on index_select-gathered copies: bit for
-    bit, every output written (NaN-poisoned `out`). Random indices with repeats; the paths (packed as `path_lens`, an
-    empty one allowed) and the keys may be longer than the `source_rows` they index, the `out_rows` shorter."""
+    """gdn_prep through `rows` (and at output `slots`, and from the slots' windows as `taps`), gated_rmsnorm through
+    `o_rows` and attn_prep through `key_rows` (the prefix tree's paths, read without a gather) against the same kernels
+    on index_select-gathered copies: bit for bit, every output written (NaN-poisoned `out`). Random indices with
+    repeats; the paths (packed as `path_lens`, an empty one allowed) and the keys may be longer than the `source_rows`
+    they index, the `out_rows` shorter."""
     import kernels
 
     act = random_activations(shapes, [source_rows], device, seed=seed)
@@ -228,6 +229,17 @@ def check_row_indexed_kernels(
     at_slots = kernels.gdn_prep(act["gdn_proj"], *args, rows=rows, slots=slots, out=poisoned, **gdn_dims(shapes))
     for name, got, want in zip("q k v g beta".split(), at_slots, gathered):  # each slot's row, its own history
         assert not got.isnan().any() and torch.equal(got, want[:, slots.long()]), f"{name} at slots"
+    # the same rows from their windows given as proj rows (`taps`); before a sequence's start: -1 or source_rows
+    start = cu_seqlens.long()[torch.searchsorted(cu_seqlens.long(), slots.long(), right=True) - 1]
+    history = act["conv_weight"].shape[1] - 1
+    window = slots.long()[:, None] - torch.arange(history, -1, -1, device=device)  # oldest first
+    outside = torch.where(torch.arange(out_rows, device=device) % 2 == 0, -1, source_rows)[:, None]
+    taps = torch.where(window >= start[:, None], rows.long()[window.clamp(min=0)], outside).to(index_dtype)
+    assert history == 3 and (taps < 0).any() and (taps == source_rows).any()
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in at_slots)
+    tapped = kernels.gdn_prep(act["gdn_proj"], *args[:3], None, taps=taps, out=poisoned, **gdn_dims(shapes))
+    for name, got, want in zip("q k v g beta".split(), tapped, at_slots):
+        assert not got.isnan().any() and torch.equal(got, want), f"{name} from taps"
 
     o, weight = act["gdn_core_out"], act["gdn_norm_weight"]  # o [source_rows, Hv, V]
     z = act["gdn_proj"][:out_rows, shapes.conv_dim : shapes.conv_dim + shapes.linear_value_dim]  # row-strided slice

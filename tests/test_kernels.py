@@ -107,6 +107,41 @@ def test_row_indexed_kernels_equal_the_gathered_calls_tiny() -> None:
     )
 
 
+def test_gdn_prep_from_a_plans_taps_tiny() -> None:
+    """`gdn_prep(taps=plan.conv_taps)` gives every packed row of a tree plan (two questions, dummy paths) bit for bit as
+    the conv over the candidates' paths at the rows' representative slots (`conv_paths`, `slots=row_slot`) and as
+    the conv over the node segments (`conv_segments`, kept rows), NaN-poisoned outputs."""
+    import random
+
+    from engine.plan import plan_tree
+
+    rng = random.Random(5)
+    root, first, second = ([rng.randrange(1, 999) for _ in range(n)] for n in (9, 4, 2))
+    candidates = [root + first + [rng.randrange(1, 999) for _ in range(n)] for n in (1, 6, 3)]
+    candidates += [root + second + [rng.randrange(1, 999) for _ in range(n)] for n in (2, 5)]
+    groups = [0, 0, 0, 1, 1]
+    act = random_activations(TINY, [37], "cpu", seed=6)
+    args = (act["conv_weight"], act["A_log"], act["dt_bias"])
+    for pad_lens in ((), (3, 2)):
+        plan = plan_tree(candidates, groups, pad_lens=pad_lens)
+        proj = act["gdn_proj"][: plan.num_rows]
+        assert plan.num_rows == 32 + sum(pad_lens)
+        paths = plan.conv_paths
+        want = kernels.gdn_prep(proj, *args, paths.cu_seqlens_i32, rows=paths.rows, slots=plan.row_slot,
+                                **gdn_dims(TINY))  # fmt: skip
+        poisoned = tuple(torch.full_like(t, float("nan")) for t in want)
+        got = kernels.gdn_prep(proj, *args, None, taps=plan.conv_taps, out=poisoned, **gdn_dims(TINY))
+        for name, tapped, at_slots in zip("q k v g beta".split(), got, want):
+            assert not tapped.isnan().any() and torch.equal(tapped, at_slots), (name, pad_lens)
+        if plan.conv_segments is not None:  # the hand-off's conv input (unpadded plans)
+            conv = plan.conv_segments
+            whole = kernels.gdn_prep(proj, *args, conv.cu_seqlens_i32, rows=conv.rows, **gdn_dims(TINY))
+            for name, tapped, segments in zip("q k v g beta".split(), got, whole):
+                assert torch.equal(tapped, segments.index_select(1, conv.keep)), (name, "segments")
+    with pytest.raises(ValueError, match="taps replace"):
+        kernels.gdn_prep(proj, *args, paths.cu_seqlens_i32, taps=plan.conv_taps, **gdn_dims(TINY))
+
+
 @pytest.mark.parametrize("shapes", [TINY, QWEN38_27B], ids=["tiny", "27b"])
 def test_gather_slots_equals_index_select(shapes) -> None:
     """gather_slots against index_select on each of gdn_prep's outputs, bit for bit: random bits (NaN and inf

@@ -9,8 +9,9 @@ for the layout); these tests pin its output so that a faster or restructured pla
 * the representative slot is the first occurrence of each row in the paths (what the replicated call produces from);
 * digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
   bucket commit 2b0f72d's grid chose for each, pinned in `PINNED_BUCKETS`; the values at commit 2b0f72d, whose
-  planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk) are left
-  out of those digests and pinned on their own (`WALK_DIGESTS`, `WALK_SWEEP_DIGEST`);
+  planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk, the prep
+  kernel's conv windows `conv_taps`, equal to the pinned host `conv_rows`) are left out of those digests and pinned on
+  their own (`NEW_ARRAY_DIGESTS`, `NEW_ARRAY_SWEEP_DIGEST`);
 * one digest over every plan of 120 generated requests (tree, flat, `pad_lens`, bucketed: empty roots and question
   nodes, interleaved questions, one-token leaves, chunk sizes 2, 16 and 64), pinned at commit 35ca3d3's planner (the
   one before `_build` took fewer numpy calls);
@@ -194,16 +195,16 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
 
 SWEEP_REQUESTS = 120
 SWEEP_DIGEST = "01197b00e64d1673"  # at commit 35ca3d3's planner (the one before fewer numpy calls per plan)
-NEW_ARRAYS = ("walk",)  # added after the pins above: the replicated call's tree walk (engine.plan_arrays._tree_walk)
-WALK_DIGESTS = {  # the walk arrays alone, per request as DIGESTS (at the commit that ordered the dummy paths last)
-    "one option": ("aef5ed51649fc07a", "aef5ed51649fc07a", "9cd20c02a536bf59", "5c283a1e12c45bef"),
-    "five options": ("63f9408144854f8c", "46dd31ba95510edd", "80020836da2805ed", "7839c36ae7e1672a"),
-    "six options": ("c2ecfed732377eb9", "b5283c4022757519", "62d9632681b9b463", "599df49f4a1fbf58"),
-    "three questions": ("fa983e4939286ed4", "2ad5d37ebe7cbe91", "dc15aef7e8d04773", "5fbf394f142f2b71"),
+NEW_ARRAYS = ("walk", "conv_taps")  # added after the pins above: the tree walk, the prep kernel's conv windows
+NEW_ARRAY_DIGESTS = {  # the NEW_ARRAYS alone, per request as DIGESTS (at the commit that added conv_taps)
+    "one option": ("34fd8beecd249270", "34fd8beecd249270", "e7924c894329cebf", "948b28fe307bfbbb"),
+    "five options": ("f95cf893833cb34e", "5e7339a2d62fbb06", "c1f89f622013f01d", "0cf666b581000eff"),
+    "six options": ("01f5d9660d4ee491", "724e20005892df46", "804c6084b423cfd1", "cdee36405e548e41"),
+    "three questions": ("bee120deeee3e92b", "63b6e69f46d3fe47", "1736374d87a0ce0c", "8ce5570eb3ad2353"),
 }
-# The walk arrays of the sweep's plans (at the commit that ordered the dummy paths last: the per-sequence columns of
-# all 495 walks as before, the run order changed in 86, where dummy paths had run before readers).
-WALK_SWEEP_DIGEST = "b1bc962ff405e03e"
+# The NEW_ARRAYS of the sweep's plans (at the commit that added conv_taps, one commit after the one that ordered the
+# walk's dummy paths last: the per-sequence columns of all 495 walks as before, the run order changed in 86).
+NEW_ARRAY_SWEEP_DIGEST = "7b08b33795745994"
 
 
 def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple[int, ...]]:
@@ -246,7 +247,7 @@ def test_plan_digests_on_generated_requests():
             h.update(digest(plan).encode())
             walks.update(digest(plan, new_arrays=True).encode())
     assert h.hexdigest()[:16] == SWEEP_DIGEST
-    assert walks.hexdigest()[:16] == WALK_SWEEP_DIGEST
+    assert walks.hexdigest()[:16] == NEW_ARRAY_SWEEP_DIGEST
 
 
 @pytest.mark.parametrize("name", REQUESTS)
@@ -260,11 +261,12 @@ def test_plan_digests(name):
         plan_tree(candidates, groups, bucket=bucket),
     )
     for plan in plans:  # the representative slot is each row's first occurrence in the paths
+        assert torch.equal(plan.conv_taps, plan.conv_rows)  # the arena's copy of the pinned host windows
         _, first = np.unique(plan.path_rows.numpy(), return_index=True)
         assert np.array_equal(plan.row_slot.numpy(), first)
         assert np.array_equal(plan.gdn["replicated"].calls[0].out_slots.numpy(), first)
     assert tuple(digest(plan) for plan in plans) == DIGESTS[name]
-    assert tuple(digest(plan, new_arrays=True) for plan in plans) == WALK_DIGESTS[name]
+    assert tuple(digest(plan, new_arrays=True) for plan in plans) == NEW_ARRAY_DIGESTS[name]
 
 
 def test_plan_tree_takes_the_callers_layout():
