@@ -105,7 +105,7 @@ class GdnCall:
     out_slots: torch.Tensor  # [n] int64
     out_rows: torch.Tensor  # [n] int64
     start_positions: tuple[int, ...]  # original position of each sequence's first token
-    walk: torch.Tensor | None  # [S, 7] int64: the tree walk of a replicated call (`kernels.gdn_chunk`), else None
+    walk: torch.Tensor | None  # [S, 8] int64: the tree walk of a replicated call (`kernels.gdn_chunk`), else None
     chunks: int  # sum over sequences of ceil(len / chunk_size): the work measure of the cost rule
     rows_start: int | None  # rows == arange(rows_start, rows_start + T), else None
     out_start: tuple[int, int] | None  # (first slot, first row) when out_slots and out_rows are both contiguous

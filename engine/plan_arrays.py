@@ -412,18 +412,19 @@ def _replicated_call(path_rows: np.ndarray, path_cu: np.ndarray, row_slot: np.nd
 
 
 def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size) -> np.ndarray:
-    """The replicated call's tree walk for `kernels.gdn_chunk` (its module docstring, "The tree walk"): [S, 7] int64,
+    """The replicated call's tree walk for `kernels.gdn_chunk` (its module docstring, "The tree walk"): [S, 8] int64,
     row i = (the sequence to run i-th, then sequence i's start chunk, source slot, publish chunks, publish slot, second
-    publish chunks, second publish slot). The shared prefix's recurrence runs once: candidate 0 walks its whole path and
-    publishes its state at the root's last chunk boundary A0 (slot 0; A0 = 0 with one question, as the hand-off's)
-    and, where its question's prefix crosses a later boundary A_r, there too (slot S); the first candidate of every
-    other question starts at A0 from slot 0 and publishes at A_r (its own slot); every other candidate starts at A_r
-    (or A0) from its question's (or the root's) state. Dummy paths start at -1 (their rows get zeros). Rows are
-    ordered so that every publisher precedes its readers (the kernel's tickets run them in this order): candidate 0,
-    the other real sequences that read nothing, the readers that publish, the other readers, then the dummy paths,
-    which compute nothing (ahead of the readers, as before gdn_chunk v3.4, their programs took the SMs' slots while
-    the readers waited for tickets: drone's bucket has 11 dummy paths to 7 candidates, 1,056 programs to 672).
-    Checked: no representative slot lies in a skipped chunk; every reader runs after its publisher."""
+    publish chunks, second publish slot, and in every row the number of sequences that run: the non-dummy ones). The
+    shared prefix's recurrence runs once: candidate 0 walks its whole path and publishes its state at the root's last
+    chunk boundary A0 (slot 0; A0 = 0 with one question, as the hand-off's) and, where its question's prefix crosses a
+    later boundary A_r, there too (slot S); the first candidate of every other question starts at A0 from slot 0 and
+    publishes at A_r (its own slot); every other candidate starts at A_r (or A0) from its question's (or the root's)
+    state. Dummy paths start at -1 (their rows get zeros). Rows are ordered so that every publisher precedes its readers
+    (the kernel's tickets run them in this order): candidate 0, the other real sequences that read nothing, the readers
+    that publish, the other readers, then the dummy paths, which compute nothing (ahead of the readers, as before
+    gdn_chunk v3.4, their programs took the SMs' slots while the readers waited for tickets: drone's bucket has 11 dummy
+    paths to 7 candidates, 1,056 programs to 672). Checked: no representative slot lies in a skipped chunk; every reader
+    runs after its publisher."""
     num_seqs, num_cands = len(path_cu) - 1, len(lens)
     q_of = np.asarray(question_of, dtype=np.int64)
     q_lens = np.asarray(question_lens, dtype=np.int64)
@@ -431,7 +432,7 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
     q_end = (root_len + q_lens) // chunk_size  # A_r per question, in chunks
     first = {r: int(np.flatnonzero(q_of == r)[0]) for r in range(len(q_lens))}
     size = {r: int((q_of == r).sum()) for r in range(len(q_lens))}
-    walk = np.zeros((num_seqs, 7), dtype=np.int64)
+    walk = np.zeros((num_seqs, 8), dtype=np.int64)
     walk[:, 2] = -1
     walk[num_cands:, 1] = -1  # dummy paths
     r0 = int(q_of[0])
@@ -466,6 +467,7 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
     if (position[walk[reading, 2]] >= position[reading]).any():
         raise AssertionError("a tree-walk reader runs before its publisher")
     walk[:, 0] = order
+    walk[:, 7] = num_seqs - int(dummies.sum())  # the first walk[0, 7] of the order run; the dummy paths end it
     return walk
 
 

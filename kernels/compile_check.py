@@ -155,7 +155,7 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff"),
                             (18, "walk rows bv32"), (18, "walk rows bv32 r168")):  # fmt: skip
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
-        walk = _meta(sequences, 7, dtype=torch.int64) if mode.startswith("walk") else None
+        walk = _meta(sequences, 8, dtype=torch.int64) if mode.startswith("walk") else None
         slot_rows = _meta(keys, dtype=torch.int64) if mode.startswith("walk rows") else None
 
         def chunk_call(sequences=sequences, states=states, walk=walk, slot_rows=slot_rows, mode=mode):

@@ -47,12 +47,14 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
-The tree walk (`walk` [N, 7], a replicated call's: `engine.plan_arrays._tree_walk`). A replicated call holds every
+The tree walk (`walk` [N, 8], a replicated call's: `engine.plan_arrays._tree_walk`). A replicated call holds every
 candidate's whole path, so a shared prefix is in every path. With the walk, a path starts at chunk `start` from the
 fp32 state another program publishes there, instead of recomputing the prefix: programs take tickets from an atomic
-counter (flags[0]), and the k-th group of Hv · V / BV tickets runs sequence walk[k, 0]; sequence i starts at chunk
-walk[i, 1] from bank slot walk[i, 2] (-1: the zero state; a start of -1 marks a dummy path, whose rows get zeros),
-and after chunk walk[i, 3] (walk[i, 5]) publishes its state to slot walk[i, 4] (walk[i, 6]): a store, a CTA barrier,
+counter (flags[0]), and the k-th group of Hv · V / BV tickets runs sequence walk[k, 0] if k < walk[0, 7] (the
+sequences that run, every dummy path after them; a later group ends after its ticket); sequence i starts at chunk
+walk[i, 1] from bank slot walk[i, 2] (-1: the zero state; a start of -1 marks a dummy path, whose rows of o the solve
+launch sets to zeros), and after chunk walk[i, 3] (walk[i, 5]) publishes its state to slot walk[i, 4] (walk[i, 6]):
+a store, a CTA barrier,
 then a release store of the slot's flag for its (value head, value block). A reader spins on its flag with acquire
 loads, then reads the state through L2 (`.cg`). The walk's rows put every publisher before its readers, so a reader
 waits only on programs holding earlier tickets, which are running or done: no deadlock whatever the hardware's
@@ -87,8 +89,10 @@ engine/stages/core.md):
   program); the state's offsets (`_state_tile`) and the causal mask are built on an opaque zero where they are used
   (hoisted before the loop, they were tiles live across it: sm_90 spills 408 -> 240 bytes, spill loads in the loop
   body 79 -> 56 a chunk); the plan's walk runs the dummy paths last (`engine.plan_arrays._tree_walk`: on drone's
-  bucket 1,056 dummy programs took their tickets before the 576 readers). Ncu of v3.3 put 22 % of the walk's stall
-  samples in the prologue every program runs, dummies included. `max_registers` and `unverified_value_block` let the
+  bucket 1,056 dummy programs took their tickets before the 576 readers), and a dummy path's programs end after
+  their ticket (walk column 7: the sequences that run), its rows of o zeroed by the solve launch's programs of its
+  chunks, which it had anyway. Ncu of v3.3 put 22 % of the walk's stall samples in the prologue every program runs,
+  dummies included. `max_registers` and `unverified_value_block` let the
   probe and the GPU tests try BV = 32 with three programs an SM. Untimed so far (engine/stages/core.md, next steps).
 * v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core. The fla-blocks solve forms all ten blocks of A before
@@ -150,8 +154,18 @@ SOLVES = ("doubling", "fla-blocks")
 SOLVE = "fla-blocks"  # the stage's: FLA's bits but for ~1 element in 10^7 (core.md, "Exactness")
 SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # fastest (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
-WALK_FIELDS = ("sequence", "start", "source", "publish_chunks", "publish_slot", "publish2_chunks", "publish2_slot")
+WALK_FIELDS = (
+    "sequence",
+    "start",
+    "source",
+    "publish_chunks",
+    "publish_slot",
+    "publish2_chunks",
+    "publish2_slot",
+    "runs",
+)
 WALK_WIDTH = tl.constexpr(len(WALK_FIELDS))  # a walk row's entries (a jit global must be a constexpr)
+WALK_RUNS = tl.constexpr(WALK_FIELDS.index("runs"))  # its column of the sequences that run (the same in every row)
 
 
 @triton.jit
@@ -172,18 +186,21 @@ def _chunk_rows_and_gates(
 
 @triton.jit
 def _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE: tl.constexpr):
-    """Program i_c's chunk of the solve launch: (needed, its sequence's first slot, the sequence's length, the chunk's
-    index in it; the last three read only when needed). With TREE, chunks the walk does not compute (before the
-    sequence's start chunk, or a dummy sequence's: column 1 of `walk`, negative for a dummy) are not needed."""
+    """Program i_c's chunk of the solve launch: (needed, dummy, its sequence's first slot, the sequence's length, the
+    chunk's index in it; the slot and length read only when needed or dummy). With TREE, chunks the walk does not
+    compute (before the sequence's start chunk, or a dummy sequence's: column 1 of `walk`, negative for a dummy) are
+    not needed, and a dummy sequence's chunk is `dummy` (its rows of o get zeros here: the walk skips dummy paths)."""
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
     i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
     needed = i_t >= 0
+    dummy = i_t < 0
     if TREE:
         start = tl.load(walk + i_n * WALK_WIDTH + 1).to(tl.int32)
         needed = (start >= 0) & (i_t >= start)
-    bos = tl.load(cu_seqlens + i_n, mask=needed, other=0).to(tl.int64)
-    seq_len = (tl.load(cu_seqlens + i_n + 1, mask=needed, other=0).to(tl.int64) - bos).to(tl.int32)
-    return needed, bos, seq_len, i_t
+        dummy = start < 0
+    bos = tl.load(cu_seqlens + i_n, mask=needed | dummy, other=0).to(tl.int64)
+    seq_len = (tl.load(cu_seqlens + i_n + 1, mask=needed | dummy, other=0).to(tl.int64) - bos).to(tl.int32)
+    return needed, dummy, bos, seq_len, i_t
 
 
 @triton.jit
@@ -192,6 +209,7 @@ def _gdn_chunk_solve_kernel(
     g,
     beta,
     solved,
+    o,
     cu_seqlens,
     chunk_indices,
     walk,
@@ -199,8 +217,10 @@ def _gdn_chunk_solve_kernel(
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
+    ZERO_DUMMIES: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     SOLVE: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
@@ -208,13 +228,21 @@ def _gdn_chunk_solve_kernel(
     TORCH_CPU: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
-    the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`). With
-    HAS_ROWS, k, g and beta are read at row slot_rows[slot] of each slot."""
+    the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`); with
+    ZERO_DUMMIES a dummy path's chunk writes zeros to its rows of `o` [T, Hv, V] for the value head. With HAS_ROWS, k,
+    g and beta are read at row slot_rows[slot] of each slot."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
-    needed, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
+    needed, dummy, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
+    if ZERO_DUMMIES:
+        if dummy:  # a dummy path's chunk: zeros to its rows of o for this value head (no walk program runs it)
+            rows = i_t * BT + tl.arange(0, BT)
+            o_v = tl.arange(0, VALUE_DIM)
+            zeros = tl.zeros([BT, VALUE_DIM], dtype=o.dtype.element_ty)
+            tl.store(o + (((bos + rows) * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :], zeros,
+                     mask=(rows < seq_len)[:, None])  # fmt: skip
     if needed:
         o_t = tl.arange(0, BT)
         token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
@@ -335,27 +363,45 @@ def _gdn_chunk_fwd_kernel(
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
-    group of Hv · NV tickets runs sequence walk[k, 0] (module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g
-    and beta are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
-    BT: tl.constexpr = 64
+    group of Hv · NV tickets runs sequence walk[k, 0] where k < walk[0, 7] (the sequences that run; the later groups,
+    the dummy paths', end after their ticket: module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g and beta
+    are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
     NV: tl.constexpr = VALUE_DIM // BV
     if TREE:
+        runs = tl.load(walk + WALK_RUNS)  # the walk's non-dummy sequences (beside the ticket: it does not depend on it)
         ticket = tl.atomic_add(flags, 1, sem="relaxed")  # orders nothing but the tickets (no fence, no L1 flush)
-        i_hv = (ticket // NV) % VALUE_HEADS
-        i_v = ticket % NV
-        i_n = tl.load(walk + (ticket // (VALUE_HEADS * NV)) * WALK_WIDTH).to(tl.int64)
-        row = walk + i_n * WALK_WIDTH
-        start = tl.load(row + 1).to(tl.int32)
-        source = tl.load(row + 2).to(tl.int32)
-        publish_chunks = tl.load(row + 3).to(tl.int32)
-        publish_slot = tl.load(row + 4).to(tl.int32)
-        publish2_chunks = tl.load(row + 5).to(tl.int32)
-        publish2_slot = tl.load(row + 6).to(tl.int32)
+        group = ticket // (VALUE_HEADS * NV)
+        if group < runs:  # the groups after them would run dummy paths: the solve launch zeroed their rows
+            i_n = tl.load(walk + group * WALK_WIDTH).to(tl.int64)
+            row = walk + i_n * WALK_WIDTH
+            _walk_sequence(
+                q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n,
+                (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
+                tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
+                tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
+            )  # fmt: skip
     else:
-        i_v = tl.program_id(0)
-        i_hv = tl.program_id(1)
-        i_n = tl.program_id(2)
-        start = 0
+        _walk_sequence(
+            q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
+            tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
+        )  # fmt: skip
+
+
+@triton.jit
+def _walk_sequence(
+    q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start, source,
+    publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
+    >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
+    published to bank slot publish_slot (publish2_slot); the final state to ht with STORE_HT."""
+    BT: tl.constexpr = 64
+    NV: tl.constexpr = VALUE_DIM // BV
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
@@ -371,13 +417,6 @@ def _gdn_chunk_fwd_kernel(
     else:
         state = tl.zeros([KEY_DIM, BV], dtype=tl.float32)
     if TREE:
-        if start < 0:  # a dummy sequence: its rows get zeros, no chunk is computed
-            for i_t in range(0, num_chunks):
-                dummy_rows = i_t * BT + o_t
-                dummy_ptrs = o + (((bos + dummy_rows) * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
-                zeros = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
-                tl.store(dummy_ptrs, zeros, mask=(dummy_rows < seq_len)[:, None])
-            start = num_chunks
         if source >= 0:  # start from the state another program publishes at this sequence's start chunk
             flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
             ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
@@ -432,7 +471,7 @@ def gdn_chunk_forward(
     cu_seqlens [N + 1] int32/int64 on the same device; initial_state [N, Hv, K, V] fp32 contiguous or None. `out`
     [T, Hv, V] (bf16; fp32 with `bf16_points=False`) and `final_state_out` [N, Hv, K, V] fp32 are written in place when
     given. scale defaults to K ** -0.5. `chunk_indices` [chunks, 2]: FLA's varlen chunk layout of cu_seqlens (derived
-    with a host sync when None). `walk` [N, 7] int32/int64: the tree walk of a plan with 64-row chunks (module
+    with a host sync when None). `walk` [N, 8] int32/int64: the tree walk of a plan with 64-row chunks (module
     docstring; no initial or final states with it). `rows` [T] int32/int64: the sequences' T rows are slots, and slot
     s reads q, k, v, g, beta at their row rows[s] (inputs of any R rows, values in [0, R) not checked: a device sync;
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
@@ -495,7 +534,7 @@ def gdn_chunk_forward(
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
     solved = gdn_chunk_solve(
-        k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, bf16_points=bf16_points, solve=solve,
+        k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, bf16_points=bf16_points, solve=solve,
         solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
@@ -553,6 +592,7 @@ def gdn_chunk_solve(
     *,
     walk: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
@@ -562,7 +602,9 @@ def gdn_chunk_solve(
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
     skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]. Returns
     T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points): row r of a chunk holds T's row r; rows
-    outside every sequence and of skipped chunks are not written. Inputs as `gdn_chunk_forward`'s, checked there."""
+    outside every sequence and of skipped chunks are not written. With a `walk` and `out` (the forward's o
+    [T, Hv, V]), the rows of the walk's dummy paths in `out` get zeros here, since no walk program runs them. Inputs
+    as `gdn_chunk_forward`'s, checked there."""
     device, value_heads = k.device, g.shape[1]
     tokens = k.shape[0] if rows is None else rows.shape[0]
     if solve not in SOLVES:
@@ -583,6 +625,7 @@ def gdn_chunk_solve(
                 g,
                 beta,
                 solved,
+                solved if out is None else out,  # not written without ZERO_DUMMIES
                 cu_seqlens,
                 chunk_indices,
                 chunk_indices if walk is None else walk,  # not read without TREE
@@ -590,8 +633,10 @@ def gdn_chunk_solve(
                 KEY_HEADS=k.shape[1],
                 VALUE_HEADS=value_heads,
                 KEY_DIM=k.shape[2],
+                VALUE_DIM=CHUNK if out is None else out.shape[2],
                 ROUND=bf16_points,
                 TREE=walk is not None,
+                ZERO_DUMMIES=walk is not None and out is not None,
                 HAS_ROWS=rows is not None,
                 SOLVE=solve,
                 SOLVE_PRECISION=solve_precision if bf16_points else "ieee",

@@ -11,14 +11,13 @@ path of the bucket, at the 27B head shapes, with random inputs as the engine han
 L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same tensors in one process:
 * FLA: `kernels.gdn_core.FlaForwardCore` with the plan's chunk layout and a solve workspace already zeroed for the
   forward (the engine's steady state: one fill per forward, not per layer);
-* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path
-  slot at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads
-  them; without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills
-  88 bytes where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts
-  `gdn-chunk-walk-tilings-v3` and `gdn-chunk-walk-eight-warps-v3.3`; the run order before gdn_chunk v3.4, dummy paths
-  ahead of the readers; a value block of 32, alone and with a 168-register cap for three programs an SM, which the
-  kernel refuses on CUDA unless asked for as unverified); the solve launch is also timed alone. Records of c2ff2ee
-  also have solve warps and walk tilings.
+* ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path slot
+  at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads them;
+  without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes
+  where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3`
+  and `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an
+  SM, which the kernel refuses on CUDA unless asked for as unverified); the solve launch is also timed alone. Records of
+  c2ff2ee also have solve warps and walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
 same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
@@ -62,7 +61,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "walk-stages1": ({"num_stages": 1}, True, True),
     "walk-stages3": ({"num_stages": 3}, True, True),
     "walk-w8": ({"num_warps": 8}, True, True),
-    "walk-dummies-first": ({}, "dummies-first", True),
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
 }
@@ -81,17 +79,6 @@ def bucketed_plan(workload_id: str):
     if bucket is None:
         raise ValueError(f"{workload_id}: no bucket of the grid holds it")
     return plan_tree(candidates, groups, bucket=bucket), layout
-
-
-def dummies_first(walk):
-    """The walk with the run order before gdn_chunk v3.4 (column 0): candidate 0, every other sequence that reads no
-    state (the dummy paths among them), the readers that publish, the other readers."""
-    import torch
-
-    readers, publishers = walk[1:, 2] >= 0, (walk[1:, 3] > 0) | (walk[1:, 5] > 0)
-    rest = torch.arange(1, walk.shape[0])
-    order = torch.cat([rest[:1] - 1, rest[~readers], rest[readers & publishers], rest[readers & ~publishers]])
-    return torch.cat([order[:, None].to(walk.dtype), walk[:, 1:]], dim=1)
 
 
 def walked_chunks(call) -> int:
@@ -167,7 +154,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
     packed = tuple(t[None] for t in inputs)
     cu, cu_cpu = call.cu_seqlens.to(device), call.cu_seqlens_cpu
     layout = {"cu_seqlens": cu, "chunk_indices": call.chunk_indices.to(device)}
-    walks = {True: call.walk.to(device), "dummies-first": dummies_first(call.walk).to(device)}
+    walk = call.walk.to(device)
     workspace = SolveWorkspace()
     fla = FlaForwardCore()
     fla_options = layout | {"chunk_offsets": call.chunk_offsets.to(device), "workspace": workspace}
@@ -200,7 +187,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
     outputs = {}  # the stage's output where it ran before the other variants: their bits against it
     for name in variants:
         options, tree_walk, direct = VARIANTS[name]
-        core, walked = GdnChunkCore(**options), ({"walk": walks[tree_walk]} if tree_walk else {})
+        core, walked = GdnChunkCore(**options), ({"walk": walk} if tree_walk else {})
         args, through = (packed, {"rows": path_rows}) if direct else ((q, k, v, g, beta), {})
         o, _ = core(*args, **layout, **walked, **through)
         us = graph_time_us(lambda c=core, a=args, w=walked, t=through: c(*a, **layout, **w, **t), calls, rounds)

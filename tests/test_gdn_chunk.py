@@ -271,7 +271,7 @@ def test_bad_inputs_are_refused():
         gdn_chunk_forward(q, k, v, g, beta, cu, solve_precision="fp8")
     with pytest.raises(ValueError, match="solve 'lu'"):
         gdn_chunk_forward(q, k, v, g, beta, cu, solve="lu")
-    walk = torch.tensor([[0, 0, -1, 0, 0, 0, 0]])
+    walk = torch.tensor([[0, 0, -1, 0, 0, 0, 0, 1]])
     with pytest.raises(ValueError, match="no initial state"):
         gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, walk=walk)
     with pytest.raises(ValueError, match="walk: shape"):

@@ -132,7 +132,7 @@ def test_tree_plan_by_hand():
     assert as_list(leaves.out_slots) == [0, 1, 3, 4, 5] and as_list(leaves.out_rows) == [2, 3, 4, 5, 6]
     assert (leaves.rows_start, leaves.out_start) == (None, None)
     # the tree walk of the replicated call: candidate 0 publishes at A0 (1 chunk) in slot 0, the others start there
-    assert as_list(replicated.walk) == [[0, 0, -1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0, 0]]
+    assert as_list(replicated.walk) == [[0, 0, -1, 1, 0, 0, 0, 3], [1, 1, 0, 0, 0, 0, 0, 3], [2, 1, 0, 0, 0, 0, 0, 3]]
     assert leaves.walk is None and root.walk is None
 
 
@@ -160,7 +160,7 @@ def test_bucketed_plan_by_hand():
     assert (a.max_q, a.max_k) == (4, 4)
     (call,) = plan.gdn["replicated"].calls
     assert as_list(call.out_slots) == [0, 1, 2, 3] and as_list(call.chunk_indices) == [[0, 0], [1, 0], [2, 0]]
-    assert as_list(call.walk) == [[0, 0, -1, 0, 0, 0, 0], [1, -1, -1, 0, 0, 0, 0], [2, -1, -1, 0, 0, 0, 0]]
+    assert as_list(call.walk) == [[0, 0, -1, 0, 0, 0, 0, 1], [1, -1, -1, 0, 0, 0, 0, 1], [2, -1, -1, 0, 0, 0, 0, 1]]
     assert (call.rows_start, call.out_start) == (None, None)
 
 
@@ -196,15 +196,16 @@ DIGESTS = {  # per request: tree, flat, tree with pad_lens (3, 64, 65), bucketed
 SWEEP_REQUESTS = 120
 SWEEP_DIGEST = "01197b00e64d1673"  # at commit 35ca3d3's planner (the one before fewer numpy calls per plan)
 NEW_ARRAYS = ("walk", "conv_taps")  # added after the pins above: the tree walk, the prep kernel's conv windows
-NEW_ARRAY_DIGESTS = {  # the NEW_ARRAYS alone, per request as DIGESTS (at the commit that added conv_taps)
-    "one option": ("34fd8beecd249270", "34fd8beecd249270", "e7924c894329cebf", "948b28fe307bfbbb"),
-    "five options": ("f95cf893833cb34e", "5e7339a2d62fbb06", "c1f89f622013f01d", "0cf666b581000eff"),
-    "six options": ("01f5d9660d4ee491", "724e20005892df46", "804c6084b423cfd1", "cdee36405e548e41"),
-    "three questions": ("bee120deeee3e92b", "63b6e69f46d3fe47", "1736374d87a0ce0c", "8ce5570eb3ad2353"),
+NEW_ARRAY_DIGESTS = {  # the NEW_ARRAYS alone, per request as DIGESTS (at the commit that added the walk's column 7)
+    "one option": ("943860a65f4f324d", "943860a65f4f324d", "45f489326c0a535a", "8c4fc776163042a0"),
+    "five options": ("a18ee033b60e703d", "0e5facd72810f002", "541ae7fb441526ac", "024cf7108497cdb8"),
+    "six options": ("cb57910a2dd65653", "45deafe63a2eab7a", "7e698f22459aabc1", "6bc767b7b2247905"),
+    "three questions": ("7eab39d39dbf3919", "3b7e9c42cb5e3358", "a6b562a73b450885", "117f1fef85e5cd02"),
 }
-# The NEW_ARRAYS of the sweep's plans (at the commit that added conv_taps, one commit after the one that ordered the
-# walk's dummy paths last: the per-sequence columns of all 495 walks as before, the run order changed in 86).
-NEW_ARRAY_SWEEP_DIGEST = "7b08b33795745994"
+# The NEW_ARRAYS of the sweep's plans (at the commit that added the walk's column 7, the count of sequences that run;
+# two commits after the one that ordered the walk's dummy paths last: the per-sequence columns of all 495 walks as
+# before, the run order changed in 86).
+NEW_ARRAY_SWEEP_DIGEST = "cbbbcf45502a89f3"
 
 
 def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple[int, ...]]:
@@ -300,7 +301,8 @@ def test_smallest_bucket_is_the_minimum_in_any_grid_order():
 
 def test_the_tree_walk_runs_dummy_paths_last():
     """`engine.plan_arrays._tree_walk`'s run order (column 0) on the sweep's padded and bucketed plans: every dummy path
-    (start -1: no chunk computed) after every real sequence, so the kernel's tickets reach the readers first."""
+    (start -1: no chunk computed) after every real sequence, so the kernel's tickets reach the readers first, and
+    column 7 the count of those that run in every row (the kernel ends the groups after them at their ticket)."""
     grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
     dummies_seen = 0
     for seed in range(40):
@@ -312,5 +314,6 @@ def test_the_tree_walk_runs_dummy_paths_last():
             walk = plan.gdn["replicated"].calls[0].walk.numpy()
             dummy = walk[walk[:, 0], 1] < 0  # in run order
             assert not (dummy[:-1] & ~dummy[1:]).any(), (seed, walk[:, 0].tolist())
+            assert (walk[:, 7] == (~dummy).sum()).all()  # the sequences that run: the kernel ends the later groups
             dummies_seen += int(dummy.sum())
     assert dummies_seen > 0
