@@ -16,12 +16,12 @@ attention Hq query heads, Hkv key/value heads of D dims, rotary dims r.
   the first layer's input norm reads no delta and writes no residual; the split-K form, which reads S fp32 partials
   instead of the delta, is not modelled): reads residual and delta N·H·2 each, the weight H·2; writes the new
   residual and the normed rows N·H·2 each.
-* `_gdn_prep_kernel` (gdn_prep v4: each packed row prepared once, at its representative path slot): reads the
-  projection's q|k|v, b, a N·(conv_dim + 2·Hv)·2 (z is left for the gated norm), the conv weight conv_dim·W·2,
-  A_log Hv·4, dt_bias Hv·2 and one int64 index per output row (the slot; the path-row indices of the taps, at most
-  32 bytes a row, are not counted); writes q, k, v bf16, g fp32, beta bf16 at the N rows
-  N·((2·Hk·Dk + Hv·Dv)·2 + Hv·(4 + 2)). `gdn_prep_bytes(N, L)` is the floor of preparing all L path slots, by this
-  kernel over every slot or by the pair prep + gather (`measure.prep_probe`).
+* `_gdn_prep_kernel` (gdn_prep v4 and v5: each packed row prepared once, at its representative path slot or from its
+  conv window): reads the projection's q|k|v, b, a N·(conv_dim + 2·Hv)·2 (z is left for the gated norm), the conv weight
+  conv_dim·W·2, A_log Hv·4, dt_bias Hv·2 and one int64 index per output row (v4's slot; v5's W window rows are 24 bytes
+  a row more, 0.06 % of the floor, not counted, nor v4's path-row indices of the taps); writes q, k, v bf16, g fp32,
+  beta bf16 at the N rows N·((2·Hk·Dk + Hv·Dv)·2 + Hv·(4 + 2)). `gdn_prep_bytes(N, L)` is the floor of preparing all L
+  path slots, by this kernel over every slot or by the pair prep + gather (`measure.prep_probe`).
 * `_gather_slots_kernel`: reads the N rows of gdn_prep's five outputs and the L int64 slot rows, writes the outputs
   at the L path slots (row bytes as above).
 * `_gated_rmsnorm_kernel`: reads the GDN core's output at the N packed rows' representative slots N·Hv·Dv·2 (of its L
