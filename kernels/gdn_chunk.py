@@ -48,19 +48,18 @@ A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real ar
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
 The tree walk (`walk` [N, 8], a replicated call's: `engine.plan_arrays._tree_walk`). A replicated call holds every
-candidate's whole path, so a shared prefix is in every path. With the walk, a path starts at chunk `start` from the
-fp32 state another program publishes there, instead of recomputing the prefix: programs take tickets from an atomic
-counter (flags[0]), and the k-th group of Hv · V / BV tickets runs sequence walk[k, 0] if k < walk[0, 7] (the
-sequences that run, every dummy path after them; a later group ends after its ticket); sequence i starts at chunk
-walk[i, 1] from bank slot walk[i, 2] (-1: the zero state; a start of -1 marks a dummy path, whose rows of o the solve
-launch sets to zeros), and after chunk walk[i, 3] (walk[i, 5]) publishes its state to slot walk[i, 4] (walk[i, 6]):
-a store, a CTA barrier,
+candidate's whole path, so a shared prefix is in every path. With the walk, a path starts at chunk `start` from the fp32
+state another program publishes there, instead of recomputing the prefix: programs take tickets from an atomic counter
+(flags[0]), and the k-th group of Hv · V / BV tickets runs sequence walk[k, 0] if k < walk[0, 7] (the sequences that
+run, every dummy path after them; a later group ends after its ticket); sequence i starts at chunk walk[i, 1] from bank
+slot walk[i, 2] (-1: the zero state; a start of -1 marks a dummy path, whose rows of o the solve launch sets to zeros),
+and after chunk walk[i, 3] (walk[i, 5]) publishes its state to slot walk[i, 4] (walk[i, 6]): a store, a CTA barrier,
 then a release store of the slot's flag for its (value head, value block). A reader spins on its flag with acquire
 loads, then reads the state through L2 (`.cg`). The walk's rows put every publisher before its readers, so a reader
-waits only on programs holding earlier tickets, which are running or done: no deadlock whatever the hardware's
-dispatch order. The state handed over at a chunk boundary has the bits the reader would have computed (the hand-off
-law below), so every row read at its representative slot keeps its bits; slots of skipped chunks are not written.
-The solve skips the chunks no program walks.
+waits only on programs holding earlier tickets, which are running or done: no deadlock whatever the hardware's dispatch
+order. The state handed over at a chunk boundary has the bits the reader would have computed (the hand-off law below),
+so every row read at its representative slot keeps its bits; slots of skipped chunks are not written. The solve skips
+the chunks no program walks.
 
 Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H200):
 * against `reference.ops.gdn_recurrent` (fp32 token loop): fp32 mode within the fp32 bound, bf16 mode within the
@@ -78,22 +77,22 @@ Exactness (tests/test_gdn_chunk.py, interpreter; tests/test_gpu_gdn_chunk.py, H2
 Tiles: the walk's value block of BV columns per program (`value_block`, default min(64, V), 4 warps: two programs per
 (sequence, value head) at V = 128). BV < 64 is refused on CUDA unless asked for as unverified: BV = 32 gave wrong
 outputs on sm_90 in v1 (relative RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); v3.4's
-walk compiles at BV = 32 with 32 bytes of spills at 255 registers and 320 at a 168-register cap (three programs an SM
+walk compiles at BV = 32 with 36 bytes of spills at 255 registers and 312 at a 168-register cap (three programs an SM
 instead of two), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the H200 before the refusal
 goes. The interpreter runs any BV.
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.4 (this file): v3.2's arithmetic, every bit kept, and three changes to what surrounds it. The walk takes its
-  ticket with a relaxed atomic (the default acq_rel one put a GPU-wide fence and an L1 invalidation in front of every
-  program); the state's offsets (`_state_tile`) and the causal mask are built on an opaque zero where they are used
-  (hoisted before the loop, they were tiles live across it: sm_90 spills 408 -> 240 bytes, spill loads in the loop
-  body 79 -> 56 a chunk); the plan's walk runs the dummy paths last (`engine.plan_arrays._tree_walk`: on drone's
-  bucket 1,056 dummy programs took their tickets before the 576 readers), and a dummy path's programs end after
-  their ticket (walk column 7: the sequences that run), its rows of o zeroed by the solve launch's programs of its
-  chunks, which it had anyway. Ncu of v3.3 put 22 % of the walk's stall samples in the prologue every program runs,
-  dummies included. `max_registers` and `unverified_value_block` let the
-  probe and the GPU tests try BV = 32 with three programs an SM. Untimed so far (engine/stages/core.md, next steps).
+* v3.4 (this file): v3.2's arithmetic, every bit kept, and four changes to what surrounds it. The walk takes its ticket
+  with a relaxed atomic (the default acq_rel one put a GPU-wide fence and an L1 invalidation in front of every program);
+  the state's offsets (`_state_tile`) and the causal mask are built on an opaque zero where they are used (hoisted
+  before the loop, they were tiles live across it: sm_90 spills 408 -> 240 bytes, spill loads in the loop body 79 -> 56
+  a chunk; 224 bytes and 2,824 instructions with the early end below); the plan's walk runs the dummy paths last
+  (`engine.plan_arrays._tree_walk`: on drone's bucket 1,056 dummy programs took their tickets before the 576 readers),
+  and a dummy path's programs end after their ticket (walk column 7: the sequences that run), its rows of o zeroed by
+  the solve launch's programs of its chunks, which it had anyway. Ncu of v3.3 put 23 % of the walk's stall samples in
+  the prologue every program runs, dummies included. `max_registers` and `unverified_value_block` let the probe and the
+  GPU tests try BV = 32 with three programs an SM. Untimed so far (engine/stages/core.md, next steps).
 * v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core. The fla-blocks solve forms all ten blocks of A before
   the substitution, so the four [16, K] key blocks are dead during it (sm_90: spills 600 -> 0 bytes, 2,984 -> 2,768
