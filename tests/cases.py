@@ -3,8 +3,9 @@ it shares from here, never from another test module.
 
 * `random_activations(shapes, seq_lens, device, seed)`: seeded random activations in the `bit_identity_table` schema
   (`ablations/bit_identity.py`); `gdn_dims(shapes)`: the head counts and sizes `kernels.gdn_prep` takes;
-  `check_row_indexed_kernels(...)`: the row-indexed launches against gathered copies (tests/test_kernels.py on the
-  CPU, tests/test_gpu_kernels.py at 27B shapes).
+  `check_row_indexed_kernels(...)`: the row-indexed launches against gathered copies, and `check_prep_ways(...)`:
+  `measure.prep_probe`'s ways against the kernels over every path slot and key (tests/test_kernels.py on the CPU,
+  tests/test_gpu_kernels.py at 27B shapes).
 * `gdn_chunk_inputs(...)`, `gdn_chunk_oracle(...)`, `gdn_chunk_bounds(...)`: packed inputs of the fused GDN kernel, the
   fp32 token-by-token oracle per sequence, and the error bounds against it, derived in `gdn_chunk_bounds`
   (tests/test_gdn_chunk.py on the CPU, tests/test_gpu_gdn_chunk.py at 27B shapes).
@@ -259,6 +260,26 @@ def check_row_indexed_kernels(
     q, k, v = kernels.attn_prep(*prep_args, shapes.rms_norm_eps, key_rows=key_rows, out=poisoned, **prep_dims)
     assert not any(t.isnan().any() for t in (q, k, v))
     assert torch.equal(q, q_full) and torch.equal(k, k_full[key_rows]) and torch.equal(v, v_full[key_rows])
+
+
+def check_prep_ways(workload_id: str, shapes: ModelShapes, device: str) -> None:
+    """`measure.prep_probe`'s ways on the workload's bucketed plan (moved to `device`) at `shapes`: each way that
+    prepares a packed row once (gdn_prep from the plan's `conv_taps` and at `plan.row_slot`, each then gathered;
+    attn_prep over the rows, then gathered at the key rows) equals the kernel over every path slot and key entry (the
+    first way), bit for bit on the real candidates' slots and keys, and writes no NaN."""
+    from ablations.probes import equal_share
+    from measure.prep_probe import bucketed_plan, prep_ways
+
+    host, layout = bucketed_plan(workload_id)
+    plan = host.to(device)
+    assert len(plan.conv_paths.rows) > plan.num_rows  # shared rows: the ways differ in work
+    for kernel, (ways, pairs) in prep_ways(plan, layout, shapes).items():
+        every_slot, *once = (fn() for fn in ways.values())
+        assert len(once) == (2 if kernel == "gdn_prep" else 1), kernel
+        for outputs in once:
+            assert not any(t.isnan().any() for t in outputs), kernel
+            shares = [equal_share(a, b) for a, b in pairs(every_slot, outputs)]
+            assert shares == [1.0] * len(shares), (kernel, shares)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

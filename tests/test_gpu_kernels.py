@@ -33,7 +33,12 @@ from ablations.bit_identity import (
     representative_layers,
 )
 from reference.shapes import QWEN38_27B
-from tests.cases import check_bf16_rounding_matches_torch, check_row_indexed_kernels, random_activations
+from tests.cases import (
+    check_bf16_rounding_matches_torch,
+    check_prep_ways,
+    check_row_indexed_kernels,
+    random_activations,
+)
 
 GPU_ROWS = (1, 7, 63, 65, 277, 1000)
 
@@ -187,19 +192,8 @@ def test_gpu_bit_identity_on_captured_drone_activations_27b() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("workload_id", ["drone", "customer_service"])
 def test_gpu_packed_prep_equals_every_slot_27b(workload_id: str) -> None:
-    """tests/test_kernels.py::test_packed_prep_equals_every_slot_on_a_bucketed_plan at the 27B widths on the GPU:
-    gdn_prep from the plan's `conv_taps` and at `plan.row_slot`, each then gathered, and attn_prep over the rows then
-    gathered at the key rows, equal the kernels over every path slot and key entry, bit for bit, on the bucketed plan's
-    real slots and keys."""
+    """tests/test_kernels.py::test_packed_prep_equals_every_slot_on_a_bucketed_plan at the 27B widths on the GPU
+    (`tests.cases.check_prep_ways`): gdn_prep from the plan's `conv_taps` and at `plan.row_slot`, each then gathered,
+    and attn_prep over the rows then gathered at the key rows, equal the kernels over every path slot and key entry."""
     _require_compiled_kernels()
-    from ablations.probes import equal_share
-    from measure.prep_probe import bucketed_plan, prep_ways
-
-    host, layout = bucketed_plan(workload_id)
-    for kernel, (ways, pairs) in prep_ways(host.to("cuda"), layout, QWEN38_27B).items():
-        every_slot, *once = (fn() for fn in ways.values())
-        assert len(once) == (2 if kernel == "gdn_prep" else 1), kernel
-        for outputs in once:
-            assert not any(t.isnan().any() for t in outputs), kernel
-            shares = [equal_share(a, b) for a, b in pairs(every_slot, outputs)]
-            assert shares == [1.0] * len(shares), (kernel, shares)
+    check_prep_ways(workload_id, QWEN38_27B, "cuda")

@@ -48,6 +48,7 @@ from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
 from tests.cases import (  # noqa: E402
     check_bf16_rounding_matches_torch,
+    check_prep_ways,
     check_row_indexed_kernels,
     gdn_dims,
     random_activations,
@@ -168,20 +169,9 @@ def test_gather_slots_equals_index_select(shapes) -> None:
 def test_packed_prep_equals_every_slot_on_a_bucketed_plan(workload_id: str) -> None:
     """What the engine runs on a `graphs` bucket (each packed row prepared once, then gathered: gdn_prep from the
     plan's `conv_taps`, v4's way at `plan.row_slot`, attn_prep over the rows) equals the kernels over every path slot
-    and key entry, bit for bit, on the real candidates' slots and keys of the workload's bucketed plan (tiny widths;
-    measure/prep_probe.py times the ways on the H200)."""
-    from ablations.probes import equal_share
-    from measure.prep_probe import bucketed_plan, prep_ways
-
-    plan, layout = bucketed_plan(workload_id)
-    assert len(plan.conv_paths.rows) > plan.num_rows  # shared rows: the ways differ in work
-    for kernel, (ways, pairs) in prep_ways(plan, layout, TINY).items():
-        every_slot, *once = (fn() for fn in ways.values())
-        assert len(once) == (2 if kernel == "gdn_prep" else 1), kernel
-        for outputs in once:
-            assert not any(t.isnan().any() for t in outputs), kernel
-            shares = [equal_share(a, b) for a, b in pairs(every_slot, outputs)]
-            assert shares == [1.0] * len(shares), (kernel, shares)
+    and key entry, bit for bit (`tests.cases.check_prep_ways`, tiny widths; measure/prep_probe.py times the ways on
+    the H200)."""
+    check_prep_ways(workload_id, TINY, "cpu")
 
 
 @pytest.fixture(scope="module")
