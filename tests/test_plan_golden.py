@@ -231,9 +231,13 @@ def generated_request(seed: int) -> tuple[list[list[int]], list[int], int, tuple
 def test_plan_digests_on_generated_requests():
     """The digests of every plan (tree, flat, `pad_lens`, bucketed at the smallest grid bucket) of 120 generated
     requests, hashed together: the planner's output on many shapes (empty roots and question nodes, interleaved
-    questions, one-token leaves, three chunk sizes), pinned at the planner before the current one."""
+    questions, one-token leaves, three chunk sizes), pinned at the planner before the current one. And the tree
+    walk's run order (`engine.plan_arrays._tree_walk`, column 0) on each: every dummy path (start -1: no chunk
+    computed) after every real sequence, so the kernel's tickets reach the readers first, and column 7 the count of
+    those that run in every row (the kernel ends the groups after them at their ticket)."""
     grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
     h, walks = hashlib.sha256(), hashlib.sha256()
+    dummies_seen = 0
     for seed in range(SWEEP_REQUESTS):
         candidates, groups, chunk_size, pad_lens = generated_request(seed)
         plans = [
@@ -247,8 +251,16 @@ def test_plan_digests_on_generated_requests():
         for plan in plans:
             h.update(digest(plan).encode())
             walks.update(digest(plan, new_arrays=True).encode())
+            walk = plan.gdn["replicated"].calls[0].walk
+            if walk is not None:
+                walk = walk.numpy()
+                dummy = walk[walk[:, 0], 1] < 0  # in run order
+                assert not (dummy[:-1] & ~dummy[1:]).any(), (seed, walk[:, 0].tolist())
+                assert (walk[:, 7] == (~dummy).sum()).all()  # the sequences that run: the kernel ends the later groups
+                dummies_seen += int(dummy.sum())
     assert h.hexdigest()[:16] == SWEEP_DIGEST
     assert walks.hexdigest()[:16] == NEW_ARRAY_SWEEP_DIGEST
+    assert dummies_seen > 0
 
 
 @pytest.mark.parametrize("name", REQUESTS)
@@ -297,23 +309,3 @@ def test_smallest_bucket_is_the_minimum_in_any_grid_order():
         assert (want is None) == (options > 32), "only the 40-option request is outside the grid"
         if options * questions <= 2:  # slots <= candidates x rows: the own candidate class holds them
             assert want.candidates == options * questions
-
-
-def test_the_tree_walk_runs_dummy_paths_last():
-    """`engine.plan_arrays._tree_walk`'s run order (column 0) on the sweep's padded and bucketed plans: every dummy path
-    (start -1: no chunk computed) after every real sequence, so the kernel's tickets reach the readers first, and
-    column 7 the count of those that run in every row (the kernel ends the groups after them at their ticket)."""
-    grid = sorted(default_grid(), key=lambda b: (b.rows, b.slots, b.sequences))
-    dummies_seen = 0
-    for seed in range(40):
-        candidates, groups, chunk_size, pad_lens = generated_request(seed)
-        plans = [plan_tree(candidates, groups, chunk_size=chunk_size, pad_lens=pad_lens)]
-        bucket = smallest_bucket(tree_layout(candidates, groups), grid)
-        plans += [] if bucket is None else [plan_tree(candidates, groups, bucket=bucket)]
-        for plan in plans:
-            walk = plan.gdn["replicated"].calls[0].walk.numpy()
-            dummy = walk[walk[:, 0], 1] < 0  # in run order
-            assert not (dummy[:-1] & ~dummy[1:]).any(), (seed, walk[:, 0].tolist())
-            assert (walk[:, 7] == (~dummy).sum()).all()  # the sequences that run: the kernel ends the later groups
-            dummies_seen += int(dummy.sum())
-    assert dummies_seen > 0
