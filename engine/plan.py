@@ -518,9 +518,8 @@ class TreePlan:
 
     Per packed row n (N rows, dummy rows last): `token_ids`, `positions` (original position in its candidates),
     `row_node`, `row_parent` / `row_grandparent` (node ids of its node's ancestors, -1 where none), `row_slot` (one slot
-    of `path_rows` holding it). Host: `conv_rows` [N, CONV_WIDTH] (packed rows at positions p-3..p of its path; N, a
-    zero row appended by the conv, before position 0); the same on the plan's device: `conv_taps` (each row's conv
-    window for `kernels.gdn_prep`, in any GDN mode).
+    of `path_rows` holding it), `conv_taps` [N, CONV_WIDTH] (its conv window: the packed rows at positions p-3..p of
+    its path; N, a zero row appended by the conv, before position 0; `kernels.gdn_prep`'s taps in any GDN mode).
     Per candidate c (the real ones; dummy paths follow): its path `path_rows[path_cu_seqlens[c]:path_cu_seqlens[c+1]]`
     (root to leaf, one entry per token of the candidate) and `read_rows[c]`, the row of its last token.
     """
@@ -536,8 +535,7 @@ class TreePlan:
     leaf_lens: tuple[int, ...]
     padding_lens: tuple[int, ...]  # detached dummy sequences after the real leaves
     chunk_size: int
-    conv_rows: torch.Tensor  # [N, CONV_WIDTH] int64, host
-    conv_taps: torch.Tensor  # [N, CONV_WIDTH] int64: conv_rows in the arena (the GDN prep kernel's `taps`)
+    conv_taps: torch.Tensor  # [N, CONV_WIDTH] int64: each row's conv window (the GDN prep kernel's `taps`)
     path_cu_seqlens_cpu: torch.Tensor  # [C + P + 1] int64, host
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -753,7 +751,6 @@ def _build(
         leaf_lens=host.leaf_lens,
         padding_lens=tuple(pad),
         chunk_size=chunk_size,
-        conv_rows=torch.from_numpy(host.conv_rows),
         conv_taps=views["conv_taps"],
         path_cu_seqlens_cpu=torch.from_numpy(host.path_cu),
         token_ids=views["token_ids"],

@@ -55,7 +55,6 @@ class HostArrays:
     attention_bounds: tuple[np.ndarray, np.ndarray]  # cu_seqlens of the queries and of the keys
     attention_max: tuple[int, int]  # max_q, max_k
     keys_are_rows: bool
-    conv_rows: np.ndarray  # [N, CONV_WIDTH]: packed rows at positions p-3..p of each row's path; N: the zero row
     path_cu: np.ndarray  # [paths + 1]
     num_rows: int
     num_reads: int  # read rows (a bucket's candidates)
@@ -160,7 +159,6 @@ def host_arrays(
         attention_bounds=(attn_cu_q, attn_cu_k),
         attention_max=attn_max,
         keys_are_rows=_is_arange(key_rows, num_rows),
-        conv_rows=conv_rows,
         path_cu=path_cu,
         num_rows=num_rows,
         num_reads=len(read_rows),

@@ -54,16 +54,16 @@ def scatter_rows(y: torch.Tensor, plan) -> torch.Tensor:
 def tree_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, plan) -> torch.Tensor:
     """Causal depthwise conv + SiLU over the tree. x [N, C] (bf16 or fp32), weight [C, W] -> [N, C] in x's dtype.
 
-    Row n convolves the pre-conv rows at positions p-W+1..p of its own path (`plan.conv_rows`), zeros before 0.
+    Row n convolves the pre-conv rows at positions p-W+1..p of its own path (`plan.conv_taps`), zeros before 0.
     Rounding as `reference.ops.causal_conv1d_silu`: conv and silu each rounded to the weight's dtype, then x's.
     """
     num_rows, channels = x.shape
     if num_rows != plan.num_rows:
         raise ValueError(f"x has {num_rows} rows, the plan {plan.num_rows}")
-    if weight.shape != (channels, plan.conv_rows.shape[1]):
+    if weight.shape != (channels, plan.conv_taps.shape[1]):
         raise ValueError(f"conv weight {tuple(weight.shape)} does not fit x [{num_rows}, {channels}] and the plan")
     x_ext = torch.cat([x, x.new_zeros(1, channels)])  # row N is the zero history
-    conv_rows = plan.conv_rows.to(x.device)
+    conv_rows = plan.conv_taps.to(x.device)
     w = weight.float()
     acc = torch.zeros(num_rows, channels, dtype=torch.float32, device=x.device)
     for k in range(w.shape[1]):

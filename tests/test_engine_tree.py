@@ -173,7 +173,7 @@ def test_prepare_batches_and_plans_are_split_questions_and_plan_tree(merged_weig
             plan, expect = batch.plan, plan_tree(own, own_groups, bucket=batch.plan.bucket)
             assert plan.shape == expect.shape and torch.equal(plan.arena.buffer, expect.arena.buffer)
             assert all(torch.equal(t, expect.arena.int32[name]) for name, t in plan.arena.int32.items())
-            assert torch.equal(plan.conv_rows, expect.conv_rows)
+            assert torch.equal(plan.conv_taps, expect.conv_taps)
             host = ("candidate_lens", "question_of", "root_len", "question_lens", "leaf_lens", "padding_lens")
             assert all(getattr(plan, name) == getattr(expect, name) for name in host)
 

@@ -9,9 +9,9 @@ for the layout); these tests pin its output so that a faster or restructured pla
 * the representative slot is the first occurrence of each row in the paths (what the replicated call produces from);
 * digests of every array of the plans of four JevBench-sized requests (tree, flat, `pad_lens`, bucketed at the
   bucket commit 2b0f72d's grid chose for each, pinned in `PINNED_BUCKETS`; the values at commit 2b0f72d, whose
-  planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk, the prep
-  kernel's conv windows `conv_taps`, equal to the pinned host `conv_rows`) are left out of those digests and pinned on
-  their own (`NEW_ARRAY_DIGESTS`, `NEW_ARRAY_SWEEP_DIGEST`);
+  planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk, and the
+  conv windows as an arena array, `conv_taps`, which the pins above hash as the host `conv_rows` they were then) are
+  left out of those digests and pinned on their own (`NEW_ARRAY_DIGESTS`, `NEW_ARRAY_SWEEP_DIGEST`);
 * one digest over every plan of 120 generated requests (tree, flat, `pad_lens`, bucketed: empty roots and question
   nodes, interleaved questions, one-token leaves, chunk sizes 2, 16 and 64), pinned at commit 35ca3d3's planner (the
   one before `_build` took fewer numpy calls);
@@ -38,7 +38,7 @@ def arrays_of(plan: TreePlan) -> dict[str, torch.Tensor]:
     """Every array a plan carries: the arena's views and int32 copies, and the host tensors."""
     out = {name: plan.arena.views[name] for name, _ in plan.shape.arrays}
     out |= {f"int32.{name}": t for name, t in plan.arena.int32.items()}
-    out["conv_rows"], out["path_cu_seqlens_cpu"] = plan.conv_rows, plan.path_cu_seqlens_cpu
+    out["conv_rows"], out["path_cu_seqlens_cpu"] = plan.conv_taps.cpu(), plan.path_cu_seqlens_cpu  # its old name
     for mode, schedule in plan.gdn.items():
         for i, call in enumerate(schedule.calls):
             out[f"{mode}.{i}.cu_seqlens_cpu"] = call.cu_seqlens_cpu
@@ -100,7 +100,7 @@ def test_tree_plan_by_hand():
     assert as_list(plan.read_rows) == [3, 5, 6]
     z = 7  # the zero row
     conv = [[z, z, z, 0], [z, z, 0, 1], [z, 0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [1, 2, 4, 5], [z, 0, 1, 6]]
-    assert as_list(plan.conv_rows) == conv
+    assert as_list(plan.conv_taps) == conv
 
     paths = plan.conv_paths
     assert as_list(paths.rows) == as_list(plan.path_rows) and as_list(paths.cu_seqlens) == [0, 4, 9, 12]
@@ -149,7 +149,7 @@ def test_bucketed_plan_by_hand():
     assert as_list(plan.path_rows) == [0, 1, 2, 3, 1, 3, 3, 3, 3, 3]  # dummy paths, then the trailing slots
     assert as_list(plan.path_cu_seqlens) == [0, 1, 4, 5]
     assert as_list(plan.row_slot) == [0, 1, 2, 3] and as_list(plan.read_rows) == [0, 3]
-    assert as_list(plan.conv_rows) == [[4, 4, 4, 0], [4, 4, 4, 1], [4, 4, 1, 2], [4, 1, 2, 3]]
+    assert as_list(plan.conv_taps) == [[4, 4, 4, 0], [4, 4, 4, 1], [4, 4, 1, 2], [4, 1, 2, 3]]
     paths = plan.conv_paths
     assert as_list(paths.spaced) == [0, 0, 0, 1, 0, 0, 0, 2, 3, 4, 0, 0, 0, 2, 4, 4, 4, 4, 4]
     assert as_list(paths.spaced_keep) == [3, 7, 8, 9, 13, 14, 15, 16, 17, 18]
@@ -274,7 +274,6 @@ def test_plan_digests(name):
         plan_tree(candidates, groups, bucket=bucket),
     )
     for plan in plans:  # the representative slot is each row's first occurrence in the paths
-        assert torch.equal(plan.conv_taps, plan.conv_rows)  # the arena's copy of the pinned host windows
         _, first = np.unique(plan.path_rows.numpy(), return_index=True)
         assert np.array_equal(plan.row_slot.numpy(), first)
         assert np.array_equal(plan.gdn["replicated"].calls[0].out_slots.numpy(), first)

@@ -125,7 +125,7 @@ def check_plan(plan: TreePlan, candidates: list[list[int]], groups: list[int]) -
     assert (parent[is_root] == -1).all() and (parent[is_question] == 0).all()
     assert (grandparent[~(is_root | is_question)] == 0).all() and (grandparent[is_root | is_question] == -1).all()
     # conv windows: for every slot of every path (not only the representative), rows at positions p-3..p of it
-    conv_rows = plan.conv_rows.numpy()
+    conv_rows = plan.conv_taps.numpy()
     for k in range(CONV_WIDTH):
         back = CONV_WIDTH - 1 - k
         expect = np.where(slot_pos >= back, path_rows[np.maximum(np.arange(len(path_rows)) - back, 0)], n)
@@ -149,7 +149,7 @@ def check_plan(plan: TreePlan, candidates: list[list[int]], groups: list[int]) -
 def check_conv_inputs(plan: TreePlan) -> None:
     """Both conv inputs give every kept row the window of its own path (zeros before position 0), both in the
     sequence layout (the prep kernel masks rows before a sequence start) and in the zero-spaced layout."""
-    n, conv_rows = plan.num_rows, plan.conv_rows.numpy()
+    n, conv_rows = plan.num_rows, plan.conv_taps.numpy()
     for layout in (plan.conv_paths, plan.conv_segments):
         rows, cu, keep = layout.rows.numpy(), layout.cu_seqlens_cpu.numpy(), layout.keep.numpy()
         assert np.array_equal(layout.cu_seqlens.numpy(), cu) and np.array_equal(layout.cu_seqlens_i32.numpy(), cu)
@@ -180,7 +180,7 @@ def check_tree_split(plan: TreePlan, candidates: list[list[int]], groups: list[i
 
 def check_schedules(plan: TreePlan) -> None:
     """Each GDN call's sequences are path slices; states hand off only at chunk boundaries; rows produced once."""
-    conv_rows = plan.conv_rows.numpy()
+    conv_rows = plan.conv_taps.numpy()
     positions = plan.positions.numpy()
     for mode, schedule in plan.gdn.items():
         produced = []
