@@ -1,7 +1,7 @@
-"""CPU tests of stage `core` (`EngineConfig.gdn_core="chunk_fused"`, kernels/gdn_chunk.py) on the tiny twin, every
-kernel under the Triton interpreter: the gate (close to `graphs` within the registry's bound), tree vs flat within the
-stage, the `handoff` schedule vs the `replicated` one, and the bucketed (`graphs`) forward vs the unpadded one, each
-bit for bit. Synthetic weights: the figures are fidelity between code paths, never accuracy.
+"""CPU tests of stage `core` (`EngineConfig.gdn_core="chunk_fused"`, kernels/gdn_chunk.py) on the tiny twin's first four
+layers, every kernel under the Triton interpreter: the gate (close to `graphs` within the registry's bound), tree vs
+flat within the stage, the `handoff` schedule vs the `replicated` one, and the bucketed (`graphs`) forward vs the
+unpadded one, each bit for bit. Synthetic weights: the figures are fidelity between code paths, never accuracy.
 
 On the CPU `graphs` runs HF's torch chunk rule (fp32 throughout, q/k normalised in fp32) where `core` runs the kernel
 with FLA's bf16 rounding points: the same kind of GDN-core-only swap as hf_torch against hf_fla, the swap whose H200
@@ -10,6 +10,7 @@ figure is the registry's bound (engine/stages/core.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -30,9 +31,14 @@ if torch.cuda.is_available():
     pytest.skip("CPU tests (the GPU gate is tests/test_gpu_gdn_chunk.py)", allow_module_level=True)
 
 
+# The tiny twin's first four layers (three GDN, one attention): every kind of layer the stage changes, at half the
+# interpreter's time of eight (the four forward-pair tests below took 187 s of the CPU suite's 555 with eight).
+TINY_FOUR_LAYERS = dataclasses.replace(TINY, name="tiny-4-layers", num_layers=4)
+
+
 @pytest.fixture(scope="module")
 def merged_weights() -> MergedWeights:
-    return MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=23))
+    return MergedWeights.from_decision_weights(synthetic_weights(TINY_FOUR_LAYERS, seed=23))
 
 
 def request(seed: int, root_len: int) -> tuple[list[list[int]], list[int]]:
@@ -58,7 +64,7 @@ def test_core_stage_is_registered_kept_on_gemm():
     assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages
 
 
-@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
 def test_core_stage_close_to_graphs(merged_weights):
     """The stage's CPU gate: `core` against `graphs` on one request, candidate outputs within the registry's bound
     (the runner's hidden_rel_rmse: the head's input rows), every residual state finite."""
@@ -72,7 +78,7 @@ def test_core_stage_close_to_graphs(merged_weights):
     assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
 
 
-@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
 def test_core_tree_matches_flat_bitwise(merged_weights):
     """Tree vs flat within the stage (graphs off: the flat layout has no buckets): the kernel is prefix-invariant, so
     the shared rows computed once give each candidate the bits of its unshared run."""
@@ -82,7 +88,7 @@ def test_core_tree_matches_flat_bitwise(merged_weights):
     assert torch.equal(tree.forward(tree.prepare(candidates, groups)), flat.forward(flat.prepare(candidates, groups)))
 
 
-@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
 def test_core_handoff_matches_replicated_bitwise(merged_weights):
     """The `handoff` schedule (root once to its last 64-row boundary, fp32 state handed to the branches, through the
     same kernel) gives the `replicated` schedule's bits: the kernel's split at a multiple of 64 is exact."""
@@ -94,7 +100,7 @@ def test_core_handoff_matches_replicated_bitwise(merged_weights):
     assert torch.equal(handoff.forward(prepared), replicated.forward(replicated.prepare(candidates, groups)))
 
 
-@pytest.mark.slow  # two tiny-twin forwards under the interpreter: 20-60 s on the 2-core CPU
+@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
 def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     """The bucketed plan (`graphs`: dummy rows, dummy and empty paths, trailing slots) gives the unpadded plan's bits:
     padding sequences of the kernel's launch change no real row (graph replay = eager on the GPU rests on it)."""
