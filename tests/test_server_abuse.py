@@ -136,32 +136,46 @@ class Forward:
 
 
 class ForwardSpy:
-    """`default_model()` with its forwards watched. A pre-hook on every decoder layer, registered after the backbone's
-    own (`HFBackbone.layer_check`), notes when each layer began: it runs only for a layer that check let through. The
-    flag the worker passes to `answer_many` is wrapped to note every ask (the check asks it once before each layer)."""
+    """`default_model()` (one shared instance: `reference.service.default_model` is cached) with its forwards watched,
+    as the model a server is given: every attribute is the model's but `answer_many`, which wraps the flag the worker
+    passes to note every ask (the backbone's layer check asks it once before each layer). Inside `with`, a pre-hook on
+    every decoder layer, registered after the backbone's own (`HFBackbone.layer_check`), notes when each layer began:
+    it runs only for a layer that check let through. The hooks are removed on exit; the shared model is left as it was.
+    """
 
     def __init__(self):
         self.model = default_model()
         self.layers = len(self.model.backbone.model.layers)
         self.forwards: list[Forward] = []
+        self._hooks: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __enter__(self) -> ForwardSpy:
         for layer in self.model.backbone.model.layers:
-            layer.register_forward_pre_hook(lambda module, args: self.forwards[-1].began.append(time.perf_counter()))
-        answer_many = self.model.answer_many
+            began = layer.register_forward_pre_hook(
+                lambda module, args: self.forwards[-1].began.append(time.perf_counter())
+            )
+            self._hooks.append(began)
+        return self
 
-        def watched_answer_many(compiled, *, abandoned):
-            forward = Forward()
-            self.forwards.append(forward)
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
-            def asked() -> bool:
-                at = time.perf_counter()
-                forward.asks.append((at, answer := abandoned()))
-                return answer
+    def answer_many(self, compiled, *, abandoned=None):
+        forward = Forward()
+        self.forwards.append(forward)
 
-            forward.results = answer_many(compiled, abandoned=asked)
-            forward.ended.set()
-            return forward.results
+        def asked() -> bool:
+            at = time.perf_counter()
+            forward.asks.append((at, answer := abandoned is not None and abandoned()))
+            return answer
 
-        self.model.answer_many = watched_answer_many  # what the server's `ModelCalls` binds
+        forward.results = self.model.answer_many(compiled, abandoned=asked)
+        forward.ended.set()
+        return forward.results
 
     def assert_stopped_at_the_next_layer(self, forward: Forward, flag_set_by: float) -> None:
         """`forward` ended as abandoned, at the first layer boundary after the flag was set (by `flag_set_by` at the
@@ -179,8 +193,7 @@ def test_a_passed_deadline_stops_the_forward_between_layers():
     Now the forward stops at the next decoder layer once its client's deadline passed, and the worker answers the next
     request. The server sets the flag before it sends the 504, so every ask after the client read the 504 must be yes.
     """
-    spy = ForwardSpy()
-    with DecisionServer(spy.model, port=0, deadline_s=2.0, access_log=io.StringIO()) as slow:
+    with ForwardSpy() as spy, DecisionServer(spy, port=0, deadline_s=2.0, access_log=io.StringIO()) as slow:
         slow.start()
         assert post(slow, short_request(1))[0] == 200
         assert post(slow, slow_request())[0] == 504
@@ -202,8 +215,7 @@ def test_a_closed_connection_stops_the_forward():
     before this file's tests)."""
     body = json.dumps(slow_request()).encode()
     head = b"POST /v1/systemone HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-    spy = ForwardSpy()
-    with DecisionServer(spy.model, port=0, access_log=io.StringIO()) as served:
+    with ForwardSpy() as spy, DecisionServer(spy, port=0, access_log=io.StringIO()) as served:
         served.start()
         with socket.create_connection(address(served), timeout=TIMEOUT_S) as sock:
             sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
