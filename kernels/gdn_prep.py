@@ -24,9 +24,12 @@ transposed, i.e. channels-last, view, for which torch may pick cuDNN's depthwise
 documented; a different order would flip a bf16↓ of c very rarely (the GPU test asserts v bitwise and will show it).
 On the CPU the conv matched torch's bit for bit in every test.
 The L2 norm uses Triton's `/` and `tl.sqrt` exactly as FLA's `l2norm_fwd_kernel` writes them (approximate PTX on the
-GPU), because FLA computes the engine's q/k. Compiled for sm_90 here, FLA's kernel reduces over K = 128 with the
-layout sizePerThread [1, 1], 32 lanes × 4 warps along K whenever its autotuner picks ≥ 4 warps, and so does this
-kernel (16 × 128 tile, 4 warps): the same reduction tree, so bitwise equality with FLA is expected then (GPU test).
+GPU), because FLA computes the engine's q/k. Compiled for sm_90 (Triton 3.6, the H200's, and 3.9 alike; TTGIR of
+2026-12-05), this kernel's 16 × 128 tile on 4 warps reduces over K = 128 with sizePerThread [1, 8] and 16 lanes along
+K, warps along the rows (no cross-warp step), and so does FLA's `l2norm_fwd_kernel` at D = 128 in 22 of its 25
+autotune configs, every one of ≤ 4 warps (not BT 8 / 8 warps, BT 16 / 16, BT 8 / 16): the same reduction tree, so
+bitwise equality with FLA is expected then (GPU test). Each thread's 8 terms are added as a chain under Triton 3.6 and
+as a pairwise tree under 3.9, in both kernels: bits taken with one Triton version need not hold under the other.
 Against `reference.ops.l2norm_fla` (torch: IEEE sqrt and division, torch's own sum order) a q/k element can be one
 ulp off, rarely. With `qk_l2norm=False` q and k are the conv outputs, for FLA to normalise
 (`use_qk_l2norm_in_kernel=True`): equal to the HF+FLA path by construction. beta and g follow torch's CUDA kernels
