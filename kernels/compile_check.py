@@ -149,11 +149,12 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     chunk_qk, chunk_v = _meta(rows, s.linear_num_key_heads, s.linear_key_head_dim), _meta(rows, hv, dv)
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
     # drone's bucket (replicated) with its tree walk on the packed rows (the stage's) and on gathered inputs, without
-    # the walk; a hand-off call; the probe's value block of 32 (`measure.gdn_chunk_probe`), with a 168-register cap
-    bv32 = {"value_block": 32, "unverified_value_block": True}
-    tiles = {"walk rows bv32": bv32, "walk rows bv32 r168": bv32 | {"max_registers": 168}}
+    # the walk; a hand-off call; the probe's value blocks of 32 (`measure.gdn_chunk_probe`), with a 168-register cap,
+    # and of 16
+    bv32, bv16 = ({"value_block": bv, "unverified_value_block": True} for bv in (32, 16))
+    tiles = {"walk rows bv32": bv32, "walk rows bv32 r168": bv32 | {"max_registers": 168}, "walk rows bv16": bv16}
     for sequences, mode in ((18, "walk rows"), (18, "walk"), (18, "replicated"), (5, "handoff"),
-                            (18, "walk rows bv32"), (18, "walk rows bv32 r168")):  # fmt: skip
+                            (18, "walk rows bv32"), (18, "walk rows bv32 r168"), (18, "walk rows bv16")):  # fmt: skip
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
         walk = _meta(sequences, 8, dtype=torch.int64) if mode.startswith("walk") else None
         slot_rows = _meta(keys, dtype=torch.int64) if mode.startswith("walk rows") else None

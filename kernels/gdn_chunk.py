@@ -78,8 +78,9 @@ Tiles: the walk's value block of BV columns per program (`value_block`, default 
 (sequence, value head) at V = 128). BV < 64 is refused on CUDA unless asked for as unverified: BV = 32 gave wrong
 outputs on sm_90 in v1 (relative RMSE 0.84-0.88 against FLA, a Triton 3.6 code-generation fault: core.md); v3.4's
 walk compiles at BV = 32 with 36 bytes of spills at 255 registers and 312 at a 168-register cap (three programs an SM
-instead of two), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the H200 before the refusal
-goes. The interpreter runs any BV.
+instead of two), and at BV = 16 without spills (254 registers, 1,968 SASS instructions against BV = 64's 2,824; on 2
+warps every value block spills kilobytes), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the
+H200 before the refusal goes. The interpreter runs any BV.
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
