@@ -136,16 +136,21 @@ def _pytest(nodes: list[str], device: str, timeout_s: float, cwd: Path) -> dict[
             "command": " ".join(["python -m pytest -q", *selection])}  # fmt: skip
 
 
-def gate_result(node: str, run: dict[str, Any]) -> dict[str, Any]:
-    """A node's gate from a pytest run that may have covered other nodes too: green iff the run completed, at least
-    one of the node's tests passed and none failed (all skipped, deselected or not collected is red)."""
+def node_cases(node: str, run: dict[str, Any]) -> list[ET.Element]:
+    """The junit test cases of `run` that belong to `node` (all its parametrisations, or the one it names)."""
     classname, function, exact = node_key(node)
-    mine = [
+    return [
         case
         for case in run["cases"]
         if case.get("classname") == classname
         and (case.get("name") == exact if exact else case.get("name", "").partition("[")[0] == function)
     ]
+
+
+def gate_result(node: str, run: dict[str, Any]) -> dict[str, Any]:
+    """A node's gate from a pytest run that may have covered other nodes too: green iff the run completed, at least
+    one of the node's tests passed and none failed (all skipped, deselected or not collected is red)."""
+    mine = node_cases(node, run)
     outcomes = [case_outcome(case) for case in mine]
     passed, failed = outcomes.count("passed"), outcomes.count("failed")
     failures = [
@@ -169,14 +174,38 @@ def gate_result(node: str, run: dict[str, Any]) -> dict[str, Any]:
 def run_gates(nodes: list[str], device: str, timeout_s: float, cwd: Path = REPO) -> dict[str, dict[str, Any]]:
     """Gate results by node. All nodes run in one pytest process (module fixtures, such as a 27B model, are built
     once); when that process stops before running tests (an unknown node is a usage error for the whole
-    invocation), each node runs alone."""
+    invocation), each node runs alone. A node that ran no test of its own because CUDA ran out of memory while
+    setting it up (`out_of_memory_in_setup`: on an H100's 80 GB the 27B model of an earlier node's module was not
+    released in time, 33f9910) runs again alone, and its gate says so (`alone`); a red test result never reruns."""
     nodes = list(dict.fromkeys(nodes))
     if not nodes:
         return {}
     run = _pytest(nodes, device, timeout_s * len(nodes), cwd)
-    if run["exit_code"] in (0, 1, 5) or len(nodes) == 1:
-        return {node: gate_result(node, run) for node in nodes}
-    return {node: gate_result(node, _pytest([node], device, timeout_s, cwd)) for node in nodes}
+    if run["exit_code"] not in (0, 1, 5) and len(nodes) > 1:
+        return {node: gate_result(node, _pytest([node], device, timeout_s, cwd)) for node in nodes}
+    gates = {node: gate_result(node, run) for node in nodes}
+    for node in nodes:
+        if len(nodes) > 1 and out_of_memory_in_setup(node, run):
+            alone = "CUDA ran out of memory setting up its tests in the shared process"
+            gates[node] = gate_result(node, _pytest([node], device, timeout_s, cwd)) | {"alone": alone}
+    return gates
+
+
+def out_of_memory_in_setup(node: str, run: dict[str, Any]) -> bool:
+    """True iff the node has cases in `run` and every one of them is a setup error of CUDA running out of memory
+    (pytest's junit: an <error> element "failed on setup with ... CUDA out of memory"), none passed or failed."""
+    mine = node_cases(node, run)
+
+    def oom_setup_error(case: ET.Element) -> bool:
+        errors = case.findall("error")
+        return (
+            case.find("failure") is None
+            and bool(errors)
+            and all("on setup" in (e.get("message") or "") and "CUDA out of memory" in (e.get("message") or "")
+                    for e in errors)
+        )  # fmt: skip
+
+    return bool(mine) and all(oom_setup_error(case) for case in mine)
 
 
 def gate_reason(gate: dict[str, Any]) -> str:
@@ -326,6 +355,9 @@ class Run:
         start = time.perf_counter()
         gates = run_gates(nodes, self.device, self.gate_timeout)
         self.record["timeline_s"]["gates"] = time.perf_counter() - start
+        for node, gate in gates.items():
+            if "alone" in gate and self.progress:
+                print(f"gates: {node} ran again alone ({gate['alone']}): {gate['outcome']}", file=sys.stderr)
         for stage in todo:
             entry = self.entry(stage.name)
             entry["gate"] = gates[stage.gate_for(self.device)]

@@ -130,6 +130,38 @@ def test_gates_run_in_one_process_and_alone_after_a_usage_error(tmp_path):
     assert mixed["test_gates.py::test_missing"]["outcome"] == "red"
 
 
+GATES_OUT_OF_MEMORY = """import os
+import pytest
+class OutOfMemoryError(RuntimeError):
+    pass
+@pytest.fixture(scope="module")
+def model():
+    if os.environ.get("GATE_HELD_MEMORY"):  # an earlier node of the same process still holds its model
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 170.00 MiB")
+    yield 1
+def test_holds_memory():
+    os.environ["GATE_HELD_MEMORY"] = "1"
+def test_needs_memory(model):
+    assert model == 1
+def test_red_with_memory(model):
+    assert model == 2
+"""
+
+
+@pytest.mark.slow
+def test_a_gate_that_ran_out_of_cuda_memory_in_setup_runs_again_alone(tmp_path):
+    (tmp_path / "test_gates_oom.py").write_text(GATES_OUT_OF_MEMORY)
+    first, needs, red = (f"test_gates_oom.py::{name}" for name in ("test_holds_memory", "test_needs_memory",
+                                                                     "test_red_with_memory"))  # fmt: skip
+    gates = run_gates([first, needs, red], "cpu", timeout_s=120, cwd=tmp_path)
+    assert gates[first]["outcome"] == "green" and "alone" not in gates[first]
+    assert gates[needs]["outcome"] == "green" and "out of memory" in gates[needs]["alone"]
+    assert gates[needs]["command"].endswith(needs)  # judged by its own process
+    assert gates[red]["outcome"] == "red" and "alone" in gates[red] and "assert 1 == 2" in gates[red]["output_tail"]
+    alone = run_gates([needs], "cpu", timeout_s=120, cwd=tmp_path)[needs]
+    assert alone["outcome"] == "green" and "alone" not in alone
+
+
 def test_summary_lines_show_every_stage():
     record = small_record()
     record["stages"].append({"name": "hf_fla", "status": "unavailable", "reason": "runs on cuda only",
