@@ -80,7 +80,9 @@ outputs on sm_90 in v1 (relative RMSE 0.84-0.88 against FLA, a Triton 3.6 code-g
 walk compiles at BV = 32 with 36 bytes of spills at 255 registers and 312 at a 168-register cap (three programs an SM
 instead of two), and at BV = 16 without spills (254 registers, 1,968 SASS instructions against BV = 64's 2,824; on 2
 warps every value block spills kilobytes), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the
-H200 before the refusal goes. The interpreter runs any BV.
+GPU before the refusal goes: at v3.4 both were still wrong on an H100 (sm_90, Triton 3.6: relative error 0.905 against
+the oracle, runs differ, an illegal address in the probe; attempt `gdn-chunk-value-block-32-and-16-v3.4`). The
+interpreter runs any BV.
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
@@ -93,7 +95,9 @@ engine/stages/core.md):
   and a dummy path's programs end after their ticket (walk column 7: the sequences that run), its rows of o zeroed by
   the solve launch's programs of its chunks, which it had anyway. Ncu of v3.3 put 23 % of the walk's stall samples in
   the prologue every program runs, dummies included. `max_registers` and `unverified_value_block` let the probe and the
-  GPU tests try BV = 32 with three programs an SM. Untimed so far (engine/stages/core.md, next steps).
+  GPU tests try BV = 32 with three programs an SM. On an H100 (probe of 33f9910 against v3.2 at 01752fe, one machine):
+  -3.9 / -4.8 / +1.0 us a layer on drone / easy-intent-00 / customer_service (78.7 / 51.7 / 150.2), FLA's bits on
+  1.0000 of the elements; BV 32 and 16 still wrong there (engine/stages/core.md).
 * v3.2: v3.1 plus the `rows` input: the path slots read q, k, v, g, beta at their packed rows, so stage
   `core` drops the `gather_slots` launch in front of the core. The fla-blocks solve forms all ten blocks of A before
   the substitution, so the four [16, K] key blocks are dead during it (sm_90: spills 600 -> 0 bytes, 2,984 -> 2,768
