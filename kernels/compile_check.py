@@ -7,6 +7,11 @@ machines (CI) that can only interpret the kernels.
     python -m kernels.compile_check --sass --only gdn_chunk   # SASS instructions and opcodes of the gdn_chunk launches
     python -m kernels.compile_check --only gdn_chunk --listings /tmp/sass   # and their SASS listings, one file each
 
+The installed Triton compiles (the lab's venv: 3.9); the H200 image runs 3.6, whose code differs (gdn_chunk's walk
+spills 344 bytes there against 224). To see the device's code, put that Triton first on the path, e.g.
+`pip install --no-deps --target /tmp/triton36 triton==3.6.0`, then `PYTHONPATH=/tmp/triton36 python -m
+kernels.compile_check ...` (every kernel compiles under both, checked at 69f2ce4).
+
 How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
 at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
 it (argument types, constexprs, num_warps, fp options) is exactly what the wrapper would launch on a GPU. The captured
