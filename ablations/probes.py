@@ -15,8 +15,9 @@ cuBLAS settings and none of the runner's state, and its result is one JSON objec
   kernels launched directly, q/k normalised before) on a 4,000-token shared context with 5 candidates: the
   `handoff` and `replicated` schedules against prefilling the context once; wall time of back-to-back calls
   (`cuda_time_ms`) and GPU kernel time per call (profiler busy time, `gpu_busy_ms`).
-* `kernel_tiles`: the three costliest fused kernels (silu_mul, residual_rmsnorm, gdn_prep) at the 27B widths and 971
-  rows in the shipped tile shape (the first case of each kernel) and in other width-derived shapes: median µs,
+* `kernel_tiles`: the three costliest fused kernels (silu_mul, residual_rmsnorm, gdn_prep as the engine calls it, from
+  each row's conv window) at the 27B widths and 971 rows in the shipped tile shape (the first case of each kernel) and
+  in other width-derived shapes: median µs,
   effective TB/s (each input read once, each output written once), the share of output elements bit-equal to the
   shipped shape's, and whether every output element was written (outputs NaN-poisoned before the launch).
 * `engine_checks`: the whole model (27B synthetic weights) on the drone request through `hf_fla`, `hf_torch`,
@@ -296,114 +297,149 @@ def _tile_sweep(kernel: str, tiles: list[tuple[str, Any]], outputs, nbytes: int)
     return cases
 
 
-def _poisoned(*shapes_dtypes):
+def _poisoned(device, *shapes_dtypes):
     import torch
 
-    return [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in shapes_dtypes]
+    return [torch.full(shape, float("nan"), dtype=dtype, device=device) for shape, dtype in shapes_dtypes]
 
 
-def silu_mul_cases() -> list[dict[str, Any]]:
+def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
+    """The tiles of `_silu_mul_kernel` at the 27B width, the shipped one first; `wrapper` is the public call they must
+    match. A sweep: {"tiles": [(name, launch(outs))], "outputs": fresh NaN-poisoned outputs, "nbytes", "wrapper"}.
+    Each launch passes the kernel's arguments by name, so a changed signature fails (tests/test_probes.py runs every
+    launch under the interpreter)."""
     import torch
     import triton
 
+    from kernels import silu_mul
     from kernels.activations import _silu_mul_kernel
-    from kernels.numerics import LAUNCH_OPTIONS
+    from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
     from reference.shapes import QWEN38_27B as S
 
-    rows, inter = TILE_ROWS, S.intermediate_size
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    gate_up = (torch.randn(rows, 2 * inter, generator=gen, device="cuda") * 2).bfloat16()
+    inter = S.intermediate_size
+    gen = torch.Generator(device=device).manual_seed(11)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen, device=device) * 2).bfloat16()
+    torch_cpu = kernel_mode(_silu_mul_kernel, gate_up.device)
 
     def tile(block_r, block_n, warps):
         def launch(outs):
             grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_n))
-            _silu_mul_kernel[grid](gate_up, outs[0], rows, gate_up.stride(0), INTER=inter, BLOCK_R=block_r,
-                                   BLOCK_N=block_n, TORCH_CPU=False, num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
+            with ieee_quiet(torch_cpu):
+                _silu_mul_kernel[grid](gate_up_ptr=gate_up, out_ptr=outs[0], rows=rows, stride_in=gate_up.stride(0),
+                                       INTER=inter, BLOCK_R=block_r, BLOCK_N=block_n, TORCH_CPU=torch_cpu,
+                                       num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
 
         return f"{block_r}x{block_n}, {warps} warps", launch
 
     shapes = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (16, 1024, 8), (2, 2048, 4), (4, 2048, 8), (1, 4096, 4),
               (2, 4096, 8), (16, 512, 4), (32, 512, 8)]  # fmt: skip
-    return _tile_sweep("silu_mul", [tile(*s) for s in shapes], lambda: _poisoned(((rows, inter), torch.bfloat16)),
-                       gate_up.numel() * 2 + rows * inter * 2)  # fmt: skip
+    return {"tiles": [tile(*shape) for shape in shapes],
+            "outputs": lambda: _poisoned(device, ((rows, inter), torch.bfloat16)),
+            "nbytes": gate_up.numel() * 2 + rows * inter * 2, "wrapper": lambda: [silu_mul(gate_up)]}  # fmt: skip
 
 
-def residual_rmsnorm_cases() -> list[dict[str, Any]]:
+def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
+    """The tiles of `_residual_rmsnorm_kernel` (bf16 delta) at the 27B hidden size, as `silu_mul_tiles`."""
     import torch
     import triton
 
+    from kernels import residual_rmsnorm
     from kernels.norms import _residual_rmsnorm_kernel, inverse_count
-    from kernels.numerics import LAUNCH_OPTIONS
+    from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
     from reference.shapes import QWEN38_27B as S
 
-    rows, hidden = TILE_ROWS, S.hidden_size
-    gen = torch.Generator(device="cuda").manual_seed(12)
-    residual = (torch.randn(rows, hidden, generator=gen, device="cuda") * 4).bfloat16()
-    delta = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
-    weight = (torch.randn(hidden, generator=gen, device="cuda") * 0.1).bfloat16()
+    hidden, eps = S.hidden_size, S.rms_norm_eps
+    gen = torch.Generator(device=device).manual_seed(12)
+    residual = (torch.randn(rows, hidden, generator=gen, device=device) * 4).bfloat16()
+    delta = torch.randn(rows, hidden, generator=gen, device=device).bfloat16()
+    weight = (torch.randn(hidden, generator=gen, device=device) * 0.1).bfloat16()
     block_h = triton.next_power_of_2(hidden)
+    torch_cpu = kernel_mode(_residual_rmsnorm_kernel, residual.device)
 
     def tile(block_r, warps):
         def launch(outs):
-            _residual_rmsnorm_kernel[(triton.cdiv(rows, block_r),)](
-                residual, delta, weight, *outs, rows, hidden, hidden, S.rms_norm_eps, inverse_count(hidden),
-                HIDDEN=hidden, BLOCK_R=block_r, BLOCK_H=block_h, HAS_DELTA=True, TORCH_CPU=False, num_warps=warps,
-                **LAUNCH_OPTIONS,
-            )  # fmt: skip
+            with ieee_quiet(torch_cpu):
+                _residual_rmsnorm_kernel[(triton.cdiv(rows, block_r),)](
+                    residual_ptr=residual, delta_ptr=delta, weight_ptr=weight, new_residual_ptr=outs[0],
+                    normed_ptr=outs[1], rows=rows, residual_sr=hidden, delta_sr=hidden, delta_ss=0, eps=eps,
+                    inv_n=inverse_count(hidden), HIDDEN=hidden, BLOCK_R=block_r, BLOCK_H=block_h, HAS_DELTA=True,
+                    SPLITS=0, TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
+                )  # fmt: skip
 
         return f"{block_r}x{block_h}, {warps} warps", launch
 
     shapes = [(1, 16), (1, 8), (1, 4), (2, 16), (4, 16), (2, 8)]
-    outputs = lambda: _poisoned(*[((rows, hidden), torch.bfloat16)] * 2)  # noqa: E731  (new residual, normed)
-    return _tile_sweep("residual_rmsnorm", [tile(*s) for s in shapes], outputs, 4 * rows * hidden * 2)
+    return {"tiles": [tile(*shape) for shape in shapes],
+            "outputs": lambda: _poisoned(device, *[((rows, hidden), torch.bfloat16)] * 2),  # new residual, normed
+            "nbytes": 4 * rows * hidden * 2,
+            "wrapper": lambda: list(residual_rmsnorm(residual, delta, weight, eps))}  # fmt: skip
 
 
-def gdn_prep_cases() -> list[dict[str, Any]]:
+def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
+    """The tiles of `_gdn_prep_kernel` as the engine calls it since gdn_prep v5 (each row's conv window, `taps`), at the
+    27B GDN widths over four packed sequences of `rows` rows in all, as `silu_mul_tiles`."""
     import torch
     import triton
 
+    from kernels import gdn_prep
     from kernels.gdn_prep import _gdn_prep_kernel
-    from kernels.numerics import LAUNCH_OPTIONS
+    from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
     from reference.shapes import QWEN38_27B as S
 
-    rows = TILE_ROWS
     hk, hv = S.linear_num_key_heads, S.linear_num_value_heads
-    k_dim, v_dim = S.linear_key_head_dim, S.linear_value_head_dim
+    k_dim, v_dim, width = S.linear_key_head_dim, S.linear_value_head_dim, S.linear_conv_kernel_dim
     conv_dim = 2 * hk * k_dim + hv * v_dim
-    width = conv_dim + hv * v_dim + 2 * hv
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    proj = torch.randn(rows, width, generator=gen, device="cuda").bfloat16()
-    conv_weight = (torch.randn(conv_dim, 4, generator=gen, device="cuda") * 0.5).bfloat16()
-    a_log = torch.log(torch.rand(hv, generator=gen, device="cuda") * 15 + 1)
-    dt_bias = torch.randn(hv, generator=gen, device="cuda")
-    lengths = [300, 1, 277, 393]  # sum 971: several sequences, as packed candidates
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device=device).manual_seed(13)
+    proj = torch.randn(rows, conv_dim + hv * v_dim + 2 * hv, generator=gen, device=device).bfloat16()
+    conv_weight = (torch.randn(conv_dim, width, generator=gen, device=device) * 0.5).bfloat16()
+    a_log = torch.log(torch.rand(hv, generator=gen, device=device) * 15 + 1)
+    dt_bias = torch.randn(hv, generator=gen, device=device)
+    cuts = [0, rows * 300 // 971, rows * 301 // 971, rows * 578 // 971, rows]  # drone's 300, 1, 277, 393 at 971
+    taps = torch.tensor([[row - lag if row - lag >= start else -1 for lag in range(width - 1, -1, -1)]
+                         for start, end in zip(cuts, cuts[1:]) for row in range(start, end)],
+                        dtype=torch.int64, device=device)  # fmt: skip
+    torch_cpu = kernel_mode(_gdn_prep_kernel, proj.device)
+    dims = {"num_k_heads": hk, "num_v_heads": hv, "head_k_dim": k_dim, "head_v_dim": v_dim}
 
     def tile(block_t, warps):
         def launch(outs):
-            _gdn_prep_kernel[(triton.cdiv(rows, block_t), 2 * hk + hv + 1)](
-                proj, conv_weight, a_log, dt_bias, cu, cu, *outs, rows, len(lengths), proj.stride(0), 1e-6,
-                KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim, WIDTH=4,
-                SEARCH_STEPS=(len(lengths) - 1).bit_length(), QK_L2NORM=True, HAS_ROWS=False, BLOCK_T=block_t,
-                BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)), BLOCK_HV=triton.next_power_of_2(hv),
-                TORCH_CPU=False, num_warps=warps, **LAUNCH_OPTIONS,
-            )  # fmt: skip
+            with ieee_quiet(torch_cpu):
+                _gdn_prep_kernel[(triton.cdiv(rows, block_t), 2 * hk + hv + 1)](
+                    proj_ptr=proj, conv_weight_ptr=conv_weight, a_log_ptr=a_log, dt_bias_ptr=dt_bias,
+                    cu_seqlens_ptr=taps, rows_ptr=taps, slots_ptr=taps, taps_ptr=taps, q_ptr=outs[0], k_ptr=outs[1],
+                    v_ptr=outs[2], g_ptr=outs[3], beta_ptr=outs[4], tokens=rows, num_seqs=1, proj_rows=rows,
+                    proj_sr=proj.stride(0), eps=1e-6, KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim,
+                    WIDTH=width, SEARCH_STEPS=0, QK_L2NORM=True, HAS_ROWS=False, HAS_SLOTS=False, HAS_TAPS=True,
+                    BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)),
+                    BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
+                )  # fmt: skip
 
         return f"{block_t} rows, {warps} warps", launch
 
     def outputs():
-        return _poisoned(((rows, hk * k_dim), torch.bfloat16), ((rows, hk * k_dim), torch.bfloat16),
+        return _poisoned(device, ((rows, hk * k_dim), torch.bfloat16), ((rows, hk * k_dim), torch.bfloat16),
                          ((rows, hv * v_dim), torch.bfloat16), ((rows, hv), torch.float32),
                          ((rows, hv), torch.bfloat16))  # fmt: skip
 
+    def wrapper():
+        out = gdn_prep(proj, conv_weight, a_log, dt_bias, None, taps=taps, **dims)
+        return [t.reshape(rows, -1) for t in out]
+
     shapes = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (64, 8)]
     nbytes = rows * (conv_dim + 2 * hv) * 2 + rows * (conv_dim * 2 + hv * 6)
-    return _tile_sweep("gdn_prep", [tile(*s) for s in shapes], outputs, nbytes)
+    return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": nbytes, "wrapper": wrapper}
+
+
+TILE_SWEEPS = {"silu_mul": silu_mul_tiles, "residual_rmsnorm": residual_rmsnorm_tiles, "gdn_prep": gdn_prep_tiles}
 
 
 def kernel_tiles() -> dict[str, Any]:
     """The tile sweeps of the three kernels; the first case of each kernel is its shipped tile."""
-    return {"rows": TILE_ROWS, "cases": silu_mul_cases() + residual_rmsnorm_cases() + gdn_prep_cases()}
+    cases = []
+    for kernel, tiles_of in TILE_SWEEPS.items():
+        sweep = tiles_of()
+        cases += _tile_sweep(kernel, sweep["tiles"], sweep["outputs"], sweep["nbytes"])
+    return {"rows": TILE_ROWS, "cases": cases}
 
 
 # ---------------------------------------------------------------------------------------------- engine_checks
