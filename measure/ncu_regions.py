@@ -10,7 +10,10 @@ instruction, the loop, and what follows it. Per region: the warp stall samples (
 instruction: samples are proportional to warp time, not to kernel time) and the warp instructions executed. Also the
 share of the samples at instructions every warp executes once (their executed count is the kernel's first
 instruction's: code that every program runs, whatever its work), the stall reasons over the whole kernel, and the
-instructions with the most samples. Reads only what ncu measured; prints, writes nothing.
+instructions with the most samples. The loop is also cut into stages at each `WARPGROUP.ARRIVE` (where a Hopper
+warpgroup starts an asynchronous tensor-core dot, the HGMMA instructions that follow): per stage its instructions,
+samples, the dot shapes it issues and its largest stall reason, so the work between two dots (loads, gates, rounding,
+shared-memory staging) shows beside the dots. Reads only what ncu measured; prints, writes nothing.
 """
 
 from __future__ import annotations
@@ -74,8 +77,36 @@ def summary(rows: list[dict[str, str]]) -> dict:
             if key.startswith("stall_") and "Not Issued" not in key and value:
                 reasons[key[len("stall_") :]] += int(value)
     out["reasons"] = {reason: count / total for reason, count in reasons.most_common()}
+    out["loop_stages"] = loop_stages(rows[first : last + 1], total)
     ranked = sorted(range(len(rows)), key=lambda i: -samples[i])[:TOP_INSTRUCTIONS]
     out["top"] = [(rows[i]["Source"].strip(), samples[i] / total, executed[i]) for i in ranked]
+    return out
+
+
+def loop_stages(loop: list[dict[str, str]], total: int) -> list[dict]:
+    """The loop's instructions cut before each WARPGROUP.ARRIVE: per stage the instruction count, its share of all
+    `total` samples, the distinct HGMMA shapes it issues, and its largest stall reason with that reason's share."""
+    stages: list[list[dict[str, str]]] = [[]]
+    for row in loop:
+        if row["Source"].split()[0] == "WARPGROUP.ARRIVE" and stages[-1]:
+            stages.append([])
+        stages[-1].append(row)
+    out = []
+    for stage in stages:
+        reasons = collections.Counter()
+        for row in stage:
+            for key, value in row.items():
+                if key.startswith("stall_") and "Not Issued" not in key and value:
+                    reasons[key[len("stall_") :]] += int(value)
+        opcodes = [words[1] if words[0].startswith("@") else words[0] for words in (r["Source"].split() for r in stage)]
+        dots = sorted({opcode for opcode in opcodes if opcode.startswith("HGMMA")})
+        top = reasons.most_common(1)
+        out.append({
+            "instructions": len(stage),
+            "samples_share": sum(int(row["Warp Stall Sampling (All Samples)"] or 0) for row in stage) / total,
+            "dots": dots,
+            "top_reason": (top[0][0], top[0][1] / sum(reasons.values())) if top else None,
+        })  # fmt: skip
     return out
 
 
@@ -89,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, region in out["regions"].items():
         print(f"  {name:<9} {100 * region['samples_share']:5.1f} % of samples, {region['warp_instructions']:>12,} warp "
               f"instructions executed, {region['instructions']:>5} instructions")  # fmt: skip
+    for i, stage in enumerate(out["loop_stages"]):
+        reason = (
+            f", mostly {stage['top_reason'][0]} ({100 * stage['top_reason'][1]:.0f} %)" if stage["top_reason"] else ""
+        )
+        print(f"    loop stage {i}: {stage['instructions']:>5} instructions, {100 * stage['samples_share']:5.1f} % of "
+              f"samples, dots {', '.join(stage['dots']) or 'none'}{reason}")  # fmt: skip
     print(f"  at instructions every warp executes once: {100 * out['every_warp_samples_share']:.1f} % of samples")
     print("  reasons: " + ", ".join(f"{r} {100 * s:.1f} %" for r, s in list(out["reasons"].items())[:8]))
     for source, share, executed in out["top"]:

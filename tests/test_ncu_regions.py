@@ -1,6 +1,7 @@
 """`measure.ncu_regions` on a small hand-written Nsight Compute source export: the widest loop found from its backward
 branches (not an inner one), each region's samples and executed instructions, the share at instructions every warp
-executes once, the stall reasons, and a clear refusal of a kernel that is not in the file."""
+executes once, the stall reasons, the loop's stages between tensor-core dots, and a clear refusal of a kernel that is
+not in the file."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def test_regions_of_the_widest_loop(tmp_path):
     assert out["every_warp_samples_share"] == pytest.approx(45 / total)  # executed 4 times: once per warp
     assert out["reasons"] == pytest.approx({"barrier": 40 / total, "long_sb": 25 / total})
     assert out["top"][0][:2] == ("HGMMA.64x64x16.F32.BF16 R152, gdesc[UR44], R152", pytest.approx(30 / total))
+
+
+# a loop of two dot stages after its loads: stage 0 the loads, then each WARPGROUP.ARRIVE opens a stage
+STAGED = [
+    ("0x2000", "LDC R1, c[0x0][0x28]", 2, 4, 0, 0),
+    ("0x2010", "LDG.E R2, [R8.64]", 40, 8, 40, 0),
+    ("0x2020", "WARPGROUP.ARRIVE", 1, 8, 0, 0),
+    ("0x2030", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ", 9, 8, 0, 9),
+    ("0x2040", "WARPGROUP.ARRIVE", 1, 8, 0, 0),
+    ("0x2050", "@P2 HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], R88", 7, 8, 0, 7),
+    ("0x2060", "@P1 BRA 0x2010", 0, 8, 0, 0),
+    ("0x2070", "EXIT", 0, 4, 0, 0),
+]
+
+
+def test_the_loop_is_cut_into_stages_at_each_warpgroup_arrive(tmp_path, capsys):
+    path = write_export(tmp_path, {"_walk_kernel": STAGED})
+    stages = summary(kernel_rows(path, "_walk"))["loop_stages"]
+    total = sum(row[2] for row in STAGED)
+    assert [stage["instructions"] for stage in stages] == [1, 2, 3]
+    assert [stage["dots"] for stage in stages] == [[], ["HGMMA.64x128x16.F32.BF16"], ["HGMMA.64x64x16.F32.BF16"]]
+    assert [stage["samples_share"] for stage in stages] == pytest.approx([40 / total, 10 / total, 8 / total])
+    assert stages[0]["top_reason"] == ("long_sb", 1.0) and stages[1]["top_reason"] == ("barrier", 1.0)
+    assert main([path, "_walk"]) == 0 and "loop stage 2" in capsys.readouterr().out
 
 
 def test_a_kernel_not_in_the_export_is_refused(tmp_path, capsys):
