@@ -16,8 +16,9 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes
   where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3`
   and `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an
-  SM, and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the solve
-  launch is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
+  SM, and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified; each chunk's
+  `rows` loaded one chunk ahead); the solve launch is also timed alone. Records of c2ff2ee also have solve warps and
+  walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
 same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
@@ -64,6 +65,7 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
     "walk-bv16": ({"value_block": 16, "unverified_value_block": True}, True, True),
+    "walk-prefetch-rows": ({"prefetch_rows": True}, True, True),
 }
 
 

@@ -6,7 +6,7 @@ FLA's five forward kernels, their bitwise invariances compiled, the tree walk, a
 Declared and checked:
 * kernel (Hk 16, Hv 48, K = V = 128; drone's bucketed paths and a 1,000-token sequence, nonzero initial states), for
   the stage's configuration and the variants in `KERNELS` (the other solve, its warps, tilings, BV = 32 and 16
-  not yet verified on the H200): within
+  (wrong on an H100 at 33f9910), each chunk's rows loaded a chunk ahead): within
   `tests.cases.gdn_chunk_bounds` of `reference.ops.gdn_recurrent` (bf16 rounding points; tf32 solves, and tf32x3 for
   the stage's), and within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the
   oracle); the share of output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
@@ -51,6 +51,7 @@ KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (fla-blocks
     "bv32": {"value_block": 32, "unverified_value_block": True},
     "bv32-r168": {"value_block": 32, "unverified_value_block": True, "max_registers": 168},
     "bv16": {"value_block": 16, "unverified_value_block": True},
+    "prefetch-rows": {"prefetch_rows": True},  # each chunk's rows a chunk ahead: the stage's bits (tree-walk test)
 }
 BOUND_CASES = [("stage", "tf32x3")] + [(name, "tf32") for name in KERNELS]
 
@@ -142,7 +143,7 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
-@pytest.mark.parametrize("kernel", ["stage", "doubling", "bv32-r168"])
+@pytest.mark.parametrize("kernel", ["stage", "doubling", "bv32-r168", "prefetch-rows"])
 @pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
