@@ -295,9 +295,7 @@ def _walk_chunk(
     """Chunk i_t of the walk's sequence from the chunk-start state, given its input rows and gates
     (`_chunk_rows_and_gates`): its output rows stored; returns the state after the chunk."""
     BT: tl.constexpr = 64
-    rows = i_t * BT + tl.arange(0, BT)
-    valid = rows < seq_len
-    token = bos + rows
+    token, valid = _chunk_slots(bos, seq_len, i_t)
     k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
     v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
     # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
