@@ -84,8 +84,8 @@ GPU before the refusal goes: at v3.4 both were still wrong on an H100 (sm_90, Tr
 the oracle, runs differ, an illegal address in the probe; attempt `gdn-chunk-value-block-32-and-16-v3.4`). The
 interpreter runs any BV. `prefetch_rows` loads each chunk's `rows` one chunk ahead, so that its gate and key loads
 do not wait for that load first: ncu of v3.4 on an H100 put 35 % of the walk's loop samples before each chunk's first
-dot, 41-43 % of them waiting on loads; sm_90 pays 192 (Triton 3.9) / 87 (3.6) more instructions in the loop body and
-10-15 more spill loads a chunk. The probe's `walk-prefetch-rows` times it; the stage does not use it.
+dot, 41-43 % of them waiting on loads; sm_90 pays 193 (Triton 3.9) / 85 (3.6) more instructions in the loop body and
+10-14 more spill loads a chunk. The probe's `walk-prefetch-rows` times it; the stage does not use it.
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
@@ -288,14 +288,13 @@ def _gdn_chunk_solve_kernel(
 
 @triton.jit
 def _walk_chunk(
-    q, k, v, o, solved, state, i_t, bos, seq_len, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v, scale,
+    q, k, v, o, solved, state, i_t, seq_len, token, valid, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
-    """Chunk i_t of the walk's sequence from the chunk-start state, given its input rows and gates
+    """Chunk i_t of the walk's sequence from the chunk-start state, given its slots, input rows and gates
     (`_chunk_rows_and_gates`): its output rows stored; returns the state after the chunk."""
     BT: tl.constexpr = 64
-    token, valid = _chunk_slots(bos, seq_len, i_t)
     k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
     v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
     # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
@@ -457,12 +456,12 @@ def _walk_sequence(
             next_row = _input_rows(slot_rows, next_token, next_valid, HAS_ROWS).to(tl.int32)
             b_gc, b_beta = _chunk_gates(g, beta, input_row, valid, i_hv, VALUE_HEADS)
         else:
-            _, _, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+            token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
                 g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
             )
         state = _walk_chunk(
-            q, k, v, o, solved, state, i_t, bos, seq_len, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v, scale,
-            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, ROUND, DOT_PRECISION, TORCH_CPU,
+            q, k, v, o, solved, state, i_t, seq_len, token, valid, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v,
+            scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
