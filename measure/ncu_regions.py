@@ -71,16 +71,21 @@ def summary(rows: list[dict[str, str]]) -> dict:
         }
     every = executed[0]  # the first instruction runs once in every warp
     out["every_warp_samples_share"] = sum(s for s, e in zip(samples, executed) if e == every) / total
+    out["reasons"] = {reason: count / total for reason, count in stall_reasons(rows).most_common()}
+    out["loop_stages"] = loop_stages(rows[first : last + 1], total)
+    ranked = sorted(range(len(rows)), key=lambda i: -samples[i])[:TOP_INSTRUCTIONS]
+    out["top"] = [(rows[i]["Source"].strip(), samples[i] / total, executed[i]) for i in ranked]
+    return out
+
+
+def stall_reasons(rows: list[dict[str, str]]) -> collections.Counter:
+    """Stall samples by reason (the `stall_*` columns, not-issued ones excluded) over `rows`."""
     reasons = collections.Counter()
     for row in rows:
         for key, value in row.items():
             if key.startswith("stall_") and "Not Issued" not in key and value:
                 reasons[key[len("stall_") :]] += int(value)
-    out["reasons"] = {reason: count / total for reason, count in reasons.most_common()}
-    out["loop_stages"] = loop_stages(rows[first : last + 1], total)
-    ranked = sorted(range(len(rows)), key=lambda i: -samples[i])[:TOP_INSTRUCTIONS]
-    out["top"] = [(rows[i]["Source"].strip(), samples[i] / total, executed[i]) for i in ranked]
-    return out
+    return reasons
 
 
 def loop_stages(loop: list[dict[str, str]], total: int) -> list[dict]:
@@ -93,11 +98,7 @@ def loop_stages(loop: list[dict[str, str]], total: int) -> list[dict]:
         stages[-1].append(row)
     out = []
     for stage in stages:
-        reasons = collections.Counter()
-        for row in stage:
-            for key, value in row.items():
-                if key.startswith("stall_") and "Not Issued" not in key and value:
-                    reasons[key[len("stall_") :]] += int(value)
+        reasons = stall_reasons(stage)
         opcodes = [words[1] if words[0].startswith("@") else words[0] for words in (r["Source"].split() for r in stage)]
         dots = sorted({opcode for opcode in opcodes if opcode.startswith("HGMMA")})
         top = reasons.most_common(1)
