@@ -282,12 +282,12 @@ def equal_share(a, b) -> float:
     return same.float().mean().item()
 
 
-def _tile_sweep(kernel: str, tiles: list[tuple[str, Any]], outputs, nbytes: int) -> list[dict[str, Any]]:
-    """Launch each (tile name, launch function) once on fresh NaN-poisoned `outputs()`, compare with the first tile's
-    outputs, then time it."""
-    cases, shipped = [], None
-    for tile, launch in tiles:
-        outs = outputs()
+def _tile_sweep(kernel: str, sweep: dict[str, Any]) -> list[dict[str, Any]]:
+    """Launch each (tile name, launch function) of a sweep (`silu_mul_tiles`) once on fresh NaN-poisoned outputs,
+    compare with the first tile's outputs, then time it."""
+    cases, shipped, nbytes = [], None, sweep["nbytes"]
+    for tile, launch in sweep["tiles"]:
+        outs = sweep["outputs"]()
         launch(outs)
         shipped = [t.clone() for t in outs] if shipped is None else shipped
         us = bench_us(lambda launch=launch, outs=outs: launch(outs))
@@ -306,8 +306,8 @@ def _poisoned(device, *shapes_dtypes):
 def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_silu_mul_kernel` at the 27B width, the shipped one first; `wrapper` is the public call they must
     match. A sweep: {"tiles": [(name, launch(outs))], "outputs": fresh NaN-poisoned outputs, "nbytes", "wrapper"}.
-    Each launch passes the kernel's arguments by name, so a changed signature fails (tests/test_probes.py runs every
-    launch under the interpreter)."""
+    Each launch passes the kernel's arguments by name, so a changed signature fails (tests/test_kernel_tile_sweeps.py
+    runs every launch under the interpreter)."""
     import torch
     import triton
 
@@ -435,10 +435,7 @@ TILE_SWEEPS = {"silu_mul": silu_mul_tiles, "residual_rmsnorm": residual_rmsnorm_
 
 def kernel_tiles() -> dict[str, Any]:
     """The tile sweeps of the three kernels; the first case of each kernel is its shipped tile."""
-    cases = []
-    for kernel, tiles_of in TILE_SWEEPS.items():
-        sweep = tiles_of()
-        cases += _tile_sweep(kernel, sweep["tiles"], sweep["outputs"], sweep["nbytes"])
+    cases = [case for kernel, tiles_of in TILE_SWEEPS.items() for case in _tile_sweep(kernel, tiles_of())]
     return {"rows": TILE_ROWS, "cases": cases}
 
 
