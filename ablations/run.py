@@ -184,10 +184,9 @@ def run_gates(nodes: list[str], device: str, timeout_s: float, cwd: Path = REPO)
     if run["exit_code"] not in (0, 1, 5) and len(nodes) > 1:
         return {node: gate_result(node, _pytest([node], device, timeout_s, cwd)) for node in nodes}
     gates = {node: gate_result(node, run) for node in nodes}
-    for node in nodes:
-        if len(nodes) > 1 and out_of_memory_in_setup(node, run):
-            alone = "CUDA ran out of memory setting up its tests in the shared process"
-            gates[node] = gate_result(node, _pytest([node], device, timeout_s, cwd)) | {"alone": alone}
+    alone = "CUDA ran out of memory setting up its tests in the shared process"
+    for node in [node for node in nodes if len(nodes) > 1 and out_of_memory_in_setup(node, run)]:
+        gates[node] = gate_result(node, _pytest([node], device, timeout_s, cwd)) | {"alone": alone}
     return gates
 
 
