@@ -206,17 +206,23 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
+def _packed_tree_call(seed: int):
+    """A planned request with dummy paths (3 and 70 rows), its replicated call, the kernel dims, and random packed
+    inputs (q, k, v, g, beta; seed + 1) followed by 5 NaN rows that no slot reads."""
+    plan = plan_tree(*_tree_request(seed=seed), pad_lens=(3, 70))
+    dims = DIMS["gva-1-2-k16-v32"]
+    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=seed + 1)
+    packed = [torch.cat([t, torch.full((5, *t.shape[1:]), float("nan"), dtype=t.dtype)]) for t in (q, k, v, g, beta)]
+    return plan, plan.gdn["replicated"].calls[0], dims, packed
+
+
 @pytest.mark.parametrize(("tree_walk", "solve"), [(True, "doubling"), (True, "fla-blocks"), (False, SOLVE)],
                          ids=["tree-walk-doubling", "tree-walk-fla-blocks", f"plain-{SOLVE}"])  # fmt: skip
 def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve):
     """`rows`: each path slot reads q, k, v, g, beta at its packed row (no gathered copy) and gets, bit for bit, what
     the same call over the inputs gathered to the slots gives, in every element of o (NaN-poisoned alike, so the
     same elements are written too). The packed inputs carry NaN rows that no slot reads."""
-    plan = plan_tree(*_tree_request(seed=14), pad_lens=(3, 70))
-    call = plan.gdn["replicated"].calls[0]
-    dims = DIMS["gva-1-2-k16-v32"]
-    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=15)
-    packed = [torch.cat([t, torch.full((5, *t.shape[1:]), float("nan"), dtype=t.dtype)]) for t in (q, k, v, g, beta)]
+    plan, call, dims, packed = _packed_tree_call(seed=14)
     paths = [t[call.rows].contiguous() for t in packed]
     layout = {"chunk_indices": call.chunk_indices, "solve": solve} | ({"walk": call.walk} if tree_walk else {})
     gathered, _ = gdn_chunk_forward(*paths, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1)[0], **layout)
@@ -231,11 +237,7 @@ def test_rows_loaded_a_chunk_ahead_give_the_same_bits():
     """`prefetch_rows` loads each chunk's `rows` one chunk ahead instead of where the chunk starts: every element of o
     and of the final states is the same, on the tree walk through `rows` (packed inputs with NaN rows no slot reads,
     dummy paths) and on sequences from initial states with their final states."""
-    plan = plan_tree(*_tree_request(seed=16), pad_lens=(3, 70))
-    call = plan.gdn["replicated"].calls[0]
-    dims = DIMS["gva-1-2-k16-v32"]
-    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=17)
-    packed = [torch.cat([t, torch.full((5, *t.shape[1:]), float("nan"), dtype=t.dtype)]) for t in (q, k, v, g, beta)]
+    plan, call, dims, packed = _packed_tree_call(seed=16)
     layout = {"chunk_indices": call.chunk_indices, "walk": call.walk, "rows": call.rows}
     ahead, _ = gdn_chunk_forward(*packed, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1)[0],
                                  prefetch_rows=True, **layout)  # fmt: skip
