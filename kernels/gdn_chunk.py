@@ -82,10 +82,9 @@ instead of two), and at BV = 16 without spills (254 registers, 1,968 SASS instru
 warps every value block spills kilobytes), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the
 GPU before the refusal goes: at v3.4 both were still wrong on an H100 (sm_90, Triton 3.6: relative error 0.905 against
 the oracle, runs differ, an illegal address in the probe; attempt `gdn-chunk-value-block-32-and-16-v3.4`). The
-interpreter runs any BV. `prefetch_rows` loads each chunk's `rows` one chunk ahead, so that its gate and key loads
-do not wait for that load first: ncu of v3.4 on an H100 put 35 % of the walk's loop samples before each chunk's first
-dot, 41-43 % of them waiting on loads; sm_90 pays 193 (Triton 3.9) / 85 (3.6) more instructions in the loop body and
-10-14 more spill loads a chunk. The probe's `walk-prefetch-rows` times it; the stage does not use it.
+interpreter runs any BV. Loading each chunk's `rows` one chunk ahead (so that its gate and key loads do not wait for
+that load first) gave the same bits and was slower on an H100: +4.7 / +1.9 / +7.9 us a layer on drone /
+easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code at commit 450783f).
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
@@ -182,26 +181,13 @@ def _chunk_rows_and_gates(
     """Chunk i_t of the sequence at slot `bos` of length `seq_len`: its 64 slots, which of them are the sequence's, the
     input row of each (`_input_rows`), and its gates for value head i_hv in fp32: γ = cumsum(g) · log2(e) over the
     chunk (constant after the last valid row: g loads as 0 there) and β."""
-    token, valid = _chunk_slots(bos, seq_len, i_t)
-    input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
-    b_gc, b_beta = _chunk_gates(g, beta, input_row, valid, i_hv, VALUE_HEADS)
-    return token, valid, input_row, b_gc, b_beta
-
-
-@triton.jit
-def _chunk_slots(bos, seq_len, i_t):
-    """Chunk i_t's 64 slots of the sequence at slot `bos` of length `seq_len`, and which of them are the sequence's."""
     rows = i_t * 64 + tl.arange(0, 64)
-    return bos + rows, rows < seq_len
-
-
-@triton.jit
-def _chunk_gates(g, beta, input_row, valid, i_hv, VALUE_HEADS: tl.constexpr):
-    """The chunk's gates for value head i_hv from its input rows, in fp32: γ = cumsum(g) · log2(e) over the chunk
-    (constant after the last valid row: g loads as 0 there) and β."""
+    valid = rows < seq_len
+    token = bos + rows
+    input_row = _input_rows(slot_rows, token, valid, HAS_ROWS)
     gate_rows = input_row * VALUE_HEADS + i_hv
     b_gc = tl.cumsum(tl.load(g + gate_rows, mask=valid, other=0.0), axis=0) * RCP_LN2
-    return b_gc, to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
+    return token, valid, input_row, b_gc, to_f32(tl.load(beta + gate_rows, mask=valid, other=0.0))
 
 
 @triton.jit
@@ -375,7 +361,6 @@ def _gdn_chunk_fwd_kernel(
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
-    PREFETCH_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
@@ -397,13 +382,13 @@ def _gdn_chunk_fwd_kernel(
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, PREFETCH_ROWS, DOT_PRECISION, TORCH_CPU,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
             q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, PREFETCH_ROWS, DOT_PRECISION, TORCH_CPU,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
@@ -412,14 +397,12 @@ def _walk_sequence(
     q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start, source,
     publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
-    published to bank slot publish_slot (publish2_slot); the final state to ht with STORE_HT. PREFETCH_ROWS: each
-    chunk's input rows (`slot_rows`) are loaded one chunk ahead (the first chunk's before the wait for a published
-    state), so the chunk's loads of g, beta, k, q and v do not wait for its `slot_rows` load first."""
+    published to bank slot publish_slot (publish2_slot); the final state to ht with STORE_HT."""
     BT: tl.constexpr = 64
     NV: tl.constexpr = VALUE_DIM // BV
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
@@ -432,9 +415,6 @@ def _walk_sequence(
     o_v = i_v * BV + tl.arange(0, BV)
 
     state_offsets = ((i_n * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
-    if PREFETCH_ROWS:  # chunk `start`'s input rows, in flight during the wait below (int32: half the registers)
-        token, valid = _chunk_slots(bos, seq_len, start)
-        next_row = _input_rows(slot_rows, token, valid, HAS_ROWS).to(tl.int32)
     if HAS_H0:
         state = tl.load(h0 + state_offsets + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV))
     else:
@@ -449,16 +429,9 @@ def _walk_sequence(
             state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
     for i_t in range(start, num_chunks):
-        if PREFETCH_ROWS:  # this chunk's rows, loaded the chunk before; the next chunk's (masked past the end) now
-            token, valid = _chunk_slots(bos, seq_len, i_t)
-            input_row = next_row.to(tl.int64)
-            next_token, next_valid = _chunk_slots(bos, seq_len, i_t + 1)
-            next_row = _input_rows(slot_rows, next_token, next_valid, HAS_ROWS).to(tl.int32)
-            b_gc, b_beta = _chunk_gates(g, beta, input_row, valid, i_hv, VALUE_HEADS)
-        else:
-            token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
-                g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-            )
+        token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+        )
         state = _walk_chunk(
             q, k, v, o, solved, state, i_t, seq_len, token, valid, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v,
             scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, ROUND, DOT_PRECISION, TORCH_CPU,
@@ -496,7 +469,6 @@ def gdn_chunk_forward(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
-    prefetch_rows: bool = False,
     unverified_value_block: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
@@ -514,8 +486,6 @@ def gdn_chunk_forward(
     chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
-    `prefetch_rows`: the walk loads each chunk's `rows` one chunk ahead instead of where the chunk starts (the same
-    loads, the same bits; a probe variant, not yet timed: module docstring, "Tiles").
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -610,7 +580,6 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
-            PREFETCH_ROWS=prefetch_rows,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,

@@ -65,7 +65,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
     "walk-bv16": ({"value_block": 16, "unverified_value_block": True}, True, True),
-    "walk-prefetch-rows": ({"prefetch_rows": True}, True, True),
 }
 
 

@@ -19,7 +19,6 @@ one pass; two runs are identical.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import random
@@ -231,26 +230,6 @@ def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve)
     assert direct.shape == gathered.shape and torch.equal(direct.view(torch.int16), gathered.view(torch.int16))
     written = direct[call.out_slots[call.out_rows < plan.num_rows - 73]]
     assert torch.isfinite(written).all()
-
-
-def test_rows_loaded_a_chunk_ahead_give_the_same_bits():
-    """`prefetch_rows` loads each chunk's `rows` one chunk ahead instead of where the chunk starts: every element of o
-    and of the final states is the same, on the tree walk through `rows` (packed inputs with NaN rows no slot reads,
-    dummy paths) and on sequences from initial states with their final states."""
-    plan, call, dims, packed = _packed_tree_call(seed=16)
-    layout = {"chunk_indices": call.chunk_indices, "walk": call.walk, "rows": call.rows}
-    ahead, _ = gdn_chunk_forward(*packed, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1)[0],
-                                 prefetch_rows=True, **layout)  # fmt: skip
-    at_start, _ = gdn_chunk_forward(*packed, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1)[0], **layout)
-    assert torch.equal(ahead.view(torch.int16), at_start.view(torch.int16))
-    assert torch.isfinite(ahead[call.out_slots[call.out_rows < plan.num_rows - 73]]).all()
-    lengths = (130, 1, 64, 77)
-    q, k, v, g, beta, _, h0 = gdn_chunk_inputs(lengths, DIMS["gva-2-6-k32-v16"], seed=18)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)])
-    runs = [gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, output_final_state=True, prefetch_rows=prefetch)
-            for prefetch in (True, False)]  # fmt: skip
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    assert torch.isfinite(runs[0][0]).all() and torch.isfinite(runs[0][1]).all()
 
 
 def test_walked_chunks_of_the_bucketed_calls():

@@ -51,7 +51,6 @@ KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (fla-blocks
     "bv32": {"value_block": 32, "unverified_value_block": True},
     "bv32-r168": {"value_block": 32, "unverified_value_block": True, "max_registers": 168},
     "bv16": {"value_block": 16, "unverified_value_block": True},
-    "prefetch-rows": {"prefetch_rows": True},  # each chunk's rows a chunk ahead: the stage's bits (tree-walk test)
 }
 BOUND_CASES = [("stage", "tf32x3")] + [(name, "tf32") for name in KERNELS]
 
@@ -143,7 +142,7 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
-@pytest.mark.parametrize("kernel", ["stage", "doubling", "bv32-r168", "prefetch-rows"])
+@pytest.mark.parametrize("kernel", ["stage", "doubling", "bv32-r168"])
 @pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
