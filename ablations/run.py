@@ -24,8 +24,9 @@ Default plan: `gpu-27b` where CUDA is present, `cpu-tiny` otherwise. Steps:
    workload `prepare` (host work and copies; timed apart from the forward, `PREPARE_RUNS` times: `prepare_ms` is the
    first call, `prepare_median_ms` the median), one call whose outputs are kept
    (hidden states at the read positions and the head's scores; it is also the first warm-up), the other warm-up
-   calls, then `runs` timed calls of forward + fp32 head (reference/readout.py's `head_scores`), then
-   `profile_runs` calls under torch.profiler for kernels per forward and GPU-busy time (GPU only). A `graphs` stage
+   calls, then `runs` timed calls of forward + fp32 head (reference/readout.py's `head_scores`; on CUDA the card's
+   clocks, temperature and power sampled meanwhile: `clocks`, ablations/clocks.py), then `profile_runs` calls under
+   torch.profiler for kernels per forward and GPU-busy time (GPU only). A `graphs` stage
    also records each workload's bucket and graph hit, its padded / real rows and, on CUDA, the replay time of the
    request's own unpadded plan captured as one graph (`exact_graph_ms`, the yardstick of its padding cost) with
    whether that graph's output is bit-identical to the stage's. Wall-clock seconds per workload (`wall_s`: prepare,
@@ -74,6 +75,7 @@ import torch
 from tqdm import tqdm
 
 from ablations import envinfo, probes, records, timing
+from ablations.clocks import sample_clocks
 from ablations.plans import Plan, load_plan, plan_names
 from ablations.workloads import Workload, resolve
 from engine.fla_configs import pin_fla_configs
@@ -451,7 +453,11 @@ class Run:
                 outputs = self.outputs_of(backbone, prepared, decision_plan)
                 if workload.id == self.plan.headline:
                     self.keep_states(stage.name, backbone, prepared)
-            with timing.nvtx_range(f"{label} timed", cuda), timing.layer_ranges(backbone, self.nvtx_timing):
+            with (
+                timing.nvtx_range(f"{label} timed", cuda),
+                timing.layer_ranges(backbone, self.nvtx_timing),
+                sample_clocks(self.device) as clocks,
+            ):
                 samples = timing.time_calls(step, device=self.device, warmup=self.warmup - 1, runs=self.runs)
             kernels = host = None
             if cuda:
@@ -462,6 +468,7 @@ class Run:
         rows = rows_computed(backbone, prepared, decision_plan.candidates)
         result = {"id": workload.id, "rows": rows, "prepare_ms": prepare_ms, **samples.summary()}
         result["prepare_median_ms"] = statistics.median(prepare_samples)
+        result["clocks"] = clocks if cuda else None  # the card during the timed calls (ablations.clocks)
         if stage.config.graphs:
             result |= self.graph_facts(backbone, prepared, decision_plan, outputs)
         result["warmup"] = self.warmup
@@ -703,10 +710,13 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     machine = env["gpu"] or f"CPU ({env.get('cpu') or 'unknown CPU'})"
     lines = [f"plan {plan['name']} on {machine}; reference {plan['reference']}; synthetic weights", ""]
     header = f"{'stage':<10} {'status':<12} {'workload':<34} {'rows':>7} {'median ms':>10} {'p10-p90':>17} "
-    lines.append(header + f"{'kernels':>8} {'busy ms':>8} {'x floor':>8} {'max|dp|':>9} {'rel rmse':>9}")
+    lines.append(header + f"{'kernels':>8} {'busy ms':>8} {'x floor':>8} {'max|dp|':>9} {'rel rmse':>9} {'SM MHz':>7}")
 
     def number(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
+
+    def sm_clock(w: dict[str, Any]) -> str:  # median SM clock of the timed calls (records before it: none)
+        return number((w.get("clocks") or {}).get("sm_mhz_median"), ".0f")
 
     for stage in record["stages"]:
         if stage["status"] != "ok":
@@ -718,7 +728,7 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
                 f"{stage['name']:<10} {'ok':<12} {w['id']:<34} {w['rows']:>7} {w['median_ms']:>10.2f} {spread:>17} "
                 f"{number(w['kernels_per_forward'], '.0f'):>8} {number(w['gpu_busy_ms'], '.2f'):>8} "
                 f"{w['floor_multiple']:>8.2f} {number(w['max_abs_dp'], '.2e'):>9} "
-                f"{number(w['hidden_rel_rmse'], '.2e'):>9}"
+                f"{number(w['hidden_rel_rmse'], '.2e'):>9} {sm_clock(w):>7}"
             )
         for error in stage["workload_errors"]:
             lines.append(f"{stage['name']:<10} {'error':<12} {error['id']:<34} {error['error']}")

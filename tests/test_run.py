@@ -171,6 +171,9 @@ def test_summary_lines_show_every_stage():
     lines = "\n".join(summary_lines(record))
     assert "hf_torch" in lines and "10.50" in lines and "unavailable  runs on cuda only" in lines
     assert "synthetic weights" in lines
+    assert summary_lines(record)[3].endswith(" -")  # a CPU run has no clocks
+    first_timed(record)["clocks"] = {"samples": 7, "sm_mhz_median": 1755.0}
+    assert summary_lines(record)[3].endswith(" 1755") and "SM MHz" in summary_lines(record)[2]
 
 
 def test_cli_lists_a_plan_and_refuses_the_gpu_plan_without_cuda(capsys):
