@@ -178,7 +178,8 @@ def run_gates(nodes: list[str], device: str, timeout_s: float, cwd: Path = REPO)
     once); when that process stops before running tests (an unknown node is a usage error for the whole
     invocation), each node runs alone. A node that ran no test of its own because CUDA ran out of memory while
     setting it up (`out_of_memory_in_setup`: on an H100's 80 GB the 27B model of an earlier node's module was not
-    released in time, 33f9910) runs again alone, and its gate says so (`alone`); a red test result never reruns."""
+    released in time, 33f9910 to af0f763: a reference cycle, which tests/conftest.py now collects before each module)
+    runs again alone, and its gate says so (`alone`); a red test result never reruns."""
     nodes = list(dict.fromkeys(nodes))
     if not nodes:
         return {}
