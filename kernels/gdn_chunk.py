@@ -274,13 +274,16 @@ def _gdn_chunk_solve_kernel(
 
 @triton.jit
 def _walk_chunk(
-    q, k, v, o, solved, state, i_t, seq_len, token, valid, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v, scale,
+    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
-    """Chunk i_t of the walk's sequence from the chunk-start state, given its slots, input rows and gates
-    (`_chunk_rows_and_gates`): its output rows stored; returns the state after the chunk."""
+    """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
+    the chunk."""
     BT: tl.constexpr = 64
+    token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+        g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+    )
     k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
     v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
     # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
@@ -429,12 +432,9 @@ def _walk_sequence(
             state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
     for i_t in range(start, num_chunks):
-        token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
-            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-        )
         state = _walk_chunk(
-            q, k, v, o, solved, state, i_t, seq_len, token, valid, input_row, b_gc, b_beta, i_hv, i_hk, o_t, o_k, o_v,
-            scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, ROUND, DOT_PRECISION, TORCH_CPU,
+            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
