@@ -44,6 +44,11 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
   customer_service against doubling's 24.0 / 17.7 / 35.0. Its diagonal blocks' substitutions in a launch of their
   own (4 warps per chunk instead of one) were slower: 24.7 / 20.2 / 37.3 us for the two launches (attempt
   `gdn-chunk-solve-diagonal-launch`).
+* "blocks-doubling" (one warp): fla-blocks with each diagonal 16 × 16 block inverted by the doubling rule on 16 rows
+  (`_doubling_inverse16`: 6 dependent dots of 16 × 16 × 16 at `solve_precision`) instead of the forward substitution's
+  14 dependent row steps, which took 66-69 % of the fla-blocks launch's warp samples (Nsight Compute of 6b8278c); the
+  merges as fla-blocks'. sm_90 (Triton 3.9): 4,144 SASS instructions, straight-line, against fla-blocks' 3,136 with
+  a 14-pass loop of 362 (about 7,900 executed).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -156,9 +161,9 @@ CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA
 VALUE_BLOCK = 64  # the walk's BV (capped at V)
 NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
-SOLVES = ("doubling", "fla-blocks")
+SOLVES = ("doubling", "fla-blocks", "blocks-doubling")
 SOLVE = "fla-blocks"  # the stage's: FLA's bits but for ~1 element in 10^7 (core.md, "Exactness")
-SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1}  # fastest (probe of c2ff2ee)
+SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "blocks-doubling": 1}  # fastest (probe of c2ff2ee)
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = (
     "sequence",
@@ -266,7 +271,7 @@ def _gdn_chunk_solve_kernel(
         else:
             t_op = _inverse_fla_blocks(
                 k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
-                ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU,
+                ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU, SOLVE == "blocks-doubling",
             )  # fmt: skip
         solved_rows = (token * VALUE_HEADS + i_hv) * BT
         tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])

@@ -158,6 +158,24 @@ def _diagonal_inverses(a0, a1, a2, a3):
 
 
 @triton.jit
+def _doubling_inverse16(a, PRECISION: tl.constexpr):
+    """(I + a)⁻¹ of one strictly lower 16 x 16 block by recursive block inversion, the whole-tile `doubling` solve's
+    rule on 16 rows: D = I − a on the 2 x 2 diagonal blocks, then for b = 2, 4, 8 D ← D − D · (L_b · D), L_b = a on the
+    lower-left b x b block of every 2b x 2b diagonal block; 6 dependent 16 x 16 x 16 dots at PRECISION (fp32
+    accumulate) instead of the substitution's 14 dependent row steps."""
+    o = tl.arange(0, 16)
+    lower = o[:, None] > o[None, :]
+    first = (o[:, None] // 2 == o[None, :] // 2) & lower
+    inverse = (o[:, None] == o[None, :]).to(tl.float32) - tl.where(first, a, 0.0)
+    for level in tl.static_range(1, 4):
+        block = 1 << level
+        off = (o[:, None] // (2 * block) == o[None, :] // (2 * block)) & (o[:, None] // block > o[None, :] // block)
+        below = _dot(tl.where(off, a, 0.0), inverse, PRECISION)
+        inverse = inverse - _dot(inverse, below, PRECISION)
+    return inverse
+
+
+@triton.jit
 def _cat_columns(left, right):
     """[M, N], [M, N] -> [M, 2N]: left's columns, then right's."""
     return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], 2 * left.shape[1]))
@@ -179,12 +197,12 @@ def _block_row(b0, b1, b2, b3):
 def _inverse_fla_blocks(
     k, slot_rows, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
+    TORCH_CPU: tl.constexpr, DIAGONAL_DOUBLING: tl.constexpr,
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
     kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
-    inverted by forward substitution (`_diagonal_inverses`), the 6 blocks below merged in FLA's order with 16 dots
-    at SOLVE_PRECISION:
+    inverted by forward substitution (`_diagonal_inverses`; with DIAGONAL_DOUBLING by `_doubling_inverse16` at
+    SOLVE_PRECISION instead), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
     T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
     T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
     k0 = _key_block(k, slot_rows, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
@@ -204,7 +222,11 @@ def _inverse_fla_blocks(
     a30 = _kkt_block(k3, k0, g3, g0, be3, False, DOT_PRECISION)
     a31 = _kkt_block(k3, k1, g3, g1, be3, False, DOT_PRECISION)
     a32 = _kkt_block(k3, k2, g3, g2, be3, False, DOT_PRECISION)
-    t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
+    if DIAGONAL_DOUBLING:
+        t00, t11 = _doubling_inverse16(a00, SOLVE_PRECISION), _doubling_inverse16(a11, SOLVE_PRECISION)
+        t22, t33 = _doubling_inverse16(a22, SOLVE_PRECISION), _doubling_inverse16(a33, SOLVE_PRECISION)
+    else:
+        t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
     t10 = -_dot(_dot(t11, a10, SOLVE_PRECISION), t00, SOLVE_PRECISION)
     t21 = -_dot(_dot(t22, a21, SOLVE_PRECISION), t11, SOLVE_PRECISION)
     t32 = -_dot(_dot(t33, a32, SOLVE_PRECISION), t22, SOLVE_PRECISION)

@@ -13,7 +13,8 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   forward (the engine's steady state: one fill per forward, not per layer);
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path slot
   at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads them;
-  without the walk; the other solve; the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes
+  without the walk; each solve by name (`fla-blocks`, `doubling`, and `blocks-doubling`: fla-blocks with its diagonal
+  blocks inverted by doubling); the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes
   where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3`
   and `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an
   SM, and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified; each chunk's
@@ -59,6 +60,8 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "stage-gathered": ({}, True, False),
     "stage-no-walk": ({}, False, False),
     "doubling": ({"solve": "doubling"}, True, True),
+    "fla-blocks": ({"solve": "fla-blocks"}, True, True),
+    "blocks-doubling": ({"solve": "blocks-doubling"}, True, True),
     "walk-stages1": ({"num_stages": 1}, True, True),
     "walk-stages3": ({"num_stages": 3}, True, True),
     "walk-w8": ({"num_warps": 8}, True, True),

@@ -5,8 +5,8 @@ FLA's five forward kernels, their bitwise invariances compiled, the tree walk, a
 
 Declared and checked:
 * kernel (Hk 16, Hv 48, K = V = 128; drone's bucketed paths and a 1,000-token sequence, nonzero initial states), for
-  the stage's configuration and the variants in `KERNELS` (the other solve, its warps, tilings, BV = 32 and 16
-  (wrong on an H100 at 33f9910), each chunk's rows loaded a chunk ahead): within
+  the stage's configuration and the variants in `KERNELS` (each solve by name, fla-blocks' warps, tilings, BV = 32
+  and 16 (wrong on an H100 at 33f9910)): within
   `tests.cases.gdn_chunk_bounds` of `reference.ops.gdn_recurrent` (bf16 rounding points; tf32 solves, and tf32x3 for
   the stage's), and within twice that of FLA's `FlaForwardCore` on the same inputs (both within the bound of the
   oracle); the share of output elements bit-equal to FLA's and the relative RMSE against it printed (`-s`);
@@ -45,6 +45,8 @@ LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
 KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (fla-blocks, one solve warp) and variants
     "stage": {},
     "doubling": {"solve": "doubling"},
+    "fla-blocks": {"solve": "fla-blocks"},
+    "blocks-doubling": {"solve": "blocks-doubling"},
     "fla-blocks-sw4": {"solve": "fla-blocks", "solve_num_warps": 4},
     "bv128-w8": {"value_block": 128, "num_warps": 8},
     # BV = 32 and 16 (refused on CUDA since v1's wrong outputs under Triton 3.6; these cases decide whether it goes)
@@ -142,7 +144,7 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
-@pytest.mark.parametrize("kernel", ["stage", "doubling", "bv32-r168"])
+@pytest.mark.parametrize("kernel", ["stage", "doubling", "fla-blocks", "blocks-doubling", "bv32-r168"])
 @pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
