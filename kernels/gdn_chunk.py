@@ -35,20 +35,22 @@ The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_N
   D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
   [[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]] for all blocks of one level at once; 10 dots of
   64 × 64 × 64 at `solve_precision` (default "tf32", FLA's SOLVE_TRIL_DOT_PRECISION on sm >= 80).
-* "fla-blocks" (the stage's, one warp): FLA 0.6.0's fused kkt + solve in its own order (kernels/gdn_chunk_body.py
-  `_inverse_fla_blocks`): the ten 16 × 16 blocks of A from 16-row key blocks, the diagonal blocks inverted by forward
-  substitution in fp32, the others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the walk then gives FLA's
-  output bits but for a few elements (0.9998-0.9999 of them at the kernel tests' inputs, all but about one in 10^7 on
-  the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md, "Exactness"). Since v3.2 the
-  faster of the two at 6683faa: the solve launch 17.9 / 16.7 / 31.2 us a layer on drone / easy-intent-00 /
-  customer_service against doubling's 24.0 / 17.7 / 35.0. Its diagonal blocks' substitutions in a launch of their
-  own (4 warps per chunk instead of one) were slower: 24.7 / 20.2 / 37.3 us for the two launches (attempt
-  `gdn-chunk-solve-diagonal-launch`).
-* "blocks-doubling" (one warp): fla-blocks with each diagonal 16 × 16 block inverted by the doubling rule on 16 rows
-  (`_doubling_inverse16`: 6 dependent dots of 16 × 16 × 16 at `solve_precision`) instead of the forward substitution's
-  14 dependent row steps, which took 66-69 % of the fla-blocks launch's warp samples (Nsight Compute of 6b8278c); the
-  merges as fla-blocks'. sm_90 (Triton 3.9): 4,144 SASS instructions, straight-line, against fla-blocks' 3,136 with
-  a 14-pass loop of 362 (about 7,900 executed).
+* "fla-blocks" (one warp; the stage's from v3.1 to v3.4): FLA 0.6.0's fused kkt + solve in its own order
+  (kernels/gdn_chunk_body.py `_inverse_fla_blocks`): the ten 16 × 16 blocks of A from 16-row key blocks, the diagonal
+  blocks inverted by forward substitution in fp32, the others merged with 16 tf32 dots of 16 × 16 × 16. On the H200 the
+  walk then gives FLA's output bits but for a few elements (0.9998-0.9999 of them at the kernel tests' inputs, all but
+  about one in 10^7 on the probe's bucketed inputs; not enough for a bitwise forward: engine/stages/core.md,
+  "Exactness"). Since v3.2 the faster of the two at 6683faa: the solve launch 17.9 / 16.7 / 31.2 us a layer on drone /
+  easy-intent-00 / customer_service against doubling's 24.0 / 17.7 / 35.0. Its diagonal blocks' substitutions in a
+  launch of their own (4 warps per chunk instead of one) were slower: 24.7 / 20.2 / 37.3 us for the two launches
+  (attempt `gdn-chunk-solve-diagonal-launch`).
+* "blocks-doubling" (the stage's since v3.5, one warp): fla-blocks with each diagonal 16 × 16 block inverted by the
+  doubling rule on 16 rows (`_doubling_inverse16`: 6 dependent dots of 16 × 16 × 16 at `solve_precision`) instead of
+  the forward substitution's 14 dependent row steps, which took 66-69 % of the fla-blocks launch's warp samples (Nsight
+  Compute of 6b8278c); the merges as fla-blocks'. sm_90 (Triton 3.9): 4,144 SASS instructions, straight-line, against
+  fla-blocks' 3,136 with a 14-pass loop of 362 (about 7,900 executed). The solve launch on an H100 (probe of 37d05bf):
+  12.4 / 11.7 / 22.1 us a layer on drone / easy-intent-00 / customer_service against fla-blocks' 17.5 / 16.5 / 31.1;
+  FLA's bits on 0.9995-0.9997 of the elements, as the doubling solve (fla-blocks: 1.0000).
 A Neumann product (I − A)(I + A²)(I + A⁴)... was rejected: exact in real arithmetic, but on strongly correlated keys
 its powers grow to ~1e8 while T stays O(1) (engine/stages/core.md, ablations/attempts.toml).
 
@@ -93,7 +95,10 @@ easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code 
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.4 (this file): v3.2's arithmetic, every bit kept, and four changes to what surrounds it. The walk takes its ticket
+* v3.5 (this file): v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
+  walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
+  easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
+* v3.4: v3.2's arithmetic, every bit kept, and four changes to what surrounds it. The walk takes its ticket
   with a relaxed atomic (the default acq_rel one put a GPU-wide fence and an L1 invalidation in front of every program);
   the state's offsets (`_state_tile`) and the causal mask are built on an opaque zero where they are used (hoisted
   before the loop, they were tiles live across it: sm_90 spills 408 -> 240 bytes, spill loads in the loop body 79 -> 56

@@ -42,11 +42,10 @@ DEVICE = torch.device("cuda")
 DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
 DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
 LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
-KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (fla-blocks, one solve warp) and variants
+KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (blocks-doubling, one solve warp) and variants
     "stage": {},
     "doubling": {"solve": "doubling"},
     "fla-blocks": {"solve": "fla-blocks"},
-    "blocks-doubling": {"solve": "blocks-doubling"},
     "fla-blocks-sw4": {"solve": "fla-blocks", "solve_num_warps": 4},
     "bv128-w8": {"value_block": 128, "num_warps": 8},
     # BV = 32 and 16 (refused on CUDA since v1's wrong outputs under Triton 3.6; these cases decide whether it goes)
@@ -144,7 +143,7 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
-@pytest.mark.parametrize("kernel", ["stage", "doubling", "fla-blocks", "blocks-doubling", "bv32-r168"])
+@pytest.mark.parametrize("kernel", ["stage", "doubling", "fla-blocks", "bv32-r168"])
 @pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
