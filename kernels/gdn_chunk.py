@@ -29,7 +29,7 @@ taken (fp32 throughout, fp32 dots at IEEE precision: the exactness test of the a
 CUDA (tensor cores, fp32 accumulate); under the interpreter the same bf16 values go in as fp32 (the interpreter
 computes bf16 `tl.dot` wrongly), which is exact for the products and differs only in the accumulation order.
 
-The solve (`solve`; `solve_num_warps` defaults to each solve's fastest, `SOLVE_NUM_WARPS`):
+The solve (`solve`; `solve_num_warps` defaults to `SOLVE_NUM_WARPS`, the fastest of a sweep for the first two):
 * "doubling": recursive block inversion on the whole 64 × 64 tile: D starts as the inverse of the 2 × 2
   diagonal blocks (I − A on their one sub-diagonal entry), and for block sizes b = 2, 4, 8, 16, 32
   D ← D − D · (L_b · D), where L_b is A restricted to the lower-left b × b block of every 2b × 2b diagonal block:
@@ -168,7 +168,7 @@ NUM_WARPS = 4  # the walk's warps
 NUM_STAGES = 2
 SOLVES = ("doubling", "fla-blocks", "blocks-doubling")
 SOLVE = "blocks-doubling"  # the stage's since gdn_chunk v3.5 (core.md, "The solve's diagonal blocks by doubling")
-SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "blocks-doubling": 1}  # fastest (probe of c2ff2ee)
+SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "blocks-doubling": 1}  # the first two swept (c2ff2ee); the third not
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
 WALK_FIELDS = (
     "sequence",
