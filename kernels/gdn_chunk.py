@@ -45,7 +45,7 @@ The solve (`solve`; `solve_num_warps` defaults to `SOLVE_NUM_WARPS`, the fastest
   launch of their own (4 warps per chunk instead of one) were slower: 24.7 / 20.2 / 37.3 us for the two launches
   (attempt `gdn-chunk-solve-diagonal-launch`).
 * "blocks-doubling" (the stage's since v3.5, one warp): fla-blocks with each diagonal 16 × 16 block inverted by the
-  doubling rule on 16 rows (`_doubling_inverse16`: 6 dependent dots of 16 × 16 × 16 at `solve_precision`) instead of
+  doubling rule on 16 rows (`_doubling_inverse`: 6 dependent dots of 16 × 16 × 16 at `solve_precision`) instead of
   the forward substitution's 14 dependent row steps, which took 66-69 % of the fla-blocks launch's warp samples (Nsight
   Compute of 6b8278c); the merges as fla-blocks'. sm_90 (Triton 3.9): 4,144 SASS instructions, straight-line, against
   fla-blocks' 3,136 with a 14-pass loop of 362 (about 7,900 executed). The solve launch on an H100 (probe of 37d05bf):
@@ -268,10 +268,9 @@ def _gdn_chunk_solve_kernel(
             k16 = tl.load(k + ((input_row * KEY_HEADS + i_hk) * KEY_DIM)[:, None] + tl.arange(0, KEY_DIM)[None, :],
                           mask=valid[:, None], other=0.0)  # fmt: skip
             lower = o_t[:, None] > o_t[None, :]
-            eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
             t_op = _inverse_doubling(
-                _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, b_beta, o_t, lower, eye, ROUND, SOLVE_PRECISION,
-                DOT_PRECISION, TORCH_CPU,
+                _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, b_beta, lower, ROUND, SOLVE_PRECISION, DOT_PRECISION,
+                TORCH_CPU,
             )  # fmt: skip
         else:
             t_op = _inverse_fla_blocks(

@@ -65,23 +65,33 @@ def _loaded_operand(x16, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):
 
 @triton.jit
 def _inverse_doubling(
-    k_op, b_gc, b_beta, o_t, lower, eye, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    k_op, b_gc, b_beta, lower, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand, A = strict_lower(diag(β) K Kᵀ ⊙ 2^(γ_r − γ_s)), by recursive block inversion
-    (10 dots at SOLVE_PRECISION); bf16↓ at the end with rounding points."""
+    on the whole 64-row tile (`_doubling_inverse`: 10 dots at SOLVE_PRECISION); bf16↓ at the end with rounding
+    points."""
     b_a = tl.dot(k_op, tl.trans(k_op), input_precision=DOT_PRECISION)
     b_a = tl.where(lower, b_a * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0) * b_beta[:, None]
-    first = (o_t[:, None] // 2 == o_t[None, :] // 2) & lower
-    inverse = eye - tl.where(first, b_a, 0.0)
-    for level in tl.static_range(1, LOG2_CHUNK):
+    return _rounded_operand(_doubling_inverse(b_a, 64, LOG2_CHUNK, SOLVE_PRECISION), ROUND, TORCH_CPU)
+
+
+@triton.jit
+def _doubling_inverse(a, SIZE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + a)⁻¹ of a strictly lower SIZE x SIZE tile (SIZE = 2^LEVELS) by recursive block inversion: D = I − a on the
+    2 x 2 diagonal blocks, then for b = 2, 4, ..., SIZE / 2 D ← D − D · (L_b · D), L_b = a on the lower-left b x b block
+    of every 2b x 2b diagonal block ([[D₁₁, 0], [L₂₁, D₂₂]]⁻¹ = [[D₁₁, 0], [−D₂₂ L₂₁ D₁₁, D₂₂]], all blocks of a level
+    at once): 2 (LEVELS − 1) dependent dots at PRECISION, fp32 accumulate. The `doubling` solve's on the whole chunk,
+    `blocks-doubling`'s on each diagonal 16 x 16 block (6 dots instead of the substitution's 14 dependent row steps)."""
+    o = tl.arange(0, SIZE)
+    first = (o[:, None] // 2 == o[None, :] // 2) & (o[:, None] > o[None, :])
+    inverse = (o[:, None] == o[None, :]).to(tl.float32) - tl.where(first, a, 0.0)
+    for level in tl.static_range(1, LEVELS):
         block = 1 << level
-        off = (o_t[:, None] // (2 * block) == o_t[None, :] // (2 * block)) & (
-            o_t[:, None] // block > o_t[None, :] // block
-        )
-        below = tl.dot(tl.where(off, b_a, 0.0), inverse, input_precision=SOLVE_PRECISION)
-        inverse = inverse - tl.dot(inverse, below, input_precision=SOLVE_PRECISION)
-    return _rounded_operand(inverse, ROUND, TORCH_CPU)
+        off = (o[:, None] // (2 * block) == o[None, :] // (2 * block)) & (o[:, None] // block > o[None, :] // block)
+        below = _dot(tl.where(off, a, 0.0), inverse, PRECISION)
+        inverse = inverse - _dot(inverse, below, PRECISION)
+    return inverse
 
 
 @triton.jit
@@ -158,24 +168,6 @@ def _diagonal_inverses(a0, a1, a2, a3):
 
 
 @triton.jit
-def _doubling_inverse16(a, PRECISION: tl.constexpr):
-    """(I + a)⁻¹ of one strictly lower 16 x 16 block by recursive block inversion, the whole-tile `doubling` solve's
-    rule on 16 rows: D = I − a on the 2 x 2 diagonal blocks, then for b = 2, 4, 8 D ← D − D · (L_b · D), L_b = a on the
-    lower-left b x b block of every 2b x 2b diagonal block; 6 dependent 16 x 16 x 16 dots at PRECISION (fp32
-    accumulate) instead of the substitution's 14 dependent row steps."""
-    o = tl.arange(0, 16)
-    lower = o[:, None] > o[None, :]
-    first = (o[:, None] // 2 == o[None, :] // 2) & lower
-    inverse = (o[:, None] == o[None, :]).to(tl.float32) - tl.where(first, a, 0.0)
-    for level in tl.static_range(1, 4):
-        block = 1 << level
-        off = (o[:, None] // (2 * block) == o[None, :] // (2 * block)) & (o[:, None] // block > o[None, :] // block)
-        below = _dot(tl.where(off, a, 0.0), inverse, PRECISION)
-        inverse = inverse - _dot(inverse, below, PRECISION)
-    return inverse
-
-
-@triton.jit
 def _cat_columns(left, right):
     """[M, N], [M, N] -> [M, 2N]: left's columns, then right's."""
     return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], 2 * left.shape[1]))
@@ -201,7 +193,7 @@ def _inverse_fla_blocks(
 ):  # fmt: skip
     """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
     kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
-    inverted by forward substitution (`_diagonal_inverses`; with DIAGONAL_DOUBLING by `_doubling_inverse16` at
+    inverted by forward substitution (`_diagonal_inverses`; with DIAGONAL_DOUBLING by `_doubling_inverse` at
     SOLVE_PRECISION instead), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
     T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
     T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
@@ -223,8 +215,8 @@ def _inverse_fla_blocks(
     a31 = _kkt_block(k3, k1, g3, g1, be3, False, DOT_PRECISION)
     a32 = _kkt_block(k3, k2, g3, g2, be3, False, DOT_PRECISION)
     if DIAGONAL_DOUBLING:
-        t00, t11 = _doubling_inverse16(a00, SOLVE_PRECISION), _doubling_inverse16(a11, SOLVE_PRECISION)
-        t22, t33 = _doubling_inverse16(a22, SOLVE_PRECISION), _doubling_inverse16(a33, SOLVE_PRECISION)
+        t00, t11 = _doubling_inverse(a00, 16, 4, SOLVE_PRECISION), _doubling_inverse(a11, 16, 4, SOLVE_PRECISION)
+        t22, t33 = _doubling_inverse(a22, 16, 4, SOLVE_PRECISION), _doubling_inverse(a33, 16, 4, SOLVE_PRECISION)
     else:
         t00, t11, t22, t33 = _diagonal_inverses(a00, a11, a22, a33)
     t10 = -_dot(_dot(t11, a10, SOLVE_PRECISION), t00, SOLVE_PRECISION)

@@ -14,12 +14,11 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path slot
   at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads them;
   without the walk; each solve by name (`fla-blocks`, `doubling`, and `blocks-doubling`: fla-blocks with its diagonal
-  blocks inverted by doubling); the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes
-  where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3`
-  and `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an
-  SM, and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified; each chunk's
-  `rows` loaded one chunk ahead); the solve launch is also timed alone. Records of c2ff2ee also have solve warps and
-  walk tilings.
+  blocks inverted by doubling); the walk's software-pipelining stages; the walk on 8 warps, which spills 88 bytes where
+  4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3` and
+  `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an SM,
+  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the solve launch
+  is also timed alone. Records of c2ff2ee also have solve warps and walk tilings.
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
 same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
