@@ -205,6 +205,33 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
+def test_every_publish_point_of_a_hand_made_walk():
+    """The walk's segments (gdn_chunk v3.6: the chunk loop ends at each publish point) on a walk no planner writes:
+    a publish at a sequence's last chunk, a second publish point before the first, and two equal points. Six paths
+    over one base sequence (every shared prefix the same rows): sequence 0 (128 rows) publishes after chunk 1 to slot
+    6 and, as its second point, after chunk 0 to slot 4; sequence 3 (200 rows) publishes after chunk 0 to slots 2 and
+    5; the readers 1 (from 6 at chunk 2), 2 (from 4 at chunk 1), 4 (from 2) and 5 (from 5, both at chunk 1) get the
+    plain walk's bits on every row they walk, and no program waits forever."""
+    dims = DIMS["gva-1-2-k16-v32"]
+    base = gdn_chunk_inputs((400,), dims, seed=21)[:5]
+    own = iter(range(128, 400))
+    paths = [list(range(128)), list(range(128)) + [next(own) for _ in range(22)]]
+    paths += [list(range(64)) + [next(own) for _ in range(n)] for n in (36, 136, 26, 6)]
+    rows = torch.tensor([r for path in paths for r in path])
+    cu = torch.tensor([0, *torch.tensor([len(p) for p in paths]).cumsum(0).tolist()])
+    inputs = [t[rows].contiguous() for t in base]
+    #  order, start, source, publish, slot, publish2, slot2, runs
+    walk = torch.tensor([
+        [0, 0, -1, 2, 6, 1, 4, 6], [3, 2, 6, 0, 0, 0, 0, 6], [1, 1, 4, 0, 0, 0, 0, 6],
+        [2, 0, -1, 1, 2, 1, 5, 6], [4, 1, 2, 0, 0, 0, 0, 6], [5, 1, 5, 0, 0, 0, 0, 6],
+    ])  # fmt: skip
+    plain, _ = gdn_chunk_forward(*inputs, cu)
+    out = torch.full_like(plain, float("nan"))
+    tree, _ = gdn_chunk_forward(*inputs, cu, walk=walk, out=out)
+    walked = torch.cat([torch.arange(int(cu[i]) + 64 * int(walk[i, 1]), int(cu[i + 1])) for i in range(6)])
+    assert torch.isfinite(plain).all() and torch.equal(tree[walked], plain[walked])
+
+
 def _packed_tree_call(seed: int):
     """A planned request with dummy paths (3 and 70 rows), its replicated call, the kernel dims, and random packed
     inputs (q, k, v, g, beta; seed + 1) followed by 5 NaN rows that no slot reads."""
