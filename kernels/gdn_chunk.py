@@ -95,15 +95,16 @@ easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code 
 
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
-* v3.6 (this file): v3.5's arithmetic, every bit kept, with the walk's chunks in up to three loops that end at the
-  publish points (`_walk_sequence`). With the publish (a store, a CTA barrier and an atomic) inside the one chunk loop,
-  Triton pipelined none of the tree walk's loads at any `num_stages` (sm_90 TTGIR, Triton 3.9: no async copy; the
-  walk without the tree, which has no publish, got 10 at 2 stages), so attempt `gdn-chunk-walk-pipelining-stages`
-  timed one code three times. Now at 2 stages the next chunk's g, k, T, v and q are copied to shared memory while
-  the chunk runs (10 async copies); sm_90 (Triton 3.9): 3,264 SASS instructions against 2,824, spills 224 -> 164
-  bytes. A chunk after the first of its segment no longer waits for its loads: drone's readers walk 2 chunks from
-  the root's state, customer_service's candidate 0 walks 8 root chunks in one segment.
-* v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
+* v3.6 (53af88e, dropped): the walk's chunks in up to three loops ending at the publish points. With the publish (a
+  store, a CTA barrier and an atomic) inside the one chunk loop, Triton pipelines none of the tree walk's loads at any
+  `num_stages` (sm_90 TTGIR: no async copy; the walk without the tree got 10 at 2 stages), so attempt
+  `gdn-chunk-walk-pipelining-stages` timed one code three times. Split at the publish points, the loop got its 10
+  async copies (g, k, T, v, q of the next chunk) and ran slower on an H100: 89.0 / 53.5 / 174.7 us a layer on drone /
+  easy-intent-00 / customer_service pipelined against 78.1 / 46.3 / 160.0 with one stage (no pipelining), and its tree
+  walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
+  customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
+  interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
+* v3.5 (this file): v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
 * v3.4: v3.2's arithmetic, every bit kept, and four changes to what surrounds it. The walk takes its ticket
@@ -448,30 +449,16 @@ def _walk_sequence(
             source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
             state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
-    # The chunks in up to three segments, each ending where the state is published (after chunk p - 1 for a
-    # publish point start < p <= num_chunks) or at the last chunk: the chunk loop holds no barrier or atomic, so
-    # Triton's software pipeliner prefetches the next chunk's inputs (with the publish inside the loop it pipelined
-    # nothing: gdn_chunk v3.6). Without TREE the first two segments are empty.
-    first_ok = TREE & (publish_chunks > start) & (publish_chunks <= num_chunks)
-    second_ok = TREE & (publish2_chunks > start) & (publish2_chunks <= num_chunks)
-    first_end = tl.where(first_ok, publish_chunks, start)
-    second_end = tl.where(second_ok, publish2_chunks, start)
-    end_a = tl.minimum(first_end, second_end)
-    end_b = tl.maximum(first_end, second_end)
-    begin = start
-    for segment in range(3):  # a runtime loop: one copy of the chunk body
-        end = tl.where(segment == 0, end_a, tl.where(segment == 1, end_b, num_chunks))
-        for i_t in range(begin, end):
-            state = _walk_chunk(
-                q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
-                KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
-            )  # fmt: skip
-        if TREE:  # each publish once: after the first segment that ends at its point
-            if first_ok & (first_end == end) & (segment < 2) & ((segment == 0) | (end != end_a)):
+    for i_t in range(start, num_chunks):
+        state = _walk_chunk(
+            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
+        )  # fmt: skip
+        if TREE:
+            if i_t + 1 == publish_chunks:
                 _publish(state, bank, flags, publish_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-            if second_ok & (second_end == end) & (segment < 2) & ((segment == 0) | (end != end_a)):
+            if i_t + 1 == publish2_chunks:
                 _publish(state, bank, flags, publish2_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-        begin = tl.maximum(begin, end)
     if STORE_HT:
         tl.store(ht + state_offsets + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), state)
 

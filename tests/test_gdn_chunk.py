@@ -206,8 +206,8 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
 
 
 def test_every_publish_point_of_a_hand_made_walk():
-    """The walk's segments (gdn_chunk v3.6: the chunk loop ends at each publish point) on a walk no planner writes:
-    a publish at a sequence's last chunk, a second publish point before the first, and two equal points. Six paths
+    """Publish points that no planner writes: a publish at a sequence's last chunk, a second publish point before
+    the first, and two equal points (the dropped gdn_chunk v3.6 ended its chunk loops there). Six paths
     over one base sequence (every shared prefix the same rows): sequence 0 (128 rows) publishes after chunk 1 to slot
     6 and, as its second point, after chunk 0 to slot 4; sequence 3 (200 rows) publishes after chunk 0 to slots 2 and
     5; the readers 1 (from 6 at chunk 2), 2 (from 4 at chunk 1), 4 (from 2) and 5 (from 5, both at chunk 1) get the
