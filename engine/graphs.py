@@ -55,7 +55,8 @@ repeated replays and a smaller request in a larger bucket).
 Graph cache (`GraphCache`): plan shape -> `CapturedGraph` (graph, arena, static output); one memory pool shared by
 all graphs (they never run concurrently); capture after warm-up on a side stream; an LRU bound with an eviction
 count; hits and misses counted, misses by reason. `capture_grid` captures every bucket (largest first, so that the
-pool is sized once) with a progress bar; nothing is captured on a request's path unless `capture_on_miss`.
+pool is sized once) with a progress bar; nothing is captured on a request's path unless `capture_on_miss`. It holds
+the backbone's forward weakly (`weak_callable`), so a dropped engine is freed without the cycle collector.
 `describe()` is what `/health` and the run record show (records before this name had `pool_bytes` for the same
 number: the process's reserved CUDA memory, not the pool's alone).
 """
@@ -63,8 +64,10 @@ number: the process's reserved CUDA memory, not the pool's alone).
 from __future__ import annotations
 
 import bisect
+import inspect
 import math
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -266,6 +269,24 @@ class GraphStats:
         }
 
 
+def weak_callable(fn: Callable) -> Callable[[], Callable]:
+    """`fn` behind a call that returns it: a bound method held weakly (a backbone's cache holding the backbone's own
+    method would make backbone -> cache -> method -> backbone a reference cycle, so that a dropped engine and its
+    weights wait for the cycle collector: tests/conftest.py collected them before each GPU module), anything else
+    strongly. Raises once a weakly held method's object is gone."""
+    if not inspect.ismethod(fn):
+        return lambda: fn
+    method = weakref.WeakMethod(fn)
+
+    def resolve() -> Callable:
+        bound = method()
+        if bound is None:
+            raise RuntimeError("GraphCache: the backbone whose forward it captures is gone")
+        return bound
+
+    return resolve
+
+
 class GraphCache:
     """Plan shape -> captured forward, for one backbone (`forward_batch(plan) -> [candidates, hidden]`, the eager
     forward of one bucketed plan). `grid`: the buckets requests are padded to; `max_graphs`: the LRU bound."""
@@ -282,7 +303,7 @@ class GraphCache:
     ):
         if torch.device(device).type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self._forward = forward_batch
+        self._forward = weak_callable(forward_batch)
         self.device = torch.device(device)
         self.grid = tuple(default_grid() if grid is None else grid)
         self.index = GridIndex(self.grid)
@@ -326,7 +347,7 @@ class GraphCache:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph, output = capture_forward(
-            lambda: self._forward(plan), plan.arena, self.device, pool=self._pool, warmup_runs=self.warmup_runs
+            lambda: self._forward()(plan), plan.arena, self.device, pool=self._pool, warmup_runs=self.warmup_runs
         )
         entry = CapturedGraph(bucket=bucket, plan=plan, graph=graph, output=output)
         self.staging.reserve(plan.arena.buffer.numel())

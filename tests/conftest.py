@@ -44,12 +44,12 @@ def earlier_modules_cuda_memory_released():
     """Before each test module on a GPU: collect the reference cycles earlier modules left and return the blocks they
     freed to the driver, so that a module's 27B fixture does not meet the previous module's model. A module fixture's
     own teardown cannot do it: pytest still holds the fixture's value while the teardown runs and drops it after, and
-    on CUDA every engine with graphs is a cycle (`EngineBackbone.graphs` is a `GraphCache` holding the bound method
-    `_forward_plan`, so the engine and its weights wait for the cycle collector). On an 80 GB H100 the runner's gate
-    process ran out of memory in tests/test_gpu_gdn_chunk.py's fixture with 77.4 GB still allocated after
-    tests/test_gpu_graphs.py (33f9910, 450783f, af0f763; `ablations.run.run_gates` reran it alone). Another cycle of the
-    same kind, found on the CPU: the first import of engine.backbone inside `build_engine` runs torch.fx's `wrap`,
-    whose frame keeps itself (`inspect.currentframe()`) and every frame above it, `build_engine`'s `merged` included."""
+    a value caught in a reference cycle waits for the cycle collector. Until the graph cache held its backbone's
+    forward weakly (`engine.graphs.weak_callable`) every engine with graphs was such a cycle, and on an 80 GB H100 the
+    runner's gate process ran out of memory in tests/test_gpu_gdn_chunk.py's fixture with 77.4 GB still allocated after
+    tests/test_gpu_graphs.py (33f9910, 450783f, af0f763; `ablations.run.run_gates` reran it alone). One cycle is left,
+    found on the CPU: the first import of engine.backbone inside `build_engine` runs torch.fx's `wrap`, whose frame
+    keeps itself (`inspect.currentframe()`) and every frame above it, `build_engine`'s `merged` included."""
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()

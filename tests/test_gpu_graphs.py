@@ -11,6 +11,7 @@ captured. Declared and checked, bit for bit:
 * two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
   leaks through the arena, the solve workspace or the shared pool);
 * five replays of one request: identical;
+* a dropped `graphs` engine (the tiny twin) is freed without the cycle collector;
 * the arena hand-off: a bucketed plan is host-only (its arena on the CPU), a replay fills the captured arena from it
   through the pinned staging buffer; `TreePlan.to` gives the eager path the same arrays on the device; two
   requests of one bucket prepared before either runs (the second's host arrays must not reach the first's replay).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 
 import pytest
 import torch
@@ -35,6 +37,7 @@ from engine.stages import build_engine
 from engine.weights import MergedWeights
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
+from reference.shapes import TINY
 from reference.weights import synthetic_weights
 
 pytestmark = pytest.mark.gpu
@@ -57,6 +60,23 @@ def engines():
     del tree, graphs, merged
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_a_dropped_graphs_engine_is_freed_without_the_cycle_collector():
+    """The tiny twin's `graphs` engine on CUDA (its backbone holds a `GraphCache`, which holds the backbone's forward
+    weakly: `engine.graphs.weak_callable`) is freed by reference counting alone once dropped: no cycle keeps it and
+    its weights waiting for the collector."""
+    merged = MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=0, device=DEVICE))
+    engine = build_engine(merged, "graphs")
+    assert engine.graphs is not None
+    alive = weakref.ref(engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def eager_tree(tree, candidates, groups) -> torch.Tensor:

@@ -10,14 +10,17 @@
   exactly its bucket's sizes, and two requests of one bucket launch with the same host values; padding to every
   bucket of a small grid changes no bit of any real candidate (hypothesis); the stage's CPU form (bucketed plans run
   eagerly with the fused kernels) is bitwise against `tree`; a request outside the grid or in hand-off mode runs
-  eagerly and says why; the capture placeholder fits every bucket of the default grid.
+  eagerly and says why; the capture placeholder fits every bucket of the default grid; the graph cache holds its
+  backbone's forward weakly (no reference cycle: a dropped owner is freed without the cycle collector).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
+import weakref
 
 import pytest
 import torch
@@ -35,6 +38,7 @@ from engine.graphs import (  # noqa: E402
     placeholder_request,
     slot_factors,
     smallest_bucket,
+    weak_callable,
 )
 from engine.plan import Bucket, PlanArena, bucket_padding, plan_flat, plan_tree, tree_layout  # noqa: E402
 from engine.plan_arrays import PAD_TOKEN_ID  # noqa: E402
@@ -361,3 +365,29 @@ def test_a_moved_plan_leaves_no_index_array_behind(request_tokens):
     left = [p for p, t in _tensors(moved, "plan") if t.device.type != "meta"]
     assert left and all(p.endswith("_cpu") for p in left), left
     assert all(t.device.type == "cpu" for _, t in _tensors(plan, "plan"))
+
+
+def test_the_graph_cache_holds_its_owners_forward_weakly():
+    """`weak_callable`, what `GraphCache` keeps of the forward it captures (CUDA only, so its owner is modelled here):
+    a bound method is held weakly, so an owner that keeps its cache (as `EngineBackbone.graphs` does) is freed by
+    reference counting alone, and a call after that says so; a plain function is held."""
+
+    class Owner:
+        def __init__(self):
+            self.cache = weak_callable(self.forward)
+
+        def forward(self, rows: int) -> int:
+            return 2 * rows
+
+    owner = Owner()
+    held, alive = owner.cache, weakref.ref(owner)
+    assert held()(21) == 42
+    gc.disable()
+    try:
+        del owner
+        assert alive() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="is gone"):
+        held()
+    assert weak_callable(len)()([1, 2]) == 2
