@@ -11,7 +11,8 @@ captured. Declared and checked, bit for bit:
 * two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
   leaks through the arena, the solve workspace or the shared pool);
 * five replays of one request: identical;
-* a dropped `graphs` engine (the tiny twin) is freed without the cycle collector;
+* a dropped `graphs` engine (the tiny twin) is freed without the cycle collector (passed on an H100 at 6d8566e, and
+  failed there with 83b70a4's graph cache, which held the forward strongly: results/gpu/20261205T1909Z-* and 1910Z-*);
 * the arena hand-off: a bucketed plan is host-only (its arena on the CPU), a replay fills the captured arena from it
   through the pinned staging buffer; `TreePlan.to` gives the eager path the same arrays on the device; two
   requests of one bucket prepared before either runs (the second's host arrays must not reach the first's replay).
