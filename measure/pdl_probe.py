@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not config_of(args.stage).graphs:
         parser.error(f"stage {args.stage} has no CUDA graphs")
+    prepare_process([args.stage], "cuda")  # before CUDA is initialised (cuBLAS's workspace setting)
     pin_fla_configs()  # before fla is imported: the committed configs of this GPU, if any
     plan = load_plan("gpu-27b")
-    prepare_process([args.stage], "cuda")
     weights = synthetic_weights(get_shapes(plan.shapes), seed=plan.weights_seed, device=torch.device("cuda"))
     engine = build_backbone(args.stage, BuildContext(weights))
     env = collect("cuda")
