@@ -58,7 +58,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 # Programmatic dependent launch for every compiled launch of the engine's kernels (module docstring); read at each
 # launch, so a process can capture the same forward with and without it (`measure.pdl_probe`).
-PDL = True
+PDL = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
