@@ -327,7 +327,7 @@ def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
             with ieee_quiet(torch_cpu):
                 _silu_mul_kernel[grid](gate_up_ptr=gate_up, out_ptr=outs[0], rows=rows, stride_in=gate_up.stride(0),
                                        INTER=inter, BLOCK_R=block_r, BLOCK_N=block_n, TORCH_CPU=torch_cpu,
-                                       PDL=False, num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
+                                       num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
 
         return f"{block_r}x{block_n}, {warps} warps", launch
 
@@ -363,7 +363,7 @@ def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[
                     residual_ptr=residual, delta_ptr=delta, weight_ptr=weight, new_residual_ptr=outs[0],
                     normed_ptr=outs[1], rows=rows, residual_sr=hidden, delta_sr=hidden, delta_ss=0, eps=eps,
                     inv_n=inverse_count(hidden), HIDDEN=hidden, BLOCK_R=block_r, BLOCK_H=block_h, HAS_DELTA=True,
-                    SPLITS=0, TORCH_CPU=torch_cpu, PDL=False, num_warps=warps, **LAUNCH_OPTIONS,
+                    SPLITS=0, TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_r}x{block_h}, {warps} warps", launch
@@ -411,8 +411,7 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
                     proj_sr=proj.stride(0), eps=1e-6, KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim,
                     WIDTH=width, SEARCH_STEPS=0, QK_L2NORM=True, HAS_ROWS=False, HAS_SLOTS=False, HAS_TAPS=True,
                     BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)),
-                    BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, PDL=False, num_warps=warps,
-                    **LAUNCH_OPTIONS,
+                    BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_t} rows, {warps} warps", launch
@@ -435,8 +434,7 @@ TILE_SWEEPS = {"silu_mul": silu_mul_tiles, "residual_rmsnorm": residual_rmsnorm_
 
 
 def kernel_tiles() -> dict[str, Any]:
-    """The tile sweeps of the three kernels; the first case of each kernel is its shipped tile. Each tile is timed
-    alone, so its launches take no programmatic dependent launch (`PDL=False`)."""
+    """The tile sweeps of the three kernels; the first case of each kernel is its shipped tile."""
     cases = [case for kernel, tiles_of in TILE_SWEEPS.items() for case in _tile_sweep(kernel, tiles_of())]
     return {"rows": TILE_ROWS, "cases": cases}
 

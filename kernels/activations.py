@@ -32,11 +32,9 @@ import triton.language as tl
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    grid_dependency,
     ieee_quiet,
     kernel_mode,
     output_tensor,
-    pdl_options,
     round_to_bf16,
     sigmoid_f32,
     silu_f32,
@@ -59,9 +57,7 @@ def _silu_mul_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     mask = (row < rows)[:, None] & (col < INTER)[None, :]
@@ -99,7 +95,6 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return out
 
@@ -123,9 +118,7 @@ def _attention_gate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] over H·D
     head, dim = col // HEAD_DIM, col % HEAD_DIM
@@ -176,7 +169,6 @@ def attention_gate(attn: torch.Tensor, gate: torch.Tensor, *, out: torch.Tensor 
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return out
 

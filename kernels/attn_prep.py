@@ -50,11 +50,9 @@ from kernels.norms import inverse_count, rms_inverse
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    grid_dependency,
     ieee_quiet,
     kernel_mode,
     output_tensor,
-    pdl_options,
     round_to_bf16,
     tile_elements,
     to_bf16,
@@ -94,9 +92,7 @@ def _attn_prep_kernel(
     BLOCK_D: tl.constexpr,
     HAS_KEY_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     # one program per (row block, head slot): the query slots' blocks over the T rows first, then the key and value
     # slots' blocks over the K key rows (T without key rows), so no program is launched past its slot's rows
     program = tl.program_id(0)
@@ -246,7 +242,6 @@ def attn_prep(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return q, k, v
 

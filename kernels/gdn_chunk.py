@@ -169,16 +169,7 @@ from kernels.gdn_chunk_body import (
     _opaque_zero,
     _rounded_operand,
 )
-from kernels.numerics import (
-    check_tensor,
-    grid_dependency,
-    ieee_quiet,
-    kernel_mode,
-    output_tensor,
-    pdl_options,
-    to_bf16,
-    to_f32,
-)
+from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
 VALUE_BLOCK = 64  # the walk's BV (capped at V)
@@ -260,13 +251,11 @@ def _gdn_chunk_solve_kernel(
     SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
     the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`); with
     ZERO_DUMMIES a dummy path's chunk writes zeros to its rows of `o` [T, Hv, V] for the value head. With HAS_ROWS, k,
     g and beta are read at row slot_rows[slot] of each slot."""
-    grid_dependency(PDL)
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -395,14 +384,12 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
     group of Hv · NV tickets runs sequence walk[k, 0] where k < walk[0, 7] (the sequences that run; the later groups,
     the dummy paths', end after their ticket: module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g and beta
     are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
-    grid_dependency(PDL)
     NV: tl.constexpr = VALUE_DIM // BV
     if TREE:
         runs = tl.load(walk + WALK_RUNS)  # the walk's non-dummy sequences (beside the ticket: it does not depend on it)
@@ -570,20 +557,20 @@ def gdn_chunk_forward(
     final = None
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
-    blocks = value_dim // value_block
-    if walk is None:
-        grid, bank, flags = (blocks, value_heads, num_seqs), o, o  # bank and flags not read without TREE
-    else:  # the flags' zero fill before the solve launch, so that the walk follows the solve (programmatic launch)
-        grid = (blocks * value_heads * num_seqs,)
-        slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
-        bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
-        flags = torch.zeros(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)
     solved = gdn_chunk_solve(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, bf16_points=bf16_points, solve=solve,
         solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
+    blocks = value_dim // value_block
+    if walk is None:
+        grid, bank, flags = (blocks, value_heads, num_seqs), o, o  # bank and flags not read without TREE
+    else:
+        grid = (blocks * value_heads * num_seqs,)
+        slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
+        bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
+        flags = torch.zeros(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -616,7 +603,6 @@ def gdn_chunk_forward(
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),
-            **pdl_options(torch_cpu),
         )
     return o, final
 
@@ -681,7 +667,6 @@ def gdn_chunk_solve(
                 DOT_PRECISION="tf32" if bf16_points else "ieee",
                 TORCH_CPU=torch_cpu,
                 num_warps=num_warps,
-                **pdl_options(torch_cpu),
             )
     return solved
 

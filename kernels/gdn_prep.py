@@ -80,12 +80,10 @@ from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
     exp_f32,
-    grid_dependency,
     ieee_quiet,
     kernel_mode,
     log1p_f32,
     output_tensor,
-    pdl_options,
     round_to_bf16,
     sequence_index,
     sigmoid_f32,
@@ -167,9 +165,7 @@ def _gdn_prep_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     slot = tl.program_id(1)
     token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
     token_ok = token < tokens
@@ -374,7 +370,6 @@ def gdn_prep(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return q, k, v, g, beta
 

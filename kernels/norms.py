@@ -63,11 +63,9 @@ import triton.language as tl
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    grid_dependency,
     ieee_quiet,
     kernel_mode,
     output_tensor,
-    pdl_options,
     round_to_bf16,
     rsqrt_f32,
     silu_f32,
@@ -117,9 +115,7 @@ def _residual_rmsnorm_kernel(
     HAS_DELTA: tl.constexpr,
     SPLITS: tl.constexpr,  # 0: delta is bf16; S >= 1: delta is the sum of S fp32 split-K partials
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = col < HIDDEN
@@ -252,7 +248,6 @@ def _launch_residual_rmsnorm(
             TORCH_CPU=torch_cpu,
             num_warps=max(4, min(16, block_h // 512)),
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return new_residual, normed
 
@@ -284,9 +279,7 @@ def _gated_rmsnorm_kernel(
     W_BF16: tl.constexpr,
     HAS_O_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     head_row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (row, head) pairs
     dim = tl.arange(0, BLOCK_D)
     dim_ok = dim < HEAD_DIM
@@ -372,6 +365,5 @@ def gated_rmsnorm(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **pdl_options(torch_cpu),
         )
     return out

@@ -19,13 +19,6 @@ How torch's numerics are reproduced:
   tests/test_gpu_kernels.py::test_gpu_round_to_bf16_matches_torch (compiled, H200).
 * Launch options `enable_fp_fusion=False` (torch runs each op as its own kernel: no mul+add across ops may become
   an fma) and `enable_reflect_ftz=False` (libdevice must not flush subnormals; torch's nvcc build does not).
-* Programmatic dependent launch (`PDL`, `pdl_options`, `grid_dependency`; sm_90 and later): a compiled launch carries
-  Triton's `launch_pdl` (the programmatic stream serialization attribute, which a CUDA graph keeps as a programmatic
-  edge) and each program starts with `griddepcontrol.launch_dependents` then `griddepcontrol.wait` (SASS `PREEXIT`,
-  `ACQBULK`) before its first load: the next kernel's programs may be placed as this kernel's last ones retire, and
-  none reads before the previous kernel has finished and its writes are visible, so no bit changes (the wait is a
-  no-op in a launch without the attribute). Only this lab's kernels take part; a GEMM or FlashAttention after one
-  of them launches as before. `measure.pdl_probe` times a forward's graph captured with and without it.
 * On CUDA: `libdevice.exp` (= `expf`, which torch's kernels call; Triton's `tl.exp` is `ex2.approx`),
   `libdevice.log1p`, `libdevice.rsqrt` (= `rsqrtf`, torch's `rsqrt`) and `tl.math.div_rn` (IEEE division; Triton's
   `/` is `div.full.f32`). Checked by compiling every kernel for sm_90 here: the PTX has `div.rn.f32` and a non-ftz
@@ -52,34 +45,13 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Compile options for every kernel of the package (see module docstring). The interpreter accepts and ignores them.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
-# Programmatic dependent launch for every compiled launch of the engine's kernels (module docstring); read at each
-# launch, so a process can capture the same forward with and without it (`measure.pdl_probe`).
-PDL = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers: torch opmath in Triton
-
-
-@triton.jit
-def grid_dependency(PDL: tl.constexpr):
-    """A kernel's first step under programmatic dependent launch: let the next kernel in the stream launch once every
-    program of this one has started (its programs then wait below, holding no SM a program of this one needs), then
-    wait until the previous kernel has finished and its writes are visible. Nothing without PDL."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-def pdl_options(torch_cpu: bool) -> dict:
-    """A launch's `PDL` constexpr and Triton's `launch_pdl` option: on for compiled launches while `PDL` is set. The
-    interpreter drops the option and runs no grid dependency."""
-    on = PDL and not torch_cpu
-    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

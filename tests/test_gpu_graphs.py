@@ -11,8 +11,6 @@ captured. Declared and checked, bit for bit:
 * two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
   leaks through the arena, the solve workspace or the shared pool);
 * five replays of one request: identical;
-* the forward captured with this lab's kernels launched with programmatic dependent launch and without (the tiny
-  twin): the same bits;
 * a dropped `graphs` engine (the tiny twin) is freed without the cycle collector (passed on an H100 at 6d8566e, and
   failed there with 83b70a4's graph cache, which held the forward strongly: results/gpu/20261205T1909Z-* and 1910Z-*);
 * the arena hand-off: a bucketed plan is host-only (its arena on the CPU), a replay fills the captured arena from it
@@ -80,27 +78,6 @@ def test_a_dropped_graphs_engine_is_freed_without_the_cycle_collector():
         assert alive() is None
     finally:
         gc.enable()
-
-
-def test_programmatic_dependent_launch_keeps_the_bits():
-    """The tiny twin's `graphs` engine on CUDA (this lab's prep, norm and activation kernels around FLA's core): drone's
-    bucket captured with the kernels launched with PDL (`kernels.numerics.PDL`) and without gives the same output,
-    replayed in either order; the 27B `core` forward is checked the same way by `measure.pdl_probe`."""
-    from kernels import numerics
-
-    merged = MergedWeights.from_decision_weights(synthetic_weights(TINY, seed=0, device=DEVICE))
-    engine = build_engine(merged, "graphs")
-    plan = engine.prepare(*candidates_of("drone")).batches[0].plan
-    entries = {}
-    try:
-        for pdl in (False, True):
-            numerics.PDL = pdl
-            entries[pdl] = engine.graphs.capture(plan.bucket)
-    finally:
-        numerics.PDL = True
-    runs = [entries[pdl].run(plan, engine.graphs.staging) for pdl in (True, False, True)]
-    assert torch.isfinite(runs[0]).all()
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
 def eager_tree(tree, candidates, groups) -> torch.Tensor:

@@ -536,16 +536,3 @@ def _tiny_attn_prep(*, rotary_dim: int = 16, **options):
 def test_launchers_reject_bad_inputs(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
-
-
-def test_programmatic_dependent_launch_only_for_compiled_launches(monkeypatch) -> None:
-    """`pdl_options`: a compiled launch gets the PDL constexpr (the kernel's `grid_dependency`) and Triton's
-    `launch_pdl` while `kernels.numerics.PDL` is set, an interpreted one never (the interpreter has no griddepcontrol).
-    Every engine kernel declares the constexpr, so each interpreted test here also checks that its launcher passes it
-    (the interpreter binds the arguments); `kernels.compile_check` compiles every launch with it on."""
-    from kernels import numerics
-
-    assert numerics.pdl_options(torch_cpu=True) == {"PDL": False, "launch_pdl": False}
-    assert numerics.pdl_options(torch_cpu=False) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(numerics, "PDL", False)
-    assert numerics.pdl_options(torch_cpu=False) == {"PDL": False, "launch_pdl": False}
