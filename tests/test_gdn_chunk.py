@@ -1,10 +1,11 @@
 """CPU tests of the fused chunked gated-delta-rule forward (`kernels/gdn_chunk.py`, Triton interpreter) against the
 fp32 token-by-token oracle `reference.ops.gdn_recurrent`, and its invariances, bit for bit.
 
-Inputs: fresh seeded random tensors (never zeros) at small odd sizes: GVA 2 -> 6 heads, K = 32, V = 16 and
-1 -> 2 heads, K = 16, V = 32; sequences of 1, 63, 64, 65 and 130 tokens packed together; nonzero initial states; q/k
-L2-normalised by FLA's l2norm numerics (`reference.ops.l2norm_fla`, what the prep kernel hands the core); g the log
-decay -exp(A_log) softplus(a + dt_bias); outputs NaN-poisoned before each launch.
+Inputs: fresh seeded random tensors (never zeros) at small odd sizes: GVA 2 -> 6 heads, K = 32, V = 16 and 1 -> 2
+heads, K = 16, V = 32 (and V = 128 for the tree walk: two value blocks a head, as the 27B); sequences of 1, 63, 64, 65
+and 130 tokens packed together; nonzero initial states; q/k L2-normalised by FLA's l2norm numerics
+(`reference.ops.l2norm_fla`, what the prep kernel hands the core); g the log decay -exp(A_log) softplus(a + dt_bias);
+outputs NaN-poisoned before each launch.
 
 The error bounds (relative RMSE over a call's rows, rmse(Δ) / rms(reference); and max |Δ| against max |reference|)
 are `tests.cases.gdn_chunk_bounds`, derived there from first-order rounding-error counts and never fitted: at K = 32
@@ -182,16 +183,18 @@ def _tree_request(seed: int) -> tuple[list[list[int]], list[int]]:
     return candidates, [0, 0, 0, 1, 1, 2]
 
 
+@pytest.mark.parametrize("dims", ["gva-1-2-k16-v32", "gva-1-2-k16-v128"])
 @pytest.mark.parametrize("pad_lens", [(), (3, 70, 1)], ids=["unpadded", "dummy-paths"])
-def test_the_tree_walk_gives_the_replicated_bits(pad_lens):
+def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims):
     """The replicated call of a real plan (chunk size 64) with the plan's tree walk: every packed row's output at its
     representative slot is bit-equal to the plain walk of every path from position 0 (the shared prefix's state is
     handed over at chunk boundaries, which is exact: `test_a_handoff_at_a_chunk_boundary_equals_one_pass`), and the
-    dummy paths' rows are zeros. The walk here has both publish slots, readers of each and dummy sequences."""
+    dummy paths' rows are zeros. The walk here has both publish slots, readers of each and dummy sequences; V = 128
+    has two value blocks of 64 per head, as the 27B (two tickets, flags and bank columns per head)."""
     plan = plan_tree(*_tree_request(seed=12), pad_lens=pad_lens)
     call = plan.gdn["replicated"].calls[0]
     assert (call.walk[:, 5] > 0).any() and (call.walk[:, 2] >= 0).sum() == 5
-    dims = DIMS["gva-1-2-k16-v32"]
+    dims = {**DIMS, "gva-1-2-k16-v128": (1, 2, 16, 128)}[dims]
     q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=13)
     paths = [t[call.rows].contiguous() for t in (q, k, v, g, beta)]  # every path's rows, as the prep kernel lays them
     plain, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices)
