@@ -14,13 +14,14 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
 * ours: `kernels.gdn_chunk.GdnChunkCore` in the stage's configuration (with the plan's tree walk, reading each path slot
   at its packed row: `rows`) and in the variants of `VARIANTS` (on the inputs gathered to the slots, as FLA reads them;
   without the walk; each solve by name (`fla-blocks`, `doubling`, and `blocks-doubling`: fla-blocks with its diagonal
-  blocks inverted by doubling, also on 2 and 4 warps); the walk's software-pipelining stages (1: none, 2 the stage's, 3;
-  before gdn_chunk v3.6 a publish inside the chunk loop kept Triton from pipelining the tree walk at any number); the
-  walk on 8 warps, which spills 88 bytes where 4 warps spill 408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa,
-  attempts `gdn-chunk-walk-tilings-v3` and `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a
-  168-register cap for three programs an SM, and of 16, the first without spills: the kernel refuses both on CUDA unless
-  asked for as unverified); the solve launch is also timed alone. Records of c2ff2ee also have solve warps and walk
-  tilings.
+  blocks inverted by doubling, also on 2 and 4 warps); the walk on 8 warps, which spills 88 bytes where 4 warps spill
+  408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3` and
+  `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an SM,
+  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the solve launch
+  is also timed alone. Records of c2ff2ee also have solve warps and walk tilings; earlier records also have the walk on
+  1 and 3 software-pipelining stages, dropped: with the publish inside the tree walk's chunk loop Triton pipelines
+  nothing at any number of stages, so they timed the stage's code again (attempt `gdn-chunk-walk-segments-pipelined`;
+  its record has them on that attempt's split loop).
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
 same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
@@ -65,8 +66,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "blocks-doubling": ({"solve": "blocks-doubling"}, True, True),
     "blocks-doubling-w2": ({"solve": "blocks-doubling", "solve_num_warps": 2}, True, True),
     "blocks-doubling-w4": ({"solve": "blocks-doubling", "solve_num_warps": 4}, True, True),
-    "walk-stages1": ({"num_stages": 1}, True, True),
-    "walk-stages3": ({"num_stages": 3}, True, True),
     "walk-w8": ({"num_warps": 8}, True, True),
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),

@@ -183,7 +183,9 @@ def _tree_request(seed: int) -> tuple[list[list[int]], list[int]]:
     return candidates, [0, 0, 0, 1, 1, 2]
 
 
-@pytest.mark.parametrize("dims", ["gva-1-2-k16-v32", "gva-1-2-k16-v128"])
+@pytest.mark.parametrize(
+    "dims", [DIMS["gva-1-2-k16-v32"], (1, 2, 16, 128)], ids=["gva-1-2-k16-v32", "gva-1-2-k16-v128"]
+)
 @pytest.mark.parametrize("pad_lens", [(), (3, 70, 1)], ids=["unpadded", "dummy-paths"])
 def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims):
     """The replicated call of a real plan (chunk size 64) with the plan's tree walk: every packed row's output at its
@@ -194,7 +196,6 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims):
     plan = plan_tree(*_tree_request(seed=12), pad_lens=pad_lens)
     call = plan.gdn["replicated"].calls[0]
     assert (call.walk[:, 5] > 0).any() and (call.walk[:, 2] >= 0).sum() == 5
-    dims = {**DIMS, "gva-1-2-k16-v128": (1, 2, 16, 128)}[dims]
     q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=13)
     paths = [t[call.rows].contiguous() for t in (q, k, v, g, beta)]  # every path's rows, as the prep kernel lays them
     plain, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices)
