@@ -16,10 +16,11 @@ cuBLAS settings and none of the runner's state, and its result is one JSON objec
   `handoff` and `replicated` schedules against prefilling the context once; wall time of back-to-back calls
   (`cuda_time_ms`) and GPU kernel time per call (profiler busy time, `gpu_busy_ms`).
 * `kernel_tiles`: the three costliest fused kernels (silu_mul, residual_rmsnorm, gdn_prep as the engine calls it, from
-  each row's conv window) at the 27B widths and 971 rows in the shipped tile shape (the first case of each kernel) and
-  in other width-derived shapes: median µs,
-  effective TB/s (each input read once, each output written once), the share of output elements bit-equal to the
-  shipped shape's, and whether every output element was written (outputs NaN-poisoned before the launch).
+  each row's conv window), the gated norm and attn_prep as stage `core` calls them (o read through `o_rows`, k and v
+  at key rows) at the 27B widths and 971 rows in the shipped tile shape (the first case of each kernel) and in other
+  width-derived shapes: median µs, effective TB/s (each input read once, each output written once), the share of
+  output elements bit-equal to the shipped shape's, and whether every output element was written (outputs
+  NaN-poisoned before the launch).
 * `engine_checks`: the whole model (27B synthetic weights) on the drone request through `hf_fla`, `hf_torch`,
   `merged` and `fused`, in two phases so the weights are never held twice: per pair, the relative RMSE of every
   residual state, the first state that is not bit-identical, the last-token relative RMSE and max |dp| over every
@@ -430,11 +431,111 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
     return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": nbytes, "wrapper": wrapper}
 
 
-TILE_SWEEPS = {"silu_mul": silu_mul_tiles, "residual_rmsnorm": residual_rmsnorm_tiles, "gdn_prep": gdn_prep_tiles}
+def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
+    """The tiles of `_gated_rmsnorm_kernel` as stage `core` calls it (o at the tree's path slots, each output row read
+    through `o_rows` from its representative slot: 3 slots a row, drone's bucket has 1,074 for 352) at the 27B GDN
+    widths, as `silu_mul_tiles`. A tile is (value-head rows per program, warps); the shipped one is 32 rows, 4 warps
+    (`kernels.numerics.tile_elements` / V)."""
+    import torch
+    import triton
+
+    from kernels import gated_rmsnorm
+    from kernels.norms import _gated_rmsnorm_kernel, inverse_count
+    from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
+    from reference.shapes import QWEN38_27B as S
+
+    hv, v_dim, eps = S.linear_num_value_heads, S.linear_value_head_dim, S.rms_norm_eps
+    gen = torch.Generator(device=device).manual_seed(14)
+    o = torch.randn(3 * rows, hv, v_dim, generator=gen, device=device).bfloat16()
+    o_rows = torch.randperm(3 * rows, generator=gen, device=device)[:rows]
+    z = (torch.randn(rows, hv * v_dim, generator=gen, device=device) * 2).bfloat16()
+    weight = (1 + torch.randn(v_dim, generator=gen, device=device) * 0.1).bfloat16()
+    torch_cpu = kernel_mode(_gated_rmsnorm_kernel, z.device)
+
+    def tile(block_r, warps):
+        def launch(outs):
+            with ieee_quiet(torch_cpu):
+                _gated_rmsnorm_kernel[(triton.cdiv(rows * hv, block_r),)](
+                    o_ptr=o, o_rows_ptr=o_rows, z_ptr=z, weight_ptr=weight, out_ptr=outs[0], head_rows=rows * hv,
+                    z_sr=z.stride(0), eps=eps, inv_n=inverse_count(v_dim), HEADS=hv, HEAD_DIM=v_dim, BLOCK_R=block_r,
+                    BLOCK_D=triton.next_power_of_2(v_dim), W_BF16=True, HAS_O_ROWS=True, TORCH_CPU=torch_cpu,
+                    num_warps=warps, **LAUNCH_OPTIONS,
+                )  # fmt: skip
+
+        return f"{block_r} rows, {warps} warps", launch
+
+    shapes = [(32, 4), (16, 4), (8, 4), (64, 4), (16, 2), (64, 8)]
+    return {"tiles": [tile(*shape) for shape in shapes],
+            "outputs": lambda: _poisoned(device, ((rows, hv * v_dim), torch.bfloat16)),
+            "nbytes": 3 * rows * hv * v_dim * 2 + rows * 8,  # o's read rows, z and out in bf16; o_rows in int64
+            "wrapper": lambda: [gated_rmsnorm(o, z, weight, eps, o_rows=o_rows)]}  # fmt: skip
+
+
+def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
+    """The tiles of `_attn_prep_kernel` as the tree's attention calls it (k and v prepared at 3 key rows a row, read
+    from random proj rows through `key_rows`; drone's bucket has 1,074 key slots for 352 rows) at the 27B attention
+    widths, as `silu_mul_tiles`. A tile is (rows per program, warps); the shipped one is 8 rows, 4 warps
+    (`kernels.numerics.tile_elements` / 2 D)."""
+    import torch
+    import triton
+
+    from kernels import attn_prep
+    from kernels.attn_prep import _attn_prep_kernel
+    from kernels.norms import inverse_count
+    from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
+    from reference.shapes import QWEN38_27B as S
+
+    hq, hkv, d, r, eps = S.num_attention_heads, S.num_key_value_heads, S.head_dim, S.rotary_dim, S.rms_norm_eps
+    keys = 3 * rows
+    gen = torch.Generator(device=device).manual_seed(15)
+    proj = (torch.randn(rows, 2 * hq * d + 2 * hkv * d, generator=gen, device=device) * 2).bfloat16()
+    q_weight, k_weight = ((torch.randn(d, generator=gen, device=device) * 0.1).bfloat16() for _ in range(2))
+    angles = torch.rand(rows, r, generator=gen, device=device) * 6.3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    key_rows = torch.randint(0, rows, (keys,), generator=gen, device=device)
+    torch_cpu = kernel_mode(_attn_prep_kernel, proj.device)
+
+    def tile(block_t, warps):
+        def launch(outs):
+            programs = triton.cdiv(rows, block_t) * hq + triton.cdiv(keys, block_t) * 2 * hkv
+            with ieee_quiet(torch_cpu):
+                _attn_prep_kernel[(programs,)](
+                    proj_ptr=proj, q_weight_ptr=q_weight, k_weight_ptr=k_weight, cos_ptr=cos, sin_ptr=sin,
+                    q_ptr=outs[0], k_ptr=outs[1], v_ptr=outs[2], key_rows_ptr=key_rows, tokens=rows, keys=keys,
+                    proj_sr=proj.stride(0), cos_sr=cos.stride(0), sin_sr=sin.stride(0), q_st=hq * d, q_sh=d,
+                    kv_st=hkv * d, kv_sh=d, eps=eps, inv_n=inverse_count(d), HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d,
+                    ROTARY_DIM=r, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), HAS_KEY_ROWS=True,
+                    TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
+                )  # fmt: skip
+
+        return f"{block_t} rows, {warps} warps", launch
+
+    def outputs():
+        return _poisoned(device, ((rows, hq, d), torch.bfloat16), ((keys, hkv, d), torch.bfloat16),
+                         ((keys, hkv, d), torch.bfloat16))  # fmt: skip
+
+    def wrapper():
+        dims = {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d}
+        return list(attn_prep(proj, q_weight, k_weight, cos, sin, eps, key_rows=key_rows, **dims))
+
+    shapes = [(8, 4), (4, 4), (16, 4), (8, 2), (16, 8), (32, 8)]
+    reads = rows * (hq + 2 * hkv) * d * 2 + rows * r * 2 * 2 + keys * 8  # q, k, v of each row once; cos, sin; key_rows
+    writes = (rows * hq + keys * 2 * hkv) * d * 2
+    return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": reads + writes,
+            "wrapper": wrapper}  # fmt: skip
+
+
+TILE_SWEEPS = {
+    "silu_mul": silu_mul_tiles,
+    "residual_rmsnorm": residual_rmsnorm_tiles,
+    "gdn_prep": gdn_prep_tiles,
+    "gated_rmsnorm": gated_rmsnorm_tiles,
+    "attn_prep": attn_prep_tiles,
+}
 
 
 def kernel_tiles() -> dict[str, Any]:
-    """The tile sweeps of the three kernels; the first case of each kernel is its shipped tile."""
+    """The tile sweeps of `TILE_SWEEPS`' kernels; the first case of each kernel is its shipped tile."""
     cases = [case for kernel, tiles_of in TILE_SWEEPS.items() for case in _tile_sweep(kernel, tiles_of())]
     return {"rows": TILE_ROWS, "cases": cases}
 

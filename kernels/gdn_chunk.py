@@ -104,7 +104,11 @@ engine/stages/core.md):
   walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
   customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
   interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
-* v3.5 (this file): v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
+* v3.7 (this file): v3.5 with the walk's tickets and flags zeroed by the solve launch's programs (`ZERO_FLAGS`, a
+  grid-stride loop of 128-flag stores) instead of a torch fill kernel in front of it: one launch and one graph node
+  fewer a GDN layer (48 fills a forward, 1.09 us each on drone in the H100 record of 1143e81, plus the node's gap).
+  Every bit of v3.5 (the flags order nothing but the hand-off); not timed on a GPU yet.
+* v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
 * v3.4: v3.2's arithmetic, every bit kept, and four changes to what surrounds it. The walk takes its ticket
@@ -239,6 +243,8 @@ def _gdn_chunk_solve_kernel(
     chunk_indices,
     walk,
     slot_rows,
+    flags,
+    num_flags,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -246,6 +252,7 @@ def _gdn_chunk_solve_kernel(
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
     ZERO_DUMMIES: tl.constexpr,
+    ZERO_FLAGS: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     SOLVE: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
@@ -254,11 +261,18 @@ def _gdn_chunk_solve_kernel(
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
     the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`); with
-    ZERO_DUMMIES a dummy path's chunk writes zeros to its rows of `o` [T, Hv, V] for the value head. With HAS_ROWS, k,
-    g and beta are read at row slot_rows[slot] of each slot."""
+    ZERO_DUMMIES a dummy path's chunk writes zeros to its rows of `o` [T, Hv, V] for the value head. With ZERO_FLAGS
+    the programs zero the walk's `num_flags` int32 flags (its ticket counter first) in blocks of 128, block b by
+    program b, b + programs, ... (the walk, the next launch, reads them). With HAS_ROWS, k, g and beta are read at row
+    slot_rows[slot] of each slot."""
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
+    if ZERO_FLAGS:
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        flag = tl.arange(0, 128)
+        for first in range((i_c * tl.num_programs(1) + i_hv) * 128, num_flags, programs * 128):
+            tl.store(flags + first + flag, tl.zeros([128], dtype=tl.int32), mask=first + flag < num_flags)
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
     needed, dummy, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
     if ZERO_DUMMIES:
@@ -500,8 +514,8 @@ def gdn_chunk_forward(
     s reads q, k, v, g, beta at their row rows[s] (inputs of any R rows, values in [0, R) not checked: a device sync;
     the prefix tree's paths read straight from the packed rows, the bits of the inputs gathered to the slots first);
     o stays at the slots. Two launches, the solve (`gdn_chunk_solve`, grid chunks x Hv) and the walk (grid
-    V / value_block x Hv x N, or its tickets), plus a zero fill of the walk's flags with `walk`; no host sync when
-    chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
+    V / value_block x Hv x N, or its tickets; with `walk` the solve launch zeroes the walk's flags); no host sync
+    when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
     """
@@ -557,20 +571,20 @@ def gdn_chunk_forward(
     final = None
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
-    solved = gdn_chunk_solve(
-        k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, bf16_points=bf16_points, solve=solve,
-        solve_precision=solve_precision, num_warps=solve_num_warps,
-    )  # fmt: skip
-    torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
-    scale = key_dim**-0.5 if scale is None else scale
     blocks = value_dim // value_block
     if walk is None:
-        grid, bank, flags = (blocks, value_heads, num_seqs), o, o  # bank and flags not read without TREE
+        grid, bank, flags = (blocks, value_heads, num_seqs), o, None  # bank and flags not read without TREE
     else:
         grid = (blocks * value_heads * num_seqs,)
         slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
         bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
-        flags = torch.zeros(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)
+        flags = torch.empty(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)  # the solve zeroes
+    solved = gdn_chunk_solve(
+        k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
+        solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
+    )  # fmt: skip
+    torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
+    scale = key_dim**-0.5 if scale is None else scale
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -585,7 +599,7 @@ def gdn_chunk_forward(
             cu_seqlens,
             cu_seqlens if walk is None else walk,  # not read without TREE
             bank,
-            flags,
+            o if flags is None else flags,  # not read without TREE
             cu_seqlens if rows is None else rows,  # not read without HAS_ROWS
             scale,
             KEY_HEADS=key_heads,
@@ -617,6 +631,7 @@ def gdn_chunk_solve(
     walk: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
     bf16_points: bool = True,
     solve: str = SOLVE,
     solve_precision: str = "tf32",
@@ -627,8 +642,10 @@ def gdn_chunk_solve(
     skipping the chunks a `walk` does not compute; with `rows`, slot s reads k, g, beta at row rows[s]. Returns
     T [T, Hv, 64] over the T slots (bf16, fp32 without rounding points): row r of a chunk holds T's row r; rows
     outside every sequence and of skipped chunks are not written. With a `walk` and `out` (the forward's o
-    [T, Hv, V]), the rows of the walk's dummy paths in `out` get zeros here, since no walk program runs them. Inputs
-    as `gdn_chunk_forward`'s, checked there."""
+    [T, Hv, V]), the rows of the walk's dummy paths in `out` get zeros here, since no walk program runs them. `flags`
+    (the walk's int32 tickets and flags, any contiguous length) are zeroed here, by the launch's programs (no fill
+    launch of their own: 48 per forward, about 1.1 us each on an H100 at 1143e81) or, with no chunk to solve, by
+    torch. Inputs as `gdn_chunk_forward`'s, checked there."""
     device, value_heads = k.device, g.shape[1]
     tokens = k.shape[0] if rows is None else rows.shape[0]
     if solve not in SOLVES:
@@ -642,6 +659,8 @@ def gdn_chunk_solve(
     torch_cpu = kernel_mode(_gdn_chunk_solve_kernel, device)
     solved = torch.empty((tokens, value_heads, CHUNK), dtype=torch.bfloat16 if bf16_points else torch.float32,
                          device=device)  # fmt: skip
+    if flags is not None:
+        check_tensor("gdn_chunk_solve: flags", flags, dtype=torch.int32, shape=(None,), device=device, contiguous=True)
     if chunk_indices.shape[0]:
         with ieee_quiet(torch_cpu):
             _gdn_chunk_solve_kernel[(chunk_indices.shape[0], value_heads)](
@@ -654,6 +673,8 @@ def gdn_chunk_solve(
                 chunk_indices,
                 chunk_indices if walk is None else walk,  # not read without TREE
                 chunk_indices if rows is None else rows,  # not read without HAS_ROWS
+                chunk_indices if flags is None else flags,  # not written without ZERO_FLAGS
+                0 if flags is None else flags.shape[0],
                 KEY_HEADS=k.shape[1],
                 VALUE_HEADS=value_heads,
                 KEY_DIM=k.shape[2],
@@ -661,6 +682,7 @@ def gdn_chunk_solve(
                 ROUND=bf16_points,
                 TREE=walk is not None,
                 ZERO_DUMMIES=walk is not None and out is not None,
+                ZERO_FLAGS=flags is not None,
                 HAS_ROWS=rows is not None,
                 SOLVE=solve,
                 SOLVE_PRECISION=solve_precision if bf16_points else "ieee",
@@ -668,6 +690,8 @@ def gdn_chunk_solve(
                 TORCH_CPU=torch_cpu,
                 num_warps=num_warps,
             )
+    elif flags is not None:
+        flags.zero_()
     return solved
 
 

@@ -148,8 +148,10 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
     every real packed row's output at its representative slot bit-equal to the plain walk of every path; five walks
-    identical; two walks that read the packed rows through the slots' rows (`rows`, what the stage runs) too; a
-    CUDA-graph replay of that walk equal to the eager walk; the dummy paths' rows zeros."""
+    identical; two walks that read the packed rows through the slots' rows (`rows`, what the stage runs) too; three
+    CUDA-graph replays of that walk, each into a NaN-poisoned output, equal to the eager walk (the flags are zeroed
+    inside the replayed launches: a replay that found them set would run no walk program); the dummy paths' rows
+    zeros."""
     from engine.graphs import GridIndex, default_grid
     from engine.plan import plan_tree, tree_layout
 
@@ -172,7 +174,8 @@ def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured, _ = gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)
-    for _ in range(3):
+    for _ in range(3):  # each replay from a poisoned output: one whose walk ran no program (flags left set) fails
+        captured.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured[read], plain[read])

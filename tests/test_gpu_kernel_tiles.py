@@ -1,5 +1,6 @@
 """GPU: tile shapes of the three costliest fused kernels (per the drone profile: silu_mul, residual_rmsnorm, gdn_prep)
-at the 27B widths and the drone's 971 packed rows, timed against the shipped shape, outputs compared bit for bit.
+and of the gated norm and attn_prep (1.5-2.2x their floors in stage `core`, issue 22) at the 27B widths and the
+drone's 971 packed rows, timed against the shipped shape, outputs compared bit for bit.
 
 A tile shape is a kernel's (rows per program, columns per program, warps). The shipped shape comes from the widths
 alone (`kernels.numerics.tile_elements`), which keeps a row's bits independent of the batch; a candidate must do
