@@ -2,6 +2,7 @@
 
     python -m measure.kernel_floors RECORD.json                # the `graphs` stage: results/kernel-floors/<stem>.json
     python -m measure.kernel_floors RECORD.json --stage core   # results/kernel-floors/<stem>-core.json
+    python -m measure.kernel_floors RECORD.json --stage core --budget drone=5,customer_service=15   # and the budgets
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels are the engine's own
@@ -34,6 +35,12 @@ attention Hq query heads, Hkv key/value heads of D dims, rotary dims r.
 * `_silu_mul_kernel`: reads the gate|up GEMM output N·2I·2, writes N·I·2.
 `per_row_floor_us` is the same model at L = K = N: the floor if the GDN core and the attention read packed rows
 instead of the replicated paths and keys (prefix-once attention, issue 22, item 2).
+
+`--budget drone=5,customer_service=15` (issue 22's non-GEMM targets, ms a forward): what the GDN core may take in
+each named workload for its target, `gdn_core_budget`: the target less the stage's other non-GEMM kernel families
+(attention, the rest) as measured and this lab's kernels (`ours`) three ways: as measured, each kernel of KERNELS
+capped at `CAP` x its floor (issue 22, item 3), and each at its floor; as ms a forward, us a GDN layer, and the
+speed-up it asks of the stage's GDN core and of `graphs`' (FLA's) where the record timed `graphs` too.
 The measured time per call is the record's `top_kernels` entry of the stage (ms per forward / calls per forward: an
 average over the calls of a forward) where the kernel is among the workload's top kernels (10 in records before
 2026-12-04, 24 since), else None. Synthetic weights do not change bytes.
@@ -160,10 +167,69 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
     return rows
 
 
+CAP = 1.5  # issue 22, item 3: each prep and element-wise kernel within 1.5x its floor
+
+
+def gdn_core_budget(record: dict, stage: str, targets: dict[str, float], s: ModelShapes = QWEN38_27B) -> list[dict]:
+    """One row per workload of `targets` (id -> non-GEMM target, ms a forward) and way of counting this lab's other
+    kernels ("measured", "capped": each of KERNELS at most CAP x its floor, "floor"): their ms a forward and the GDN
+    core's budget (ms a forward, us a GDN layer, and the speed-up over the stage's GDN core and `graphs`' it asks; a
+    budget <= 0 asks the impossible and has no speed-up). Families and kernel times from the record's stage."""
+    gdn_layers = s.layer_types.count("linear_attention")
+    timed = {st["name"]: {w["id"]: w for w in st["workloads"]} for st in record["stages"]}
+    if stage not in timed:
+        raise ValueError(f"the record has no stage {stage!r}")
+    table = {(row["workload"], row["kernel"]): row for row in floors(record, stage)}
+    out = []
+    for workload_id, target in targets.items():
+        workload = timed[stage].get(workload_id)
+        if workload is None:
+            raise ValueError(f"the record's {stage!r} has no workload {workload_id!r}")
+        families = {name: f["ms_per_forward"] for name, f in workload["kernel_families"].items()}
+        gdn, ours = families["gdn_core"], families["ours"]
+        others = sum(ms for name, ms in families.items() if name not in ("gemm", "gdn_core", "ours"))
+        fla = (timed.get("graphs", {}).get(workload_id) or {}).get("kernel_families", {}).get("gdn_core", {})
+        calls = {k["name"]: k["calls_per_forward"] for k in workload.get("top_kernels", [])}
+        saved = {"measured": 0.0, "capped": 0.0, "floor": 0.0}
+        for kernel in KERNELS:
+            row = table.get((workload_id, kernel))
+            if row is None or row["measured_us"] is None:
+                continue
+            per_forward = calls[kernel] / 1000.0
+            saved["capped"] += per_forward * max(0.0, row["measured_us"] - CAP * row["floor_us"])
+            saved["floor"] += per_forward * (row["measured_us"] - row["floor_us"])
+        for way, less in saved.items():
+            budget = target - others - (ours - less)
+            out.append({
+                "workload": workload_id, "target_ms": target, "ours": way, "ours_ms": ours - less,
+                "others_ms": others, "gdn_core_ms": gdn, "budget_ms": budget,
+                "budget_us_a_layer": 1000.0 * budget / gdn_layers,
+                "speedup_asked": gdn / budget if budget > 0 else None,
+                "graphs_gdn_core_ms": fla.get("ms_per_forward"),
+                "speedup_over_graphs": fla["ms_per_forward"] / budget if budget > 0 and fla else None,
+            })  # fmt: skip
+    return out
+
+
+def _targets(text: str) -> dict[str, float]:
+    """`drone=5,customer_service=15` -> {"drone": 5.0, "customer_service": 15.0}."""
+    try:
+        return {name: float(ms) for name, ms in (pair.split("=") for pair in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WORKLOAD=MS[,WORKLOAD=MS...], got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.kernel_floors", description=__doc__.split("\n\n")[0])
     parser.add_argument("record", type=Path, help="a run record with a timed `graphs` or `core` stage")
     parser.add_argument("--stage", default="graphs", help="the bucketed stage whose kernel times are read")
+    parser.add_argument(
+        "--budget",
+        type=_targets,
+        default={},
+        metavar="WORKLOAD=MS,...",
+        help="non-GEMM targets (ms a forward): the GDN core's budget for each (module docstring)",
+    )
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text())
     table = floors(record, args.stage)
@@ -173,11 +239,23 @@ def main(argv: list[str] | None = None) -> int:
         multiple = "-" if row["multiple"] is None else f"{row['multiple']:.2f}"
         print(f"{row['workload']:<32} {row['kernel']:<24} {row['bytes'] / 1e6:8.2f} {row['floor_us']:9.2f} "
               f"{row['per_row_floor_us']:8.2f} {measured:>9} {multiple:>8}")  # fmt: skip
+    budgets = gdn_core_budget(record, args.stage, args.budget) if args.budget else []
+    if budgets:
+        print(f"\n{'workload':<32} {'target':>7} {'ours':<9} {'ours ms':>8} {'others':>7} {'GDN core':>9} "
+              f"{'budget':>7} {'us/layer':>9} {'faster':>7} {'vs graphs':>10}")  # fmt: skip
+    for row in budgets:
+        asked = "-" if row["speedup_asked"] is None else f"{row['speedup_asked']:.2f}x"
+        graphs = "-" if row["speedup_over_graphs"] is None else f"{row['speedup_over_graphs']:.2f}x"
+        print(f"{row['workload']:<32} {row['target_ms']:7.2f} {row['ours']:<9} {row['ours_ms']:8.3f} "
+              f"{row['others_ms']:7.3f} {row['gdn_core_ms']:9.3f} {row['budget_ms']:7.3f} "
+              f"{row['budget_us_a_layer']:9.1f} {asked:>7} {graphs:>10}")  # fmt: skip
     suffix = "" if args.stage == "graphs" else f"-{args.stage}"
     out = REPO / "results" / "kernel-floors" / f"{args.record.stem}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     body = {"record": args.record.name, "stage": args.stage, "copy_tbps": record["ceilings"]["copy_tbps"],
             "rows": table}  # fmt: skip
+    if budgets:
+        body["gdn_core_budget"] = budgets
     out.write_text(json.dumps(body, indent=1) + "\n")
     print(f"written: {out.relative_to(REPO)}")
     return 0

@@ -55,3 +55,34 @@ def test_floors_of_a_record():
     gather = rows["_gather_slots_kernel"]
     assert gather["per_row_floor_us"] == pytest.approx(kernel_floors.gather_slots_bytes(N, N) / 4e12 * 1e6)
     assert gather["per_row_floor_us"] < gather["floor_us"]
+
+
+def test_the_gdn_core_budget_of_a_record():
+    """The GDN core's budget for a non-GEMM target: the target less the other families, with this lab's kernels as
+    measured, capped at 1.5x their floor and at their floor; us a GDN layer (48 in the 27B); the speed-up asked of
+    the stage's core and of graphs'; none where the target leaves nothing."""
+    silu_us = 20.0
+    families = {"gemm": 20.0, "gdn_core": 3.0, "ours": 2.0, "attention_core": 0.4, "other": 0.1}
+    top = [{"name": "_silu_mul_kernel", "calls_per_forward": 64.0, "ms_per_forward": 64 * silu_us / 1000}]
+    core = {"id": "drone", "graph": {"bucket": "r352-s1074-c8"}, "top_kernels": top,
+            "kernel_families": {name: {"ms_per_forward": ms} for name, ms in families.items()}}  # fmt: skip
+    graphs = {"id": "drone", "kernel_families": {"gdn_core": {"ms_per_forward": 6.0}}}
+    record = {"ceilings": {"copy_tbps": 4.0},
+              "stages": [{"name": "graphs", "workloads": [graphs]}, {"name": "core", "workloads": [core]}]}  # fmt: skip
+    floor_us = kernel_floors.silu_mul_bytes(N) / 4e12 * 1e6
+    rows = {row["ours"]: row for row in kernel_floors.gdn_core_budget(record, "core", {"drone": 5.0})}
+    assert list(rows) == ["measured", "capped", "floor"]
+    assert rows["measured"]["budget_ms"] == pytest.approx(5.0 - 0.5 - 2.0)
+    assert rows["capped"]["ours_ms"] == pytest.approx(2.0 - 64 * (silu_us - 1.5 * floor_us) / 1000)
+    assert rows["floor"]["ours_ms"] == pytest.approx(2.0 - 64 * (silu_us - floor_us) / 1000)
+    for row in rows.values():
+        assert row["budget_ms"] == pytest.approx(5.0 - 0.5 - row["ours_ms"])
+        assert row["budget_us_a_layer"] == pytest.approx(1000 * row["budget_ms"] / 48)
+        assert row["speedup_asked"] == pytest.approx(3.0 / row["budget_ms"])
+        assert row["speedup_over_graphs"] == pytest.approx(6.0 / row["budget_ms"])
+    hopeless = kernel_floors.gdn_core_budget(record, "core", {"drone": 2.0})[0]
+    assert hopeless["budget_ms"] < 0 and hopeless["speedup_asked"] is None and hopeless["speedup_over_graphs"] is None
+    with pytest.raises(ValueError, match="no workload 'long'"):
+        kernel_floors.gdn_core_budget(record, "core", {"long": 5.0})
+    with pytest.raises(SystemExit):
+        kernel_floors.main(["record.json", "--budget", "drone:5"])
