@@ -209,3 +209,26 @@ if floor_record is not None and len(floor_table):
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
     fig.suptitle(f"{floor_path.stem}, {stage_name}: our kernels against the bytes floor (synthetic weights)")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+
+# %% [markdown]
+# ## What issue 22's non-GEMM targets ask of the GDN core
+#
+# On the same record, where its stage is `core`: the GDN core's budget for each workload's non-GEMM target (drone 5 ms,
+# customer_service 15 ms a forward), the other non-GEMM families as measured and this lab's kernels three ways (as
+# measured, each capped at 1.5x its floor, each at its floor), `measure.kernel_floors.gdn_core_budget`. Synthetic
+# weights: timings only.
+
+# %%
+from measure.kernel_floors import gdn_core_budget
+
+NON_GEMM_TARGETS = {"drone": 5.0, "customer_service": 15.0}
+if floor_record is not None and floor_stage(floor_record) == "core":
+    timed_ids = {w["id"] for w in stage_by_name(floor_record, "core")["workloads"] if w.get("kernel_families")}
+    targets = {w: ms for w, ms in NON_GEMM_TARGETS.items() if w in timed_ids}
+    budget = pd.DataFrame(gdn_core_budget(floor_record, "core", targets))
+    columns = ["workload", "target_ms", "ours", "ours_ms", "others_ms", "gdn_core_ms", "budget_ms", "budget_us_a_layer",
+               "speedup_asked", "speedup_over_graphs"]  # fmt: skip
+    print(f"GPU record {floor_path.name}: the GDN core's budget")
+    print(budget[columns].round(2).to_string(index=False) if len(budget) else "none of the target workloads timed")
+else:
+    print("no GPU record with a bucketed core stage: no budget")
