@@ -238,19 +238,21 @@ def test_every_publish_point_of_a_hand_made_walk():
 
 @pytest.mark.parametrize("sequences", [3, 300], ids=["one-block-a-program", "more-blocks-than-programs"])
 def test_the_solve_launch_zeroes_the_walk_flags(sequences):
-    """The walk's tickets and flags come poisoned (the caching allocator's leftovers: 7, -1 and a set ticket counter)
-    and leave the solve launch as zeros, also where the launch has fewer programs than 128-flag blocks (300
-    sequences, all but two empty: 2 chunks x 2 heads = 4 programs for 1 + 301 · 2 · 2 flags, five blocks)."""
+    """The walk's tickets and flags come poisoned (the caching allocator's leftovers: 5, 7, -1, the ticket counter
+    set too) and leave the solve launch as zeros, also where the launch has fewer programs than 128-flag blocks: 300
+    sequences, all but two empty, give 3 chunks x 2 value heads = 6 programs for 1 + 301 · 2 · 2 = 1,205 flags (ten
+    blocks)."""
     dims = DIMS["gva-1-2-k16-v32"]
     lens = [70, 40] + [0] * (sequences - 2)
     q, k, v, g, beta, _, _ = gdn_chunk_inputs((sum(lens),), dims, seed=23)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     walk = torch.zeros((sequences, 8), dtype=torch.int64)
     walk[:, 0], walk[:, 2], walk[:, 7] = torch.arange(sequences), -1, 2
-    flags = torch.tensor([5, 7, -1] * ((1 + (sequences + 1) * 2 * 2) // 3 + 1), dtype=torch.int32)
-    flags = flags[: 1 + (sequences + 1) * 2 * 2].contiguous()
+    count = 1 + (sequences + 1) * 2 * 2
+    flags = torch.tensor([5, 7, -1], dtype=torch.int32).repeat(count // 3 + 1)[:count].contiguous()
     gdn_chunk.gdn_chunk_solve(k, g, beta, cu, walk=walk, flags=flags)
-    assert flags.shape[0] > 128 * 4 or sequences == 3
+    programs = sum(-(-n // 64) for n in lens) * dims[1]
+    assert (count > 128 * programs) == (sequences == 300)
     assert (flags == 0).all()
 
 
