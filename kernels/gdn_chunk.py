@@ -107,7 +107,10 @@ engine/stages/core.md):
 * v3.7 (this file): v3.5 with the walk's tickets and flags zeroed by the solve launch's programs (`ZERO_FLAGS`, a
   grid-stride loop of 128-flag stores) instead of a torch fill kernel in front of it: one launch and one graph node
   fewer a GDN layer (48 fills a forward, 1.09 us each on drone in the H100 record of 1143e81, plus the node's gap).
-  Every bit of v3.5 (the flags order nothing but the hand-off); not timed on a GPU yet.
+  And the blocked solves store T's sixteen 16 x 16 blocks where they lie (`_store_block_row`) instead of assembling
+  the [64, 64] tile with joins first: sm_90 (Triton 3.9) 4,144 -> 3,816 SASS instructions for blocks-doubling, 3,200
+  -> 2,896 for fla-blocks, at drone's bucket with the walk and `rows`. Every bit of v3.5 under the interpreter (the
+  solve and the forward on three head shapes, every solve, both modes); not timed on a GPU yet.
 * v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
@@ -295,13 +298,33 @@ def _gdn_chunk_solve_kernel(
                 _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, b_beta, lower, ROUND, SOLVE_PRECISION, DOT_PRECISION,
                 TORCH_CPU,
             )  # fmt: skip
+            solved_rows = (token * VALUE_HEADS + i_hv) * BT
+            tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
         else:
-            t_op = _inverse_fla_blocks(
+            t00, t10, t11, t20, t21, t22, t30, t31, t32, t33 = _inverse_fla_blocks(
                 k, slot_rows, bos + i_t * BT, seq_len - i_t * BT, i_hk, b_gc, b_beta, KEY_HEADS, KEY_DIM, HAS_ROWS,
                 ROUND, SOLVE_PRECISION, DOT_PRECISION, TORCH_CPU, SOLVE == "blocks-doubling",
             )  # fmt: skip
-        solved_rows = (token * VALUE_HEADS + i_hv) * BT
-        tl.store(solved + solved_rows[:, None] + o_t[None, :], t_op, mask=valid[:, None])
+            token0, rows_left = bos + i_t * BT, seq_len - i_t * BT
+            zero = tl.zeros([16, 16], dtype=tl.float32)
+            _store_block_row(solved, token0, rows_left, i_hv, 0, t00, zero, zero, zero, VALUE_HEADS, ROUND, TORCH_CPU)
+            _store_block_row(solved, token0, rows_left, i_hv, 1, t10, t11, zero, zero, VALUE_HEADS, ROUND, TORCH_CPU)
+            _store_block_row(solved, token0, rows_left, i_hv, 2, t20, t21, t22, zero, VALUE_HEADS, ROUND, TORCH_CPU)
+            _store_block_row(solved, token0, rows_left, i_hv, 3, t30, t31, t32, t33, VALUE_HEADS, ROUND, TORCH_CPU)
+
+
+@triton.jit
+def _store_block_row(solved, token0, rows_left, i_hv, ROW_BLOCK: tl.constexpr, b0, b1, b2, b3,
+                     VALUE_HEADS: tl.constexpr, ROUND: tl.constexpr, TORCH_CPU: tl.constexpr):  # fmt: skip
+    """Rows 16 ROW_BLOCK .. 16 ROW_BLOCK + 15 of a chunk's T, given as four [16, 16] blocks (bf16↓ with rounding
+    points), into `solved` [T, Hv, 64] at the chunk's first slot token0; rows at or past `rows_left` are not written."""
+    rows = ROW_BLOCK * 16 + tl.arange(0, 16)
+    base = solved + (((token0 + rows) * VALUE_HEADS + i_hv) * 64)[:, None] + tl.arange(0, 16)[None, :]
+    mask = (rows < rows_left)[:, None]
+    tl.store(base, _rounded_operand(b0, ROUND, TORCH_CPU), mask=mask)
+    tl.store(base + 16, _rounded_operand(b1, ROUND, TORCH_CPU), mask=mask)
+    tl.store(base + 32, _rounded_operand(b2, ROUND, TORCH_CPU), mask=mask)
+    tl.store(base + 48, _rounded_operand(b3, ROUND, TORCH_CPU), mask=mask)
 
 
 @triton.jit

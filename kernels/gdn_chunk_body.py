@@ -168,35 +168,18 @@ def _diagonal_inverses(a0, a1, a2, a3):
 
 
 @triton.jit
-def _cat_columns(left, right):
-    """[M, N], [M, N] -> [M, 2N]: left's columns, then right's."""
-    return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], 2 * left.shape[1]))
-
-
-@triton.jit
-def _cat_rows(top, bottom):
-    """[M, N], [M, N] -> [2M, N]: top's rows, then bottom's."""
-    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), (2 * top.shape[0], top.shape[1]))
-
-
-@triton.jit
-def _block_row(b0, b1, b2, b3):
-    """Four [16, 16] blocks side by side: [16, 64]."""
-    return _cat_columns(_cat_columns(b0, b1), _cat_columns(b2, b3))
-
-
-@triton.jit
 def _inverse_fla_blocks(
     k, slot_rows, token0, rows_left, i_hk, b_gc, b_beta, KEY_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, SOLVE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr, DIAGONAL_DOUBLING: tl.constexpr,
 ):  # fmt: skip
-    """T = (I + A)⁻¹ as a dot operand [64, 64], in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused
-    kkt + solve kernel): the 10 lower blocks of A from the chunk's four 16-row key blocks, the 4 diagonal blocks
-    inverted by forward substitution (`_diagonal_inverses`; with DIAGONAL_DOUBLING by `_doubling_inverse` at
-    SOLVE_PRECISION instead), the 6 blocks below merged in FLA's order with 16 dots at SOLVE_PRECISION:
-    T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀); T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁);
-    T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀); bf16↓ at the end with rounding points."""
+    """T = (I + A)⁻¹ in FLA's 16 x 16 blocks (fla.ops.gated_delta_rule.chunk_fwd, the fused kkt + solve kernel), as
+    its ten lower blocks (T₀₀, T₁₀, T₁₁, T₂₀, T₂₁, T₂₂, T₃₀, T₃₁, T₃₂, T₃₃), fp32: the 10 lower blocks of A from the
+    chunk's four 16-row key blocks, the 4 diagonal blocks inverted by forward substitution (`_diagonal_inverses`; with
+    DIAGONAL_DOUBLING by `_doubling_inverse` at SOLVE_PRECISION instead), the 6 blocks below merged in FLA's order
+    with 16 dots at SOLVE_PRECISION: T₁₀ = −(T₁₁ A₁₀) T₀₀, T₂₁, T₃₂ alike; T₂₀ = −T₂₂ (A₂₀ T₀₀ + A₂₁ T₁₀);
+    T₃₁ = −T₃₃ (A₃₁ T₁₁ + A₃₂ T₂₁); T₃₀ = −T₃₃ (A₃₀ T₀₀ + A₃₁ T₁₀ + A₃₂ T₂₀). The solve launch rounds and stores
+    each block where it lies in T (`kernels.gdn_chunk._store_block_row`; the blocks above the diagonal are zeros)."""
     k0 = _key_block(k, slot_rows, token0, rows_left, 0, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     k1 = _key_block(k, slot_rows, token0, rows_left, 1, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     k2 = _key_block(k, slot_rows, token0, rows_left, 2, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
@@ -226,12 +209,7 @@ def _inverse_fla_blocks(
     t31 = -_dot(t33, _dot(a31, t11, SOLVE_PRECISION) + _dot(a32, t21, SOLVE_PRECISION), SOLVE_PRECISION)
     t30_sum = _dot(a30, t00, SOLVE_PRECISION) + _dot(a31, t10, SOLVE_PRECISION) + _dot(a32, t20, SOLVE_PRECISION)
     t30 = -_dot(t33, t30_sum, SOLVE_PRECISION)
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    inverse = _cat_rows(
-        _cat_rows(_block_row(t00, zero, zero, zero), _block_row(t10, t11, zero, zero)),
-        _cat_rows(_block_row(t20, t21, t22, zero), _block_row(t30, t31, t32, t33)),
-    )
-    return _rounded_operand(inverse, ROUND, TORCH_CPU)
+    return t00, t10, t11, t20, t21, t22, t30, t31, t32, t33
 
 
 @triton.jit
