@@ -108,9 +108,11 @@ engine/stages/core.md):
   grid-stride loop of 128-flag stores) instead of a torch fill kernel in front of it: one launch and one graph node
   fewer a GDN layer (48 fills a forward, 1.09 us each on drone in the H100 record of 1143e81, plus the node's gap).
   And the blocked solves store T's sixteen 16 x 16 blocks where they lie (`_store_block_row`) instead of assembling
-  the [64, 64] tile with joins first: sm_90 (Triton 3.9) 4,144 -> 3,816 SASS instructions for blocks-doubling, 3,200
-  -> 2,896 for fla-blocks, at drone's bucket with the walk and `rows`. Every bit of v3.5 under the interpreter (the
-  solve and the forward on three head shapes, every solve, both modes); not timed on a GPU yet.
+  the [64, 64] tile with joins first, and take γ's and β's 16-row slices by reshapes and splits
+  (`kernels.gdn_chunk_body._quarters`) instead of seven masked sums: sm_90 (Triton 3.9), at drone's bucket with the
+  walk and `rows`, blocks-doubling 4,144 -> 3,816 -> 3,120 SASS instructions (shuffles 515 -> 283, selects 1,051 ->
+  611, spills 8 -> 0 bytes, 255 -> 248 registers), fla-blocks 3,200 -> 2,896 -> 2,760. Every bit of v3.5 under the
+  interpreter (the solve and the forward on three head shapes, every solve, both modes); not timed on a GPU yet.
 * v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).

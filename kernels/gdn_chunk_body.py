@@ -101,10 +101,12 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _slice16(x, j: tl.constexpr):
-    """Rows 16 j .. 16 j + 15 of a [64] vector (exact: a masked sum of one term)."""
-    blocks = tl.reshape(x, (4, 16))
-    return tl.sum(tl.where((tl.arange(0, 4) == j)[:, None], blocks, 0.0), axis=0)
+def _quarters(x):
+    """The four 16-row slices of a [64] vector, rows 16 j .. 16 j + 15 for j = 0..3 (moved, not computed)."""
+    halves_b0, halves_b1 = tl.split(tl.permute(tl.reshape(x, (2, 2, 16)), (2, 0, 1)))  # [16, a] with j = 2 a + b
+    q0, q2 = tl.split(halves_b0)
+    q1, q3 = tl.split(halves_b1)
+    return q0, q1, q2, q3
 
 
 @triton.jit
@@ -184,10 +186,10 @@ def _inverse_fla_blocks(
     k1 = _key_block(k, slot_rows, token0, rows_left, 1, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     k2 = _key_block(k, slot_rows, token0, rows_left, 2, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
     k3 = _key_block(k, slot_rows, token0, rows_left, 3, i_hk, KEY_HEADS, KEY_DIM, HAS_ROWS, ROUND, TORCH_CPU)
-    g0, g1, g2, g3 = _slice16(b_gc, 0), _slice16(b_gc, 1), _slice16(b_gc, 2), _slice16(b_gc, 3)
-    be1, be2, be3 = _slice16(b_beta, 1), _slice16(b_beta, 2), _slice16(b_beta, 3)
+    g0, g1, g2, g3 = _quarters(b_gc)
+    be0, be1, be2, be3 = _quarters(b_beta)
     # every block of A before the substitution, so that the key blocks ([16, K] each) are dead during it
-    a00 = _kkt_block(k0, k0, g0, g0, _slice16(b_beta, 0), True, DOT_PRECISION)
+    a00 = _kkt_block(k0, k0, g0, g0, be0, True, DOT_PRECISION)
     a11 = _kkt_block(k1, k1, g1, g1, be1, True, DOT_PRECISION)
     a22 = _kkt_block(k2, k2, g2, g2, be2, True, DOT_PRECISION)
     a33 = _kkt_block(k3, k3, g3, g3, be3, True, DOT_PRECISION)
