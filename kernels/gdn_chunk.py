@@ -112,7 +112,10 @@ engine/stages/core.md):
   (`kernels.gdn_chunk_body._quarters`) instead of seven masked sums: sm_90 (Triton 3.9), at drone's bucket with the
   walk and `rows`, blocks-doubling 4,144 -> 3,816 -> 3,120 SASS instructions (shuffles 515 -> 283, selects 1,051 ->
   611, spills 8 -> 0 bytes, 255 -> 248 registers), fla-blocks 3,200 -> 2,896 -> 2,760. Every bit of v3.5 under the
-  interpreter (the solve and the forward on three head shapes, every solve, both modes); not timed on a GPU yet.
+  interpreter (the solve and the forward on three head shapes, every solve, both modes). On the H200 (probe of
+  827fa63): the core 71.2 / 44.0 / 136.4 us a layer on drone / easy-intent-00 / customer_service, the solve alone
+  11.4 / 9.9 / 19.5 (FLA 145.3 / 91.0 / 493.9); the GPU tests green (engine/stages/core.md, "The H200 record of
+  827fa63"); no same-process timing of v3.5 on that card.
 * v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
