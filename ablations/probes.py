@@ -434,8 +434,9 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
 def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_gated_rmsnorm_kernel` as stage `core` calls it (o at the tree's path slots, each output row read
     through `o_rows` from its representative slot: 3 slots a row, drone's bucket has 1,074 for 352) at the 27B GDN
-    widths, as `silu_mul_tiles`. A tile is (value-head rows per program, warps); the shipped one is 32 rows, 4 warps
-    (`kernels.numerics.tile_elements` / V)."""
+    widths, as `silu_mul_tiles`. A tile is (value-head rows per program, warps); the shipped one is 16 rows, 4 warps
+    since kernels/norms.py v4 (`kernels.numerics.tile_elements` / 2 V; 32 before, the first tile of the sweep of
+    827fa63)."""
     import torch
     import triton
 
@@ -464,7 +465,7 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
 
         return f"{block_r} rows, {warps} warps", launch
 
-    shapes = [(32, 4), (16, 4), (8, 4), (64, 4), (16, 2), (64, 8)]
+    shapes = [(16, 4), (32, 4), (8, 4), (64, 4), (16, 2), (64, 8)]
     return {"tiles": [tile(*shape) for shape in shapes],
             "outputs": lambda: _poisoned(device, ((rows, hv * v_dim), torch.bfloat16)),
             "nbytes": 3 * rows * hv * v_dim * 2 + rows * 8,  # o's read rows, z and out in bf16; o_rows in int64

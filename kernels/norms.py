@@ -46,7 +46,11 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
 * v0 (dropped before it was measured): BLOCK_R sized from the row count too (a row's bits would depend on its batch).
 * v1: a program normalises BLOCK_R rows of the full width; gated_rmsnorm flattens (row, value head) pairs.
 * v2: gated_rmsnorm takes an optional row index into o (`o_rows`): the tree's rows read their path's output directly.
-* v3 (this file): residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta).
+* v3: residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta).
+* v4 (this file): gated_rmsnorm normalises tile_elements / (2 V) (row, value head) pairs a program, 16 at V = 128 on
+  the GPU, instead of tile_elements / V (32). The tile sweep on the H200 (tests/test_gpu_kernel_tiles.py at 827fa63,
+  971 rows as stage `core` calls it): 17.4 us against 22.0 (8 pairs 17.8, 64 pairs 31.0), every output element
+  bit-equal to the 32-pair tile's (each row's sum of squares keeps its lanes and order: warps lie along the pairs).
 v2's row-indexed call is bitwise against the gathered call (tests/test_kernels.py under the interpreter,
 tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b on the H200); v3's delta is bitwise against the
 reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4).
@@ -344,7 +348,7 @@ def gated_rmsnorm(
         return out
     torch_cpu = kernel_mode(_gated_rmsnorm_kernel, device)
     block_d = triton.next_power_of_2(head_dim)
-    block_r = max(1, tile_elements(torch_cpu) // block_d)  # from the width only: batch-invariant bits
+    block_r = max(1, tile_elements(torch_cpu) // (2 * block_d))  # from the width only: batch-invariant bits (v4)
     with ieee_quiet(torch_cpu):
         _gated_rmsnorm_kernel[(triton.cdiv(rows * heads, block_r),)](
             o,
