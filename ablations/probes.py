@@ -434,15 +434,17 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
 def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_gated_rmsnorm_kernel` as stage `core` calls it (o at the tree's path slots, each output row read
     through `o_rows` from its representative slot: 3 slots a row, drone's bucket has 1,074 for 352) at the 27B GDN
-    widths, as `silu_mul_tiles`. A tile is (value-head rows per program, warps); the shipped one is 16 rows, 4 warps
-    since kernels/norms.py v4 (`kernels.numerics.tile_elements` / 2 V; 32 before, the first tile of the sweep of
-    827fa63)."""
+    widths with the engine's fp32 weight, as `silu_mul_tiles`; bytes as `measure.kernel_floors` counts them. A tile is
+    (value-head rows per program, warps); the shipped one is 16 rows, 4 warps since kernels/norms.py v4
+    (`kernels.numerics.tile_elements` / 2 V; 32 before, the first tile of the sweep of 827fa63, which ran with a bf16
+    weight)."""
     import torch
     import triton
 
     from kernels import gated_rmsnorm
     from kernels.norms import _gated_rmsnorm_kernel, inverse_count
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
+    from measure.kernel_floors import gated_rmsnorm_bytes
     from reference.shapes import QWEN38_27B as S
 
     hv, v_dim, eps = S.linear_num_value_heads, S.linear_value_head_dim, S.rms_norm_eps
@@ -450,7 +452,7 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
     o = torch.randn(3 * rows, hv, v_dim, generator=gen, device=device).bfloat16()
     o_rows = torch.randperm(3 * rows, generator=gen, device=device)[:rows]
     z = (torch.randn(rows, hv * v_dim, generator=gen, device=device) * 2).bfloat16()
-    weight = (1 + torch.randn(v_dim, generator=gen, device=device) * 0.1).bfloat16()
+    weight = (1 + torch.randn(v_dim, generator=gen, device=device) * 0.1).bfloat16().float()  # fp32, as the engine
     torch_cpu = kernel_mode(_gated_rmsnorm_kernel, z.device)
 
     def tile(block_r, warps):
@@ -459,7 +461,7 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
                 _gated_rmsnorm_kernel[(triton.cdiv(rows * hv, block_r),)](
                     o_ptr=o, o_rows_ptr=o_rows, z_ptr=z, weight_ptr=weight, out_ptr=outs[0], head_rows=rows * hv,
                     z_sr=z.stride(0), eps=eps, inv_n=inverse_count(v_dim), HEADS=hv, HEAD_DIM=v_dim, BLOCK_R=block_r,
-                    BLOCK_D=triton.next_power_of_2(v_dim), W_BF16=True, HAS_O_ROWS=True, TORCH_CPU=torch_cpu,
+                    BLOCK_D=triton.next_power_of_2(v_dim), W_BF16=False, HAS_O_ROWS=True, TORCH_CPU=torch_cpu,
                     num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
@@ -468,15 +470,15 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
     shapes = [(16, 4), (32, 4), (8, 4), (64, 4), (16, 2), (64, 8)]
     return {"tiles": [tile(*shape) for shape in shapes],
             "outputs": lambda: _poisoned(device, ((rows, hv * v_dim), torch.bfloat16)),
-            "nbytes": 3 * rows * hv * v_dim * 2 + rows * 8,  # o's read rows, z and out in bf16; o_rows in int64
+            "nbytes": gated_rmsnorm_bytes(rows),
             "wrapper": lambda: [gated_rmsnorm(o, z, weight, eps, o_rows=o_rows)]}  # fmt: skip
 
 
 def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_attn_prep_kernel` as the tree's attention calls it (k and v prepared at 3 key rows a row, read
     from random proj rows through `key_rows`; drone's bucket has 1,074 key slots for 352 rows) at the 27B attention
-    widths, as `silu_mul_tiles`. A tile is (rows per program, warps); the shipped one is 8 rows, 4 warps
-    (`kernels.numerics.tile_elements` / 2 D)."""
+    widths, as `silu_mul_tiles`; bytes as `measure.kernel_floors` counts them. A tile is (rows per program, warps);
+    the shipped one is 8 rows, 4 warps (`kernels.numerics.tile_elements` / 2 D)."""
     import torch
     import triton
 
@@ -484,6 +486,7 @@ def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, An
     from kernels.attn_prep import _attn_prep_kernel
     from kernels.norms import inverse_count
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
+    from measure.kernel_floors import attn_prep_bytes
     from reference.shapes import QWEN38_27B as S
 
     hq, hkv, d, r, eps = S.num_attention_heads, S.num_key_value_heads, S.head_dim, S.rotary_dim, S.rms_norm_eps
@@ -520,9 +523,7 @@ def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, An
         return list(attn_prep(proj, q_weight, k_weight, cos, sin, eps, key_rows=key_rows, **dims))
 
     shapes = [(8, 4), (4, 4), (16, 4), (8, 2), (16, 8), (32, 8)]
-    reads = rows * (hq + 2 * hkv) * d * 2 + rows * r * 2 * 2 + keys * 8  # q, k, v of each row once; cos, sin; key_rows
-    writes = (rows * hq + keys * 2 * hkv) * d * 2
-    return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": reads + writes,
+    return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": attn_prep_bytes(rows, keys),
             "wrapper": wrapper}  # fmt: skip
 
 

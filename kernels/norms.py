@@ -49,8 +49,9 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
 * v3: residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta).
 * v4 (this file): gated_rmsnorm normalises tile_elements / (2 V) (row, value head) pairs a program, 16 at V = 128 on
   the GPU, instead of tile_elements / V (32). The tile sweep on the H200 (tests/test_gpu_kernel_tiles.py at 827fa63,
-  971 rows as stage `core` calls it): 17.4 us against 22.0 (8 pairs 17.8, 64 pairs 31.0), every output element
-  bit-equal to the 32-pair tile's (each row's sum of squares keeps its lanes and order: warps lie along the pairs).
+  971 rows read through `o_rows` as stage `core` calls it, but with a bf16 weight where the engine's is fp32): 17.4 us
+  against 22.0 (8 pairs 17.8, 64 pairs 31.0), every output element bit-equal to the 32-pair tile's (each row's sum
+  of squares keeps its lanes and order: warps lie along the pairs). The sweep now passes the fp32 weight.
 v2's row-indexed call is bitwise against the gathered call (tests/test_kernels.py under the interpreter,
 tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b on the H200); v3's delta is bitwise against the
 reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4).

@@ -176,10 +176,8 @@ def gdn_core_budget(record: dict, stage: str, targets: dict[str, float], s: Mode
     core's budget (ms a forward, us a GDN layer, and the speed-up over the stage's GDN core and `graphs`' it asks; a
     budget <= 0 asks the impossible and has no speed-up). Families and kernel times from the record's stage."""
     gdn_layers = s.layer_types.count("linear_attention")
+    table = {(row["workload"], row["kernel"]): row for row in floors(record, stage)}  # raises without the stage
     timed = {st["name"]: {w["id"]: w for w in st["workloads"]} for st in record["stages"]}
-    if stage not in timed:
-        raise ValueError(f"the record has no stage {stage!r}")
-    table = {(row["workload"], row["kernel"]): row for row in floors(record, stage)}
     out = []
     for workload_id, target in targets.items():
         workload = timed[stage].get(workload_id)

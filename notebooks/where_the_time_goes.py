@@ -222,7 +222,7 @@ if floor_record is not None and len(floor_table):
 from measure.kernel_floors import gdn_core_budget
 
 NON_GEMM_TARGETS = {"drone": 5.0, "customer_service": 15.0}
-if floor_record is not None and floor_stage(floor_record) == "core":
+if floor_record is not None and stage_name == "core":
     timed_ids = {w["id"] for w in stage_by_name(floor_record, "core")["workloads"] if w.get("kernel_families")}
     targets = {w: ms for w, ms in NON_GEMM_TARGETS.items() if w in timed_ids}
     budget = pd.DataFrame(gdn_core_budget(floor_record, "core", targets))
