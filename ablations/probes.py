@@ -434,17 +434,17 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
 def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_gated_rmsnorm_kernel` as stage `core` calls it (o at the tree's path slots, each output row read
     through `o_rows` from its representative slot: 3 slots a row, drone's bucket has 1,074 for 352) at the 27B GDN
-    widths with the engine's fp32 weight, as `silu_mul_tiles`; bytes as `measure.kernel_floors` counts them. A tile is
+    widths with the engine's fp32 weight, as `silu_mul_tiles`; bytes as `ablations.kernel_bytes` counts them. A tile is
     (value-head rows per program, warps); the shipped one is 16 rows, 4 warps since kernels/norms.py v4
     (`kernels.numerics.tile_elements` / 2 V; 32 before, the first tile of the sweep of 827fa63, which ran with a bf16
     weight)."""
     import torch
     import triton
 
+    from ablations.kernel_bytes import gated_rmsnorm_bytes
     from kernels import gated_rmsnorm
     from kernels.norms import _gated_rmsnorm_kernel, inverse_count
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
-    from measure.kernel_floors import gated_rmsnorm_bytes
     from reference.shapes import QWEN38_27B as S
 
     hv, v_dim, eps = S.linear_num_value_heads, S.linear_value_head_dim, S.rms_norm_eps
@@ -477,16 +477,16 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
 def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
     """The tiles of `_attn_prep_kernel` as the tree's attention calls it (k and v prepared at 3 key rows a row, read
     from random proj rows through `key_rows`; drone's bucket has 1,074 key slots for 352 rows) at the 27B attention
-    widths, as `silu_mul_tiles`; bytes as `measure.kernel_floors` counts them. A tile is (rows per program, warps);
+    widths, as `silu_mul_tiles`; bytes as `ablations.kernel_bytes` counts them. A tile is (rows per program, warps);
     the shipped one is 8 rows, 4 warps (`kernels.numerics.tile_elements` / 2 D)."""
     import torch
     import triton
 
+    from ablations.kernel_bytes import attn_prep_bytes
     from kernels import attn_prep
     from kernels.attn_prep import _attn_prep_kernel
     from kernels.norms import inverse_count
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
-    from measure.kernel_floors import attn_prep_bytes
     from reference.shapes import QWEN38_27B as S
 
     hq, hkv, d, r, eps = S.num_attention_heads, S.num_key_value_heads, S.head_dim, S.rotary_dim, S.rms_norm_eps

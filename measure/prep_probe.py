@@ -18,7 +18,7 @@ per-call time the median over `--rounds` replays:
 * `attn_prep` "key_rows": `kernels.attn_prep` with the tree's key rows (k and v prepared at every key entry, each
   node's whole path); "packed": over the packed rows, then k and v gathered at the key rows.
 Every way must be bit-equal to the first over the real candidates' slots and keys (`bit_equal_share`, the smallest
-share, 1.0 expected: the same kernel math per row). Floors: bytes read and written once (`measure.kernel_floors`)
+share, 1.0 expected: the same kernel math per row). Floors: bytes read and written once (`ablations.kernel_bytes`)
 over the copy rate this process measures as the runner does (`copy_tbps`; the record of f9b30ea used a copy inside a
 CUDA graph, 2.76 TB/s, which understates each floor's multiple by 4.11 / 2.76: engine/stages/core.md).
 """
@@ -117,7 +117,7 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
 def probe_workload(workload_id: str, calls: int, rounds: int, tbps: float) -> dict:
     import torch
 
-    from measure.kernel_floors import attn_prep_bytes, gdn_prep_bytes
+    from ablations.kernel_bytes import attn_prep_bytes, gdn_prep_bytes
     from reference.shapes import QWEN38_27B
 
     host, layout = bucketed_plan(workload_id)

@@ -1,10 +1,11 @@
-"""`measure.kernel_floors`: the bytes-moved floors of the prep and element-wise kernels (issue 22, item 3), on the
-drone bucket's sizes and on a small record built here."""
+"""`ablations.kernel_bytes` and `measure.kernel_floors`: the bytes-moved floors of the prep and element-wise kernels
+(issue 22, item 3), on the drone bucket's sizes and on a small record built here."""
 
 from __future__ import annotations
 
 import pytest
 
+from ablations import kernel_bytes
 from ablations.timing import KERNEL_FAMILIES
 from measure import kernel_floors
 from reference.shapes import QWEN38_27B as S
@@ -15,25 +16,25 @@ GDN_ROW = (2 * 2048 + 6144) * 2 + 48 * (4 + 2)  # q, k, v bf16; g fp32, beta bf1
 
 def test_bytes_per_call_at_the_drone_bucket():
     assert kernel_floors.bucket_sizes("r352-s1074-c8") == {"rows": N, "slots": L, "keys": K}
-    assert kernel_floors.residual_rmsnorm_bytes(N) == 4 * N * 5120 * 2 + 5120 * 2
+    assert kernel_bytes.residual_rmsnorm_bytes(N) == 4 * N * 5120 * 2 + 5120 * 2
     params = 10240 * 4 * 2 + 48 * 4 + 48 * 2  # conv weight bf16, A_log fp32, dt_bias bf16
-    assert kernel_floors.gdn_prep_bytes(N, N) == N * (10240 + 96) * 2 + params + N * 8 + N * GDN_ROW
-    assert kernel_floors.gdn_prep_bytes(N, L) == N * (10240 + 96) * 2 + params + L * 8 + L * GDN_ROW
-    assert kernel_floors.gather_slots_bytes(N, L) == N * GDN_ROW + L * 8 + L * GDN_ROW
-    assert kernel_floors.gated_rmsnorm_bytes(N) == 3 * N * 48 * 128 * 2 + N * 8 + 128 * 4
+    assert kernel_bytes.gdn_prep_bytes(N, N) == N * (10240 + 96) * 2 + params + N * 8 + N * GDN_ROW
+    assert kernel_bytes.gdn_prep_bytes(N, L) == N * (10240 + 96) * 2 + params + L * 8 + L * GDN_ROW
+    assert kernel_bytes.gather_slots_bytes(N, L) == N * GDN_ROW + L * 8 + L * GDN_ROW
+    assert kernel_bytes.gated_rmsnorm_bytes(N) == 3 * N * 48 * 128 * 2 + N * 8 + 128 * 4
     q, kv = S.num_attention_heads * S.head_dim, S.num_key_value_heads * S.head_dim
     reads = N * (q + 2 * kv) * 2 + 2 * 256 * 2 + 2 * N * S.rotary_dim * 2 + K * 8
-    assert kernel_floors.attn_prep_bytes(N, K) == reads + N * q * 2 + K * 2 * kv * 2
-    assert kernel_floors.attention_gate_bytes(N) == 3 * N * 24 * 256 * 2
-    assert kernel_floors.silu_mul_bytes(N) == N * (2 * 17408 + 17408) * 2
+    assert kernel_bytes.attn_prep_bytes(N, K) == reads + N * q * 2 + K * 2 * kv * 2
+    assert kernel_bytes.attention_gate_bytes(N) == 3 * N * 24 * 256 * 2
+    assert kernel_bytes.silu_mul_bytes(N) == N * (2 * 17408 + 17408) * 2
     with pytest.raises(ValueError, match="no bucket"):
         kernel_floors.bucket_sizes("r1-s1-c1")
 
 
 def test_every_kernel_of_ours_has_a_model():
     """Each name of the runner's `ours` family is exactly one kernel of KERNELS, and each kernel has a byte model."""
-    assert all(sum(key in kernel for kernel in kernel_floors.KERNELS) == 1 for key in KERNEL_FAMILIES["ours"])
-    assert tuple(kernel_floors.call_bytes(N, L, K)) == kernel_floors.KERNELS
+    assert all(sum(key in kernel for kernel in kernel_bytes.KERNELS) == 1 for key in KERNEL_FAMILIES["ours"])
+    assert tuple(kernel_bytes.call_bytes(N, L, K)) == kernel_bytes.KERNELS
 
 
 def test_floors_of_a_record():
@@ -44,16 +45,16 @@ def test_floors_of_a_record():
     with pytest.raises(ValueError, match="no stage 'graphs'"):
         kernel_floors.floors(record)
     table = kernel_floors.floors(record, "core")
-    assert [row["kernel"] for row in table] == list(kernel_floors.KERNELS)
+    assert [row["kernel"] for row in table] == list(kernel_bytes.KERNELS)
     assert {row["workload"] for row in table} == {"drone"}
     rows = {row["kernel"]: row for row in table}
     silu = rows["_silu_mul_kernel"]
-    assert silu["floor_us"] == pytest.approx(kernel_floors.silu_mul_bytes(N) / 4e12 * 1e6)
+    assert silu["floor_us"] == pytest.approx(kernel_bytes.silu_mul_bytes(N) / 4e12 * 1e6)
     assert silu["measured_us"] == pytest.approx(10.0) and silu["multiple"] == pytest.approx(10.0 / silu["floor_us"])
     assert all(row["measured_us"] is None and row["multiple"] is None for row in table if row is not silu)
-    assert rows["_gdn_prep_kernel"]["bytes"] == kernel_floors.gdn_prep_bytes(N, N)
+    assert rows["_gdn_prep_kernel"]["bytes"] == kernel_bytes.gdn_prep_bytes(N, N)
     gather = rows["_gather_slots_kernel"]
-    assert gather["per_row_floor_us"] == pytest.approx(kernel_floors.gather_slots_bytes(N, N) / 4e12 * 1e6)
+    assert gather["per_row_floor_us"] == pytest.approx(kernel_bytes.gather_slots_bytes(N, N) / 4e12 * 1e6)
     assert gather["per_row_floor_us"] < gather["floor_us"]
 
 
@@ -69,7 +70,7 @@ def test_the_gdn_core_budget_of_a_record():
     graphs = {"id": "drone", "kernel_families": {"gdn_core": {"ms_per_forward": 6.0}}}
     record = {"ceilings": {"copy_tbps": 4.0},
               "stages": [{"name": "graphs", "workloads": [graphs]}, {"name": "core", "workloads": [core]}]}  # fmt: skip
-    floor_us = kernel_floors.silu_mul_bytes(N) / 4e12 * 1e6
+    floor_us = kernel_bytes.silu_mul_bytes(N) / 4e12 * 1e6
     rows = {row["ours"]: row for row in kernel_floors.gdn_core_budget(record, "core", {"drone": 5.0})}
     assert list(rows) == ["measured", "capped", "floor"]
     assert rows["measured"]["budget_ms"] == pytest.approx(5.0 - 0.5 - 2.0)

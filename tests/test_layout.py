@@ -54,7 +54,10 @@ def test_required_top_level_folders_exist():
 
 def test_ablations_holds_the_ladder_and_nothing_else():
     """The runner and what it needs (`bit_identity.py` is the runner's step 7: the per-kernel table of every record
-    whose plan runs `fused`; `clocks.py` the card's clocks beside each timing); the measurement tools are `bench/` (the
-    server from outside) and `measure/` (the engine and kernels)."""
-    ladder = set("__init__ run plans records targets probes timing clocks workloads envinfo bit_identity".split())
+    whose plan runs `fused`; `clocks.py` the card's clocks beside each timing; `kernel_bytes.py` the bytes per call of
+    the engine's own kernels, which the probes' tile sweeps and `measure.kernel_floors` both read); the measurement
+    tools are `bench/` (the server from outside) and `measure/` (the engine and kernels)."""
+    ladder = set(
+        "__init__ run plans records targets probes timing clocks kernel_bytes workloads envinfo bit_identity".split()
+    )
     assert {path.stem for path in (REPO / "ablations").glob("*.py")} == ladder
