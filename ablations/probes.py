@@ -16,11 +16,12 @@ cuBLAS settings and none of the runner's state, and its result is one JSON objec
   `handoff` and `replicated` schedules against prefilling the context once; wall time of back-to-back calls
   (`cuda_time_ms`) and GPU kernel time per call (profiler busy time, `gpu_busy_ms`).
 * `kernel_tiles`: the three costliest fused kernels (silu_mul, residual_rmsnorm, gdn_prep as the engine calls it, from
-  each row's conv window), the gated norm and attn_prep as stage `core` calls them (o read through `o_rows`, k and v
-  at key rows) at the 27B widths and 971 rows in the shipped tile shape (the first case of each kernel) and in other
-  width-derived shapes: median µs, effective TB/s (each input read once, each output written once), the share of
-  output elements bit-equal to the shipped shape's, and whether every output element was written (outputs
-  NaN-poisoned before the launch).
+  each row's conv window), the gated norm and attn_prep as stage `core` calls them (o read through `o_rows`, k and v at
+  key rows) at the 27B widths and 971 rows in the shipped tile shape (the first case of each kernel) and in other
+  width-derived shapes: mean µs of the kernel in a CUDA graph, L2 flushed before each launch (`graph_kernel_us`;
+  `triton.testing.do_bench` medians in records up to b02c126), effective TB/s (each input read once, each output written
+  once), the share of output elements bit-equal to the shipped shape's, and whether every output element was written
+  (outputs NaN-poisoned before the launch).
 * `engine_checks`: the whole model (27B synthetic weights) on the drone request through `hf_fla`, `hf_torch`,
   `merged` and `fused`, in two phases so the weights are never held twice: per pair, the relative RMSE of every
   residual state, the first state that is not bit-identical, the last-token relative RMSE and max |dp| over every
@@ -269,10 +270,37 @@ def gdn_handoff() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- kernel_tiles
-def bench_us(fn) -> float:
-    import triton
+TILE_CALLS = 20  # launches of a tile per captured graph
+FLUSH_BYTES = 256 * 2**20  # written before each launch: five times the H200's 50 MB L2
 
-    return 1000.0 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+def graph_kernel_us(launch, outs, kernel: str, calls: int = TILE_CALLS, replays: int = 3) -> float:
+    """Mean µs of the Triton kernel named `kernel` over `calls` launches captured in one CUDA graph, each behind a
+    `FLUSH_BYTES` write that evicts L2 (cold inputs, as `triton.testing.do_bench`), replayed `replays` times under
+    torch.profiler: the CUPTI durations the runner's per-kernel table counts (`ablations.timing.profile_kernels`), so
+    neither the host's launch time nor the flush is in the number. A do_bench median includes whatever the host needs
+    to launch the kernel beyond the flush's GPU time: in the H200 sweep of 827fa63 the shipped gdn_prep tile, timed
+    first, took 52.1 us there and 31.4 us on an H100 at 450783f."""
+    import torch
+
+    from ablations.timing import profile_kernels
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=outs[0].device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(outs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            flush.zero_()
+            launch(outs)
+    graph.replay()
+    timed = [k for k in profile_kernels(graph.replay, replays).top_kernels if k["name"] == kernel]
+    if not timed:
+        raise RuntimeError(f"the profiler saw no {kernel!r} in the graph's replays")
+    return 1000.0 * timed[0]["ms_per_forward"] / timed[0]["calls_per_forward"]
 
 
 def equal_share(a, b) -> float:
@@ -285,13 +313,13 @@ def equal_share(a, b) -> float:
 
 def _tile_sweep(kernel: str, sweep: dict[str, Any]) -> list[dict[str, Any]]:
     """Launch each (tile name, launch function) of a sweep (`silu_mul_tiles`) once on fresh NaN-poisoned outputs,
-    compare with the first tile's outputs, then time it."""
+    compare with the first tile's outputs, then time it in a CUDA graph (`graph_kernel_us` of `_<kernel>_kernel`)."""
     cases, shipped, nbytes = [], None, sweep["nbytes"]
     for tile, launch in sweep["tiles"]:
         outs = sweep["outputs"]()
         launch(outs)
         shipped = [t.clone() for t in outs] if shipped is None else shipped
-        us = bench_us(lambda launch=launch, outs=outs: launch(outs))
+        us = graph_kernel_us(launch, outs, f"_{kernel}_kernel")
         cases.append({"kernel": kernel, "tile": tile, "us": us, "tbps": nbytes / us / 1e6,
                       "equal_share": min(equal_share(a, b) for a, b in zip(outs, shipped, strict=True)),
                       "nan_free": not any(t.isnan().any().item() for t in outs)})  # fmt: skip
@@ -312,6 +340,7 @@ def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
     import torch
     import triton
 
+    from ablations.kernel_bytes import silu_mul_bytes
     from kernels import silu_mul
     from kernels.activations import _silu_mul_kernel
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
@@ -336,7 +365,7 @@ def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
               (2, 4096, 8), (16, 512, 4), (32, 512, 8)]  # fmt: skip
     return {"tiles": [tile(*shape) for shape in shapes],
             "outputs": lambda: _poisoned(device, ((rows, inter), torch.bfloat16)),
-            "nbytes": gate_up.numel() * 2 + rows * inter * 2, "wrapper": lambda: [silu_mul(gate_up)]}  # fmt: skip
+            "nbytes": silu_mul_bytes(rows), "wrapper": lambda: [silu_mul(gate_up)]}  # fmt: skip
 
 
 def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
@@ -344,6 +373,7 @@ def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[
     import torch
     import triton
 
+    from ablations.kernel_bytes import residual_rmsnorm_bytes
     from kernels import residual_rmsnorm
     from kernels.norms import _residual_rmsnorm_kernel, inverse_count
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
@@ -372,7 +402,7 @@ def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[
     shapes = [(1, 16), (1, 8), (1, 4), (2, 16), (4, 16), (2, 8)]
     return {"tiles": [tile(*shape) for shape in shapes],
             "outputs": lambda: _poisoned(device, *[((rows, hidden), torch.bfloat16)] * 2),  # new residual, normed
-            "nbytes": 4 * rows * hidden * 2,
+            "nbytes": residual_rmsnorm_bytes(rows),
             "wrapper": lambda: list(residual_rmsnorm(residual, delta, weight, eps))}  # fmt: skip
 
 
@@ -382,6 +412,7 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
     import torch
     import triton
 
+    from ablations.kernel_bytes import gdn_prep_bytes
     from kernels import gdn_prep
     from kernels.gdn_prep import _gdn_prep_kernel
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
@@ -427,8 +458,12 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
         return [t.reshape(rows, -1) for t in out]
 
     shapes = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (64, 8)]
-    nbytes = rows * (conv_dim + 2 * hv) * 2 + rows * (conv_dim * 2 + hv * 6)
-    return {"tiles": [tile(*shape) for shape in shapes], "outputs": outputs, "nbytes": nbytes, "wrapper": wrapper}
+    return {
+        "tiles": [tile(*shape) for shape in shapes],
+        "outputs": outputs,
+        "nbytes": gdn_prep_bytes(rows, rows),
+        "wrapper": wrapper,
+    }
 
 
 def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:

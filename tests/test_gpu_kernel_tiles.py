@@ -7,7 +7,8 @@ alone (`kernels.numerics.tile_elements`), which keeps a row's bits independent o
 the same, so only width-derived shapes are tried. Each candidate launches the kernel's own Triton function on fresh
 random inputs (never zeros) with NaN-poisoned outputs. Asserted: silu_mul candidates are bitwise equal to the shipped
 shape (element-wise: the tile cannot change a bit); the others are compared and their bit-equal share printed (a
-reduction's order can follow the warp count). Times: `triton.testing.do_bench` medians (L2 flushed between calls).
+reduction's order can follow the warp count). Times: the kernel's mean CUPTI duration over launches captured in one
+CUDA graph, L2 flushed before each (`probes.graph_kernel_us`).
 Effective bandwidth counts each input read once and each output written once. The measurement is the runner's
 `kernel_tiles` probe (ablations/probes.py, recorded in every GPU run record).
 """
