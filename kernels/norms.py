@@ -51,7 +51,10 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   the GPU, instead of tile_elements / V (32). The tile sweep on the H200 (tests/test_gpu_kernel_tiles.py at 827fa63,
   971 rows read through `o_rows` as stage `core` calls it, but with a bf16 weight where the engine's is fp32): 17.4 us
   against 22.0 (8 pairs 17.8, 64 pairs 31.0), every output element bit-equal to the 32-pair tile's (each row's sum
-  of squares keeps its lanes and order: warps lie along the pairs). The sweep now passes the fp32 weight.
+  of squares keeps its lanes and order: warps lie along the pairs). The sweep now passes the fp32 weight. Those
+  times are `triton.testing.do_bench` medians, which carry host launch time (the same sweep put gdn_prep's shipped
+  tile at 52.1 us, an H100 at 31.4); the sweep now times each tile in a CUDA graph (ablations/probes.py,
+  `graph_kernel_us`), and v4 has not run on a GPU yet, in the sweep or in a forward.
 v2's row-indexed call is bitwise against the gathered call (tests/test_kernels.py under the interpreter,
 tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b on the H200); v3's delta is bitwise against the
 reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4).
