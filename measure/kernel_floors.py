@@ -3,6 +3,7 @@
     python -m measure.kernel_floors RECORD.json                # the `graphs` stage: results/kernel-floors/<stem>.json
     python -m measure.kernel_floors RECORD.json --stage core   # results/kernel-floors/<stem>-core.json
     python -m measure.kernel_floors RECORD.json --stage core --budget drone=5,customer_service=15   # and the budgets
+    python -m measure.kernel_floors RECORD.json --stage core --forward drone=31   # what a forward target leaves
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels (KERNELS) and their
@@ -18,6 +19,11 @@ speed-up it asks of the stage's GDN core and of `graphs`' (FLA's) where the reco
 The measured time per call is the record's `top_kernels` entry of the stage (ms per forward / calls per forward: an
 average over the calls of a forward) where the kernel is among the workload's top kernels (10 in records before
 2026-12-04, 24 since), else None. Synthetic weights do not change bytes.
+
+`--forward drone=31` (issue 22's forward target, ms): what it leaves the non-GEMM kernels, `forward_budget`: the
+target less the stage's GEMMs and its time between kernels (the median forward less the GPU-busy time of the
+profiled calls), both as measured, against the non-GEMM kernel time measured (busy less GEMMs), and against this
+lab's kernels at their floors with attention and the rest as measured (the least the GDN core shares the budget with).
 """
 
 from __future__ import annotations
@@ -113,6 +119,31 @@ def gdn_core_budget(record: dict, stage: str, targets: dict[str, float], s: Mode
     return out
 
 
+def forward_budget(record: dict, stage: str, targets: dict[str, float]) -> list[dict]:
+    """One row per workload of `targets` (id -> forward target, ms): the stage's median forward, GPU-busy time, time
+    between kernels, GEMMs, non-GEMM kernel time, and the non-GEMM budget the target leaves (module docstring), with
+    what of it the GDN core would have with the other non-GEMM kernels at their floors (`gdn_core_budget`'s "floor")."""
+    timed = next((st for st in record["stages"] if st["name"] == stage), None)
+    if timed is None:
+        raise ValueError(f"the record has no stage {stage!r}")
+    out = []
+    for workload_id, target in targets.items():
+        workload = next((w for w in timed["workloads"] if w["id"] == workload_id), None)
+        if workload is None:
+            raise ValueError(f"the record's {stage!r} has no workload {workload_id!r}")
+        busy, median = workload["gpu_busy_ms"], workload["median_ms"]
+        gemm = workload["kernel_families"]["gemm"]["ms_per_forward"]
+        budget = target - gemm - (median - busy)
+        floor = gdn_core_budget(record, stage, {workload_id: budget})[-1]  # the other kernels at their floors
+        out.append({
+            "workload": workload_id, "target_ms": target, "median_ms": median, "gpu_busy_ms": busy,
+            "between_kernels_ms": median - busy, "gemm_ms": gemm, "non_gemm_ms": busy - gemm,
+            "non_gemm_budget_ms": budget, "gdn_core_ms": floor["gdn_core_ms"],
+            "gdn_core_budget_ms_others_at_floor": floor["budget_ms"],
+        })  # fmt: skip
+    return out
+
+
 def _targets(text: str) -> dict[str, float]:
     """`drone=5,customer_service=15` -> {"drone": 5.0, "customer_service": 15.0}."""
     try:
@@ -131,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         default={},
         metavar="WORKLOAD=MS,...",
         help="non-GEMM targets (ms a forward): the GDN core's budget for each (module docstring)",
+    )
+    parser.add_argument(
+        "--forward",
+        type=_targets,
+        default={},
+        metavar="WORKLOAD=MS,...",
+        help="forward targets (ms): the non-GEMM budget each leaves (module docstring)",
     )
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text())
@@ -151,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['workload']:<32} {row['target_ms']:7.2f} {row['ours']:<9} {row['ours_ms']:8.3f} "
               f"{row['others_ms']:7.3f} {row['gdn_core_ms']:9.3f} {row['budget_ms']:7.3f} "
               f"{row['budget_us_a_layer']:9.1f} {asked:>7} {graphs:>10}")  # fmt: skip
+    forwards = forward_budget(record, args.stage, args.forward) if args.forward else []
+    if forwards:
+        print(f"\n{'workload':<32} {'target':>7} {'median':>7} {'busy':>7} {'between':>8} {'GEMMs':>7} {'non-GEMM':>9} "
+              f"{'budget':>7} {'GDN core':>9} {'its budget':>11}")  # fmt: skip
+    for row in forwards:
+        print(f"{row['workload']:<32} {row['target_ms']:7.2f} {row['median_ms']:7.2f} {row['gpu_busy_ms']:7.2f} "
+              f"{row['between_kernels_ms']:8.2f} {row['gemm_ms']:7.2f} {row['non_gemm_ms']:9.2f} "
+              f"{row['non_gemm_budget_ms']:7.2f} {row['gdn_core_ms']:9.2f} "
+              f"{row['gdn_core_budget_ms_others_at_floor']:11.2f}")  # fmt: skip
     suffix = "" if args.stage == "graphs" else f"-{args.stage}"
     out = REPO / "results" / "kernel-floors" / f"{args.record.stem}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             "rows": table}  # fmt: skip
     if budgets:
         body["gdn_core_budget"] = budgets
+    if forwards:
+        body["forward_budget"] = forwards
     out.write_text(json.dumps(body, indent=1) + "\n")
     print(f"written: {out.relative_to(REPO)}")
     return 0

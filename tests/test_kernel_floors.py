@@ -87,3 +87,30 @@ def test_the_gdn_core_budget_of_a_record():
         kernel_floors.gdn_core_budget(record, "core", {"long": 5.0})
     with pytest.raises(SystemExit):
         kernel_floors.main(["record.json", "--budget", "drone:5"])
+
+
+def test_the_forward_budget_of_a_record():
+    """A forward target less the GEMMs and the time between kernels (median less GPU-busy) is the non-GEMM budget;
+    with this lab's kernels at their floors, attention and the rest as measured, the rest of it is the GDN core's."""
+    top = [{"name": "_silu_mul_kernel", "calls_per_forward": 64.0, "ms_per_forward": 64 * 20.0 / 1000}]
+    families = {"gemm": 20.0, "gdn_core": 3.0, "ours": 2.0, "attention_core": 0.4, "other": 0.1}
+    core = {
+        "id": "drone",
+        "graph": {"bucket": "r352-s1074-c8"},
+        "top_kernels": top,
+        "median_ms": 27.0,
+        "gpu_busy_ms": 25.5,
+        "kernel_families": {name: {"ms_per_forward": ms} for name, ms in families.items()},
+    }
+    record = {"ceilings": {"copy_tbps": 4.0}, "stages": [{"name": "core", "workloads": [core]}]}  # fmt: skip
+    row = kernel_floors.forward_budget(record, "core", {"drone": 24.0})[0]
+    assert row["between_kernels_ms"] == pytest.approx(1.5) and row["non_gemm_ms"] == pytest.approx(5.5)
+    assert row["non_gemm_budget_ms"] == pytest.approx(24.0 - 20.0 - 1.5)
+    floor = kernel_floors.gdn_core_budget(record, "core", {"drone": 2.5})[-1]
+    assert floor["ours"] == "floor" and row["gdn_core_ms"] == 3.0
+    assert row["gdn_core_budget_ms_others_at_floor"] == pytest.approx(floor["budget_ms"])
+    assert floor["budget_ms"] == pytest.approx(2.5 - 0.5 - floor["ours_ms"])
+    with pytest.raises(ValueError, match="no stage 'graphs'"):
+        kernel_floors.forward_budget(record, "graphs", {"drone": 24.0})
+    with pytest.raises(ValueError, match="no workload 'long'"):
+        kernel_floors.forward_budget(record, "core", {"long": 24.0})
