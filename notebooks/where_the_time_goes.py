@@ -232,3 +232,24 @@ if floor_record is not None and stage_name == "core":
     print(budget[columns].round(2).to_string(index=False) if len(budget) else "none of the target workloads timed")
 else:
     print("no GPU record with a bucketed core stage: no budget")
+
+# %% [markdown]
+# ## What the forward target leaves the non-GEMM kernels
+#
+# Drone's forward target (31 ms) less the stage's GEMMs and its time between kernels (the median forward less the
+# GPU-busy time of the profiled calls), both as measured: the non-GEMM budget, and what of it the GDN core would have
+# with this lab's other kernels at their floors, `measure.kernel_floors.forward_budget`. Synthetic weights: timings
+# only.
+
+# %%
+from measure.kernel_floors import forward_budget
+
+FORWARD_TARGETS = {"drone": 31.0}
+if floor_record is not None and stage_name == "core":
+    timed_ids = {w["id"] for w in stage_by_name(floor_record, "core")["workloads"] if w.get("kernel_families")}
+    targets = {w: ms for w, ms in FORWARD_TARGETS.items() if w in timed_ids}
+    forward = pd.DataFrame(forward_budget(floor_record, "core", targets))
+    print(f"GPU record {floor_path.name}: what the forward target leaves")
+    print(forward.round(2).to_string(index=False) if len(forward) else "none of the target workloads timed")
+else:
+    print("no GPU record with a bucketed core stage: no forward budget")
