@@ -36,8 +36,10 @@ Nullable by design: `kernels_per_forward` and `gpu_busy_ms` on the CPU (no CUDA 
 `driver`, `cuda` on the CPU. From the profiled call (GPU only, null on the CPU and absent in records older than
 them): `kernel_families` {family: {calls_per_forward, ms_per_forward}} over ablations.timing.FAMILIES; `core_ms` the
 summed kernel time of GEMMs + GDN core + attention core per forward and `core_multiple` = median_ms / core_ms;
-`gemm_ms` and `gemm_multiple` the same for the GEMMs alone; `host_median_ms` the median host time until a timed
-call returned (GPU only); `host_profile` (GPU, headline workload only) cProfile's top functions of one call.
+`gemm_ms` and `gemm_multiple` the same for the GEMMs alone; `idle_between_kernels_ms` and `top_gaps` the time
+between kernels in the profiled window and the kernel pairs with the most of it (ablations.timing.kernel_gaps);
+`host_median_ms` the median host time until a timed call returned (GPU only); `host_profile` (GPU, headline
+workload only) cProfile's top functions of one call.
 Headline workload only, once the reference states exist: `state_rel_rmse` (relative RMSE against the reference per
 residual state: embedding, each layer's output, final norm) and `first_departing_state` (index of the first state
 that is not bit-identical, null when none). Every workload of a stage whose `builds_on` stage ran in the same record

@@ -475,6 +475,8 @@ class Run:
         result["warmup"] = self.warmup
         result["kernels_per_forward"] = kernels.kernels_per_forward if kernels else None
         result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
+        result["idle_between_kernels_ms"] = kernels.idle_ms if kernels else None
+        result["top_gaps"] = kernels.top_gaps if kernels else []
         result["top_kernels"] = kernels.top_kernels if kernels else []
         result["kernel_families"] = kernels.families if kernels else None
         result["host_profile"] = host

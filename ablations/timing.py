@@ -12,7 +12,8 @@ chrome trace's events of category `kernel` (memcpy, memset and user annotations 
 the union of those kernels' [start, end) intervals (overlapping kernels counted once) divided by the calls. The same
 kernels are summed per family (`KERNEL_FAMILIES`: our fused kernels, GEMMs, the GDN core, the attention core, the
 rest), so a record says how much of a forward is the work the engine cannot avoid (GEMMs + GDN core + attention core:
-`core_ms`) and how much is everything else, launch gaps included (`median_ms / core_ms`, issue 4's target).
+`core_ms`) and how much is everything else, launch gaps included (`median_ms / core_ms`, issue 4's target). The
+time between those kernels in the profiled window, per call, and the kernel pairs with the most of it: `kernel_gaps`.
 
 Ceilings are upper bounds of what the device did in this process, so that a floor computed from them is a floor:
 * streaming (`stream_tbps`): the larger of the read-only rate (`read_tbps`: bytes of a `copy_bytes` bf16 buffer read
@@ -157,6 +158,8 @@ class KernelStats:
     gpu_busy_ms: float  # per forward
     top_kernels: list[dict]  # the kernels with the most time: name, calls per forward, ms per forward
     families: dict[str, dict]  # per family (FAMILIES): calls per forward, ms per forward (summed kernel time)
+    idle_ms: float  # per forward: the GPU's time between kernels in the profiled window (`kernel_gaps`)
+    top_gaps: list[dict]  # the kernel pairs with the most idle time between them (`kernel_gaps`)
 
     @property
     def core_ms(self) -> float:
@@ -183,7 +186,29 @@ def kernel_stats(trace_events: list[dict], calls: int, top: int = 24) -> KernelS
         family = families[kernel_family(name)]
         family["calls_per_forward"] += len(durs) / calls
         family["ms_per_forward"] += sum(durs) / calls / 1e3
-    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families)
+    idle_ms, top_gaps = kernel_gaps(kernels, calls)
+    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families, idle_ms, top_gaps)
+
+
+def kernel_gaps(kernels: list[dict], calls: int, top: int = 10) -> tuple[float, list[dict]]:
+    """The time between kernels (trace events of `kernel_stats`, overlaps merged) from the window's first kernel to
+    its last, per call, and the `top` (kernel before, kernel after) pairs by that time: {after, before,
+    gaps_per_forward, ms_per_forward}. Busy plus idle is the window, so idle is what the GPU waited inside the
+    profiled calls and between them (the runner's calls follow one another without a sync); a timed median above
+    busy + idle was lost outside the kernels' window or to a slower card in the timed calls."""
+    idle_us, pairs, reach, last = 0.0, {}, None, None
+    for event in sorted(kernels, key=lambda e: float(e["ts"])):
+        start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+        if reach is not None and start > reach:
+            idle_us += start - reach
+            gap = pairs.setdefault((last, event["name"]), [0, 0.0])
+            gap[0], gap[1] = gap[0] + 1, gap[1] + start - reach
+        if reach is None or end > reach:
+            reach, last = end, event["name"]
+    ranked = sorted(pairs.items(), key=lambda item: -item[1][1])[:top]
+    top_gaps = [{"after": after, "before": before, "gaps_per_forward": n / calls, "ms_per_forward": us / calls / 1e3}
+                for (after, before), (n, us) in ranked]  # fmt: skip
+    return idle_us / calls / 1e3, top_gaps
 
 
 def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:

@@ -38,6 +38,27 @@ def test_kernel_stats_from_a_chrome_trace():
     assert stats.families["gemm"] == {"calls_per_forward": 1.0, "ms_per_forward": 0.01}
     assert stats.families["other"] == {"calls_per_forward": 0.5, "ms_per_forward": 0.005}
     assert stats.core_ms == pytest.approx(0.01)
+    assert stats.idle_ms == pytest.approx(5 / 2 / 1e3)  # 15..20 between norm's end and the second gemm
+    assert stats.top_gaps == [{"after": "norm", "before": "gemm", "gaps_per_forward": 0.5, "ms_per_forward": 0.0025}]
+
+
+def test_kernel_gaps_merge_overlaps_and_rank_the_pairs():
+    """Idle time is counted from the furthest end reached, so a kernel inside another's interval opens no gap, and a
+    gap is named by the kernel that reached furthest before it; pairs rank by their idle time per call."""
+    kernels = [
+        {"name": "a", "ts": 0, "dur": 10},
+        {"name": "b", "ts": 2, "dur": 3},  # inside a: no gap, and a stays the kernel before the next gap
+        {"name": "c", "ts": 14, "dur": 6},  # 4 after a
+        {"name": "a", "ts": 21, "dur": 9},  # 1 after c
+        {"name": "c", "ts": 34, "dur": 1},  # 4 after a
+        {"name": "d", "ts": 45, "dur": 5},  # 10 after c
+    ]
+    idle_ms, gaps = timing.kernel_gaps(kernels, calls=2)
+    assert idle_ms == pytest.approx((4 + 1 + 4 + 10) / 2 / 1e3)
+    assert [(g["after"], g["before"], g["gaps_per_forward"]) for g in gaps] == [("c", "d", 0.5), ("a", "c", 1.0),
+                                                                              ("c", "a", 0.5)]  # fmt: skip
+    assert gaps[1]["ms_per_forward"] == pytest.approx(8 / 2 / 1e3)
+    assert timing.kernel_gaps([], calls=1) == (0.0, [])
 
 
 @pytest.mark.parametrize(
