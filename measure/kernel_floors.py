@@ -49,15 +49,25 @@ def bucket_sizes(name: str) -> dict[str, int]:
     raise ValueError(f"no bucket {name!r} in the graphs grid")
 
 
+def timed_workload(record: dict, stage: str, workload_id: str | None = None) -> dict:
+    """The record's stage named `stage`, or with `workload_id` that stage's workload of that id; ValueError without."""
+    timed = next((st for st in record["stages"] if st["name"] == stage), None)
+    if timed is None:
+        raise ValueError(f"the record has no stage {stage!r}")
+    if workload_id is None:
+        return timed
+    workload = next((w for w in timed["workloads"] if w["id"] == workload_id), None)
+    if workload is None:
+        raise ValueError(f"the record's {stage!r} has no workload {workload_id!r}")
+    return workload
+
+
 def floors(record: dict, stage: str = "graphs") -> list[dict]:
     """One row per (workload served by a bucket, kernel of KERNELS): bytes, floor us, per-row floor us, measured us
     per call and the multiple (None where the kernel is not among the workload's top kernels)."""
     tbps = record["ceilings"]["copy_tbps"]
-    timed = next((s for s in record["stages"] if s["name"] == stage), None)
-    if timed is None:
-        raise ValueError(f"the record has no stage {stage!r}")
     rows = []
-    for workload in timed["workloads"]:
+    for workload in timed_workload(record, stage)["workloads"]:
         bucket = (workload.get("graph") or {}).get("bucket")
         if not isinstance(bucket, str):  # eager (None), or several batches (a list)
             continue
@@ -90,9 +100,7 @@ def gdn_core_budget(record: dict, stage: str, targets: dict[str, float], s: Mode
     timed = {st["name"]: {w["id"]: w for w in st["workloads"]} for st in record["stages"]}
     out = []
     for workload_id, target in targets.items():
-        workload = timed[stage].get(workload_id)
-        if workload is None:
-            raise ValueError(f"the record's {stage!r} has no workload {workload_id!r}")
+        workload = timed_workload(record, stage, workload_id)
         families = {name: f["ms_per_forward"] for name, f in workload["kernel_families"].items()}
         gdn, ours = families["gdn_core"], families["ours"]
         others = sum(ms for name, ms in families.items() if name not in ("gemm", "gdn_core", "ours"))
@@ -123,14 +131,9 @@ def forward_budget(record: dict, stage: str, targets: dict[str, float]) -> list[
     """One row per workload of `targets` (id -> forward target, ms): the stage's median forward, GPU-busy time, time
     between kernels, GEMMs, non-GEMM kernel time, and the non-GEMM budget the target leaves (module docstring), with
     what of it the GDN core would have with the other non-GEMM kernels at their floors (`gdn_core_budget`'s "floor")."""
-    timed = next((st for st in record["stages"] if st["name"] == stage), None)
-    if timed is None:
-        raise ValueError(f"the record has no stage {stage!r}")
     out = []
     for workload_id, target in targets.items():
-        workload = next((w for w in timed["workloads"] if w["id"] == workload_id), None)
-        if workload is None:
-            raise ValueError(f"the record's {stage!r} has no workload {workload_id!r}")
+        workload = timed_workload(record, stage, workload_id)
         busy, median = workload["gpu_busy_ms"], workload["median_ms"]
         gemm = workload["kernel_families"]["gemm"]["ms_per_forward"]
         budget = target - gemm - (median - busy)

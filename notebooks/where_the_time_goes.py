@@ -245,8 +245,7 @@ else:
 from measure.kernel_floors import forward_budget
 
 FORWARD_TARGETS = {"drone": 31.0}
-if floor_record is not None and stage_name == "core":
-    timed_ids = {w["id"] for w in stage_by_name(floor_record, "core")["workloads"] if w.get("kernel_families")}
+if floor_record is not None and stage_name == "core":  # timed_ids: the budget cell's, on the same condition
     targets = {w: ms for w, ms in FORWARD_TARGETS.items() if w in timed_ids}
     forward = pd.DataFrame(forward_budget(floor_record, "core", targets))
     print(f"GPU record {floor_path.name}: what the forward target leaves")
