@@ -211,8 +211,9 @@ def kernel_gaps(kernels: list[dict], calls: int, top: int = 10) -> tuple[float, 
     return idle_us / calls / 1e3, top_gaps
 
 
-def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:
-    """Run `fn` `calls` times under torch.profiler (CUDA) and count the kernels it launched."""
+def profile_kernels(fn: Callable[[], object], calls: int, top: int = 24) -> KernelStats:
+    """Run `fn` `calls` times under torch.profiler (CUDA) and count the kernels it launched (`kernel_stats`, its `top`
+    kernels listed)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -224,7 +225,7 @@ def profile_kernels(fn: Callable[[], object], calls: int) -> KernelStats:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    return kernel_stats(events, calls)
+    return kernel_stats(events, calls, top)
 
 
 def host_profile(fn: Callable[[], object], top: int = 15) -> dict:

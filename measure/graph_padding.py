@@ -1,6 +1,7 @@
-"""Where the padding cost of the `graphs` stage comes from (H200, about 3 minutes):
+"""Where a graph stage's padding cost comes from (H200, about 3 minutes for the default workloads):
 
-    python3 -m measure.graph_padding          # JSON to $OUT/padding-cost.json (or the current folder)
+    python3 -m measure.graph_padding           # stage graphs: results/graphs/<utc>-<gpu>-<commit>-padding-graphs.json
+    python3 -m measure.graph_padding --stage core --workloads drone,customer_service --kernels
 
 One process, 27B synthetic weights (seed 0). Per workload, the request's own unpadded plan captured as one graph
 (`exact_ms`), then the request laid out at five buckets, each captured on the request's own padded plan and replayed
@@ -10,31 +11,42 @@ records measured), `grid_but_actual_max_qk` (the grid's bucket with the attentio
 `grid_rows_minimal_rest` (the grid's rows, every other capacity just what the request and one dummy node need) and
 `one_dummy_row_minimal_rest` (one dummy row); then `served`: `engine.forward` of the prepared request through the
 graph cache (the host plan copied into the captured arena through the pinned staging buffer, the replay, the output
-copied out). Each
-replay's output is compared bit for bit with the exact-plan graph's. The JSON holds the environment (commit, GPU,
-versions, time: `ablations.envinfo`) beside the workloads.
+copied out). Each replay's output is compared bit for bit with the exact-plan graph's.
+
+`--kernels`: the exact-plan graph and the `grid` bucket's graph also run under torch.profiler (`--profile-calls`
+replays each, `ablations.timing.profile_kernels`), and the record holds each one's GPU-busy time, kernel families and
+per-kernel time, and per kernel name the bucket's time less the exact plan's (`kernel_padding_ms`, largest first):
+which kernels carry the padding cost. The bucket's replays are timed in a separate window from the exact plan's, so
+compare per-kernel differences against the spread of the ms columns.
+
+The JSON holds the environment (commit, GPU, versions, time: `ablations.envinfo`) beside the workloads. Synthetic
+weights: timings and bits only. Records before `--stage` (results/gpu/20261201T140700Z-nvidia-h200-padding-cost.json)
+measured stage `graphs` and were written to $OUT.
 """
 
 import argparse
 import dataclasses
 import json
 import math
-import os
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from ablations import envinfo
 from ablations.probes import cuda_time_ms
+from ablations.timing import profile_kernels
 from ablations.workloads import get_workload
 from engine.graphs import capture_forward, default_grid, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
-from engine.stages import build_engine, prepare_process
+from engine.stages import build_engine, config_of, prepare_process
 from engine.weights import MergedWeights
 from measure.grid_coverage import previous_grid
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(fn) -> float:
@@ -68,15 +80,48 @@ WORKLOADS = (
 )
 
 
+def kernel_padding(exact, bucket) -> list[dict]:
+    """Per kernel name (the union of both profiles' kernels): ms per forward in the exact plan and in the bucket, and
+    the bucket's less the exact plan's, largest first."""
+    exact_ms = {k["name"]: k["ms_per_forward"] for k in exact.top_kernels}
+    bucket_ms = {k["name"]: k["ms_per_forward"] for k in bucket.top_kernels}
+    rows = [
+        {"name": name, "exact_ms": exact_ms.get(name, 0.0), "bucket_ms": bucket_ms.get(name, 0.0),
+         "padding_ms": bucket_ms.get(name, 0.0) - exact_ms.get(name, 0.0)}
+        for name in sorted(set(exact_ms) | set(bucket_ms))
+    ]  # fmt: skip
+    return sorted(rows, key=lambda row: -row["padding_ms"])
+
+
+def profiled(fn, calls: int) -> dict:
+    stats = profile_kernels(fn, calls, top=1000)  # every kernel, so that the two profiles compare name by name
+    return {"gpu_busy_ms": stats.gpu_busy_ms, "idle_between_kernels_ms": stats.idle_ms,
+            "kernels_per_forward": stats.kernels_per_forward, "families": stats.families, "stats": stats}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.graph_padding", description=__doc__.split("\n\n")[0])
-    parser.parse_args(argv)  # no options: --help and a refusal of unknown ones
-    prepare_process(["graphs"], "cuda")
+    parser.add_argument("--stage", default="graphs", help="a stage with CUDA graphs (default: graphs)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--kernels", action="store_true", help="profile the exact plan and the grid bucket per kernel")
+    parser.add_argument("--profile-calls", type=int, default=5, help="replays under the profiler (default: 5)")
+    parser.add_argument("--out", type=Path, help="the JSON (default: results/graphs/<stem>-padding-<stage>.json)")
+    args = parser.parse_args(argv)
+    if not config_of(args.stage).graphs:
+        parser.error(f"stage {args.stage} captures no CUDA graphs")
+    if args.profile_calls < 1:
+        parser.error("--profile-calls must be >= 1")
+    workload_ids = args.workloads.split(",")
+    for wid in workload_ids:
+        get_workload(wid)  # an unknown id fails here, before the 27B build
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_padding: needs a CUDA device (it captures CUDA graphs of the 27B forward)")
+    prepare_process([args.stage], "cuda")
     merged = MergedWeights.from_decision_weights(synthetic_weights(S, seed=0, device="cuda"))
-    engine = build_engine(merged, "graphs")
+    engine = build_engine(merged, args.stage)
     engine.graphs.capture_on_miss = True  # `served`: only the buckets these workloads need are captured
     results = []
-    for wid in WORKLOADS:
+    for wid in workload_ids:
         cands, groups = request_candidates(get_workload(wid).request)
         lay = tree_layout(cands, groups)
         grid = smallest_bucket(lay, default_grid())
@@ -108,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
             same = torch.equal(run(), exact()[: len(cands)])
             row[name] = {"bucket": bucket.__dict__, "ms": timed(run), "bitwise_vs_exact": same}
+            if args.kernels and name == "grid":
+                exact_profile, grid_profile = profiled(exact, args.profile_calls), profiled(run, args.profile_calls)
+                row["kernel_padding_ms"] = kernel_padding(exact_profile.pop("stats"), grid_profile.pop("stats"))
+                row["exact_profile"], row["grid_profile"] = exact_profile, grid_profile
         prepared = engine.prepare(cands, groups)  # the served path: host plan, staging copy, the cache's graph
         served = partial(engine.forward, prepared)
         row["served"] = {"ms": timed(served), "bitwise_vs_exact": torch.equal(served(), exact()[: len(cands)])}
@@ -118,12 +167,18 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     k: (v if not isinstance(v, dict) else {"ms": round(v["ms"], 2), "bitwise": v["bitwise_vs_exact"]})
                     for k, v in row.items()
+                    if k not in ("kernel_padding_ms", "exact_profile", "grid_profile")
                 }
             )
         )
-    record = {"env": envinfo.collect("cuda"), "workloads": results}
-    with open(os.path.join(os.environ.get("OUT", "."), "padding-cost.json"), "w") as out:
-        json.dump(record, out, indent=1)
+        for kernel in row.get("kernel_padding_ms", [])[:12]:
+            print(f"  {kernel['padding_ms']:+8.3f} ms  {kernel['exact_ms']:8.3f} -> {kernel['bucket_ms']:8.3f}  "
+                  f"{kernel['name'][:90]}")  # fmt: skip
+    env = envinfo.collect("cuda")
+    record = {"stage": args.stage, "env": env, "workloads": results}
+    out = args.out or REPO / "results" / "graphs" / f"{envinfo.record_stem(env)}-padding-{args.stage}.json"
+    envinfo.write_json(record, out)
+    print(f"record: {out}")
     return 0
 
 
