@@ -7,7 +7,10 @@ One process, 27B synthetic weights (seed 0). Per workload, the request's own unp
 (`exact_ms`), then the request laid out at five buckets, each captured on the request's own padded plan and replayed
 (median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket, with its candidate classes),
 `previous_grid` (the bucket of the grid it replaced, `measure.grid_coverage.previous_grid`: the one the first
-records measured), `grid_but_actual_max_qk` (the grid's bucket with the attention maxima of the request),
+records measured), `finer_rows_grid` (the bucket of `finer_rows_grid()`: the default grid with the rows step halved
+above 256 rows, every 16 to 512, 32 to 1,024, 64 to 1,280, the candidate classes and slot factors unchanged: what a
+finer rows grid would give the request), `grid_but_actual_max_qk` (the grid's bucket with the attention maxima of the
+request),
 `grid_rows_minimal_rest` (the grid's rows, every other capacity just what the request and one dummy node need) and
 `one_dummy_row_minimal_rest` (one dummy row); then `served`: `engine.forward` of the prepared request through the
 graph cache (the host plan copied into the captured arena through the pinned staging buffer, the replay, the output
@@ -37,7 +40,7 @@ from ablations import envinfo
 from ablations.probes import cuda_time_ms
 from ablations.timing import profile_kernels
 from ablations.workloads import get_workload
-from engine.graphs import capture_forward, default_grid, smallest_bucket
+from engine.graphs import candidate_classes, capture_forward, default_grid, grid_bucket, slot_factors, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
 from engine.stages import build_engine, config_of, prepare_process
 from engine.weights import MergedWeights
@@ -68,6 +71,20 @@ def minimal(lay, rows):
         candidates=len(lay.candidate_lens),
         max_q=max(lay.max_q, dummy),
         max_k=max(lay.max_k, dummy),
+    )
+
+
+FINER_ROWS = (*range(64, 257, 16), *range(272, 513, 16), *range(544, 1025, 32), *range(1088, 1281, 64))
+
+
+def finer_rows_grid() -> tuple[Bucket, ...]:
+    """The default grid (engine/graphs.py) with the rows step halved above 256 rows (`FINER_ROWS`, 424 buckets against
+    264): a candidate, measured here before any change to the engine's grid."""
+    return tuple(
+        grid_bucket(rows, factor, candidates)
+        for rows in FINER_ROWS
+        for candidates in candidate_classes(rows)
+        for factor in slot_factors(candidates)
     )
 
 
@@ -126,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         lay = tree_layout(cands, groups)
         grid = smallest_bucket(lay, default_grid())
         previous = smallest_bucket(lay, previous_grid())
+        finer = smallest_bucket(lay, finer_rows_grid())
         exact = engine.exact_graph(cands, groups)
+        if grid is None or exact is None:  # outside the grid, or several batches: no bucketed graph to compare
+            print(f"{wid}: skipped (grid bucket {grid}, exact-plan graph {'none' if exact is None else 'built'})")
+            results.append({"id": wid, "rows": lay.rows, "skipped": "no grid bucket or no single-batch exact plan"})
+            continue
         row = {"id": wid, "rows": lay.rows, "grid_bucket": grid.name, "exact_ms": timed(exact)}
-        row["previous_grid_bucket"] = previous.name
+        row["previous_grid_bucket"] = None if previous is None else previous.name
         variants = {
             "grid": grid,
             "previous_grid": previous,
+            "finer_rows_grid": finer,
             "grid_but_actual_max_qk": dataclasses.replace(
                 grid, max_q=max(lay.max_q, grid.rows - lay.rows), max_k=max(lay.max_k, grid.rows - lay.rows)
             ),
@@ -139,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "one_dummy_row_minimal_rest": minimal(lay, lay.rows + 1),
         }
         for name, bucket in variants.items():
-            if bucket_padding(lay, bucket) is None:
+            if bucket is None or bucket_padding(lay, bucket) is None:
                 row[name] = None
                 continue
             plan = plan_tree(cands, groups, device="cuda", bucket=bucket)

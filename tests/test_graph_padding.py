@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ablations.timing import kernel_stats
-from measure.graph_padding import kernel_padding, main
+from engine.graphs import default_grid
+from measure.graph_padding import finer_rows_grid, kernel_padding, main
 
 
 def trace(kernels: list[tuple[str, float]]) -> list[dict]:
@@ -41,3 +42,13 @@ def test_refuses_a_stage_without_graphs_and_an_unknown_workload_before_building(
     with pytest.raises(SystemExit) as calls:
         main(["--stage", "core", "--profile-calls", "0"])
     assert calls.value.code == 2
+
+
+def test_the_finer_rows_grid_halves_the_step_above_256_rows_and_holds_the_default_grid():
+    finer = finer_rows_grid()
+    assert len(finer) == 424 and len(set(finer)) == 424
+    assert set(default_grid()) <= set(finer)
+    rows = sorted({bucket.rows for bucket in finer})
+    steps = {b - a for a, b in zip(rows, rows[1:])}
+    assert steps == {16, 32, 64} and rows[0] == 64 and rows[-1] == 1280
+    assert [b - a for a, b in zip(rows, rows[1:]) if a >= 256 and b <= 512] == [16] * 16
