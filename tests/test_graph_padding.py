@@ -52,3 +52,62 @@ def test_the_finer_rows_grid_halves_the_step_above_256_rows_and_holds_the_defaul
     steps = {b - a for a, b in zip(rows, rows[1:])}
     assert steps == {16, 32, 64} and rows[0] == 64 and rows[-1] == 1280
     assert [b - a for a, b in zip(rows, rows[1:]) if a >= 256 and b <= 512] == [16] * 16
+
+
+def test_the_record_with_the_gpu_parts_stubbed(monkeypatch, tmp_path):
+    """The tool's record on the CPU, every CUDA step replaced by a stand-in (capture, replay, timing, profiler): each
+    variant's bucket, the per-kernel table of the grid bucket against the exact plan, the served path; and a workload
+    outside the grid (hand-off) skipped with its reason. Checks the code path the device runs, not a measurement."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    import measure.graph_padding as tool
+
+    count = {"drone": 7}
+
+    class Engine:
+        device = torch.device("cpu")
+        graphs = SimpleNamespace(capture_on_miss=False)
+
+        def exact_graph(self, cands, groups):
+            return None if len(cands) > 8 else (lambda: torch.ones(len(cands), 4))
+
+        def _forward_plan(self, plan):
+            return torch.ones(count["drone"], 4)
+
+        def prepare(self, cands, groups):
+            return SimpleNamespace(batches=[SimpleNamespace(graph_hit=True)], count=len(cands))
+
+        def forward(self, prepared):
+            return torch.ones(prepared.count, 4)
+
+    class Graph:
+        def replay(self):
+            pass
+
+    profiles = iter([[("walk", 900.0), ("gemm", 3000.0)], [("walk", 1300.0), ("gemm", 3100.0), ("solve", 40.0)]])
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool, "prepare_process", lambda stages, device: {})
+    monkeypatch.setattr(tool, "synthetic_weights", lambda *a, **k: None)
+    monkeypatch.setattr(tool.MergedWeights, "from_decision_weights", staticmethod(lambda weights: None))
+    monkeypatch.setattr(tool, "build_engine", lambda merged, stage: Engine())
+    monkeypatch.setattr(tool, "plan_tree", lambda cands, groups, device, bucket: SimpleNamespace(arena=None))
+    monkeypatch.setattr(tool, "capture_forward", lambda fn, arena, device: (Graph(), fn()))
+    monkeypatch.setattr(tool, "timed", lambda fn: (fn(), 2.5)[1])
+    monkeypatch.setattr(tool, "profile_kernels", lambda fn, calls, top: kernel_stats(trace(next(profiles)), calls))
+    monkeypatch.setattr(tool.envinfo, "collect", lambda device: {"utc": "2026-12-06T00:00:00Z", "gpu": None,
+                                                                 "git_commit": "0000000"})  # fmt: skip
+    out = tmp_path / "padding.json"
+    assert main(["--stage", "core", "--workloads", "drone,long-10k-choice-5", "--kernels", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["stage"] == "core"
+    drone, long = record["workloads"]
+    assert drone["grid_bucket"] == "r352-s1074-c8" and drone["finer_rows_grid"]["bucket"]["rows"] == 352
+    assert drone["one_dummy_row_minimal_rest"]["bucket"]["rows"] == 338
+    assert all(drone[name]["bitwise_vs_exact"] for name in ("grid", "finer_rows_grid", "served"))
+    assert [k["name"] for k in drone["kernel_padding_ms"]] == ["walk", "gemm", "solve"]
+    assert drone["kernel_padding_ms"][0]["padding_ms"] == pytest.approx(0.08)  # 400 us over 5 profiled calls
+    assert drone["grid_profile"]["gpu_busy_ms"] == pytest.approx(0.888) and "stats" not in drone["grid_profile"]
+    assert long["skipped"] and "grid_bucket" not in long
