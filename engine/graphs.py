@@ -123,11 +123,12 @@ def grid_bucket(rows: int, slot_factor: int, candidates: int | None = None, chun
     )
 
 
-def default_grid() -> tuple[Bucket, ...]:
-    """Every (rows, candidate class, slot factor) of the module docstring's grid, rows ascending."""
+def default_grid(rows_grid: Sequence[int] = ROWS_GRID) -> tuple[Bucket, ...]:
+    """Every (rows, candidate class, slot factor) of the module docstring's grid, rows ascending; `rows_grid` other
+    rows sizes with the same classes and factors (`measure.graph_padding` times a finer one)."""
     return tuple(
         grid_bucket(rows, factor, candidates)
-        for rows in ROWS_GRID
+        for rows in rows_grid
         for candidates in candidate_classes(rows)
         for factor in slot_factors(candidates)
     )

@@ -40,7 +40,7 @@ from ablations import envinfo
 from ablations.probes import cuda_time_ms
 from ablations.timing import profile_kernels
 from ablations.workloads import get_workload
-from engine.graphs import candidate_classes, capture_forward, default_grid, grid_bucket, slot_factors, smallest_bucket
+from engine.graphs import capture_forward, default_grid, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
 from engine.stages import build_engine, config_of, prepare_process
 from engine.weights import MergedWeights
@@ -80,12 +80,7 @@ FINER_ROWS = (*range(64, 257, 16), *range(272, 513, 16), *range(544, 1025, 32), 
 def finer_rows_grid() -> tuple[Bucket, ...]:
     """The default grid (engine/graphs.py) with the rows step halved above 256 rows (`FINER_ROWS`, 424 buckets against
     264): a candidate, measured here before any change to the engine's grid."""
-    return tuple(
-        grid_bucket(rows, factor, candidates)
-        for rows in FINER_ROWS
-        for candidates in candidate_classes(rows)
-        for factor in slot_factors(candidates)
-    )
+    return default_grid(FINER_ROWS)
 
 
 WORKLOADS = (
@@ -110,10 +105,10 @@ def kernel_padding(exact, bucket) -> list[dict]:
     return sorted(rows, key=lambda row: -row["padding_ms"])
 
 
-def profiled(fn, calls: int) -> dict:
-    stats = profile_kernels(fn, calls, top=1000)  # every kernel, so that the two profiles compare name by name
+def profile_summary(stats) -> dict:
+    """What the record keeps of a profile beside `kernel_padding`: busy and idle time, kernel count, families."""
     return {"gpu_busy_ms": stats.gpu_busy_ms, "idle_between_kernels_ms": stats.idle_ms,
-            "kernels_per_forward": stats.kernels_per_forward, "families": stats.families, "stats": stats}  # fmt: skip
+            "kernels_per_forward": stats.kernels_per_forward, "families": stats.families}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             same = torch.equal(run(), exact()[: len(cands)])
             row[name] = {"bucket": bucket.__dict__, "ms": timed(run), "bitwise_vs_exact": same}
             if args.kernels and name == "grid":
-                exact_profile, grid_profile = profiled(exact, args.profile_calls), profiled(run, args.profile_calls)
-                row["kernel_padding_ms"] = kernel_padding(exact_profile.pop("stats"), grid_profile.pop("stats"))
-                row["exact_profile"], row["grid_profile"] = exact_profile, grid_profile
+                # every kernel (top=1000), so that the two profiles compare name by name
+                exact_stats, grid_stats = (profile_kernels(fn, args.profile_calls, top=1000) for fn in (exact, run))
+                row["kernel_padding_ms"] = kernel_padding(exact_stats, grid_stats)
+                row["exact_profile"], row["grid_profile"] = profile_summary(exact_stats), profile_summary(grid_stats)
         prepared = engine.prepare(cands, groups)  # the served path: host plan, staging copy, the cache's graph
         served = partial(engine.forward, prepared)
         row["served"] = {"ms": timed(served), "bitwise_vs_exact": torch.equal(served(), exact()[: len(cands)])}

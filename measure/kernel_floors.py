@@ -97,14 +97,14 @@ def gdn_core_budget(record: dict, stage: str, targets: dict[str, float], s: Mode
     budget <= 0 asks the impossible and has no speed-up). Families and kernel times from the record's stage."""
     gdn_layers = s.layer_types.count("linear_attention")
     table = {(row["workload"], row["kernel"]): row for row in floors(record, stage)}  # raises without the stage
-    timed = {st["name"]: {w["id"]: w for w in st["workloads"]} for st in record["stages"]}
+    graphs = {w["id"]: w for st in record["stages"] if st["name"] == "graphs" for w in st["workloads"]}  # optional
     out = []
     for workload_id, target in targets.items():
         workload = timed_workload(record, stage, workload_id)
         families = {name: f["ms_per_forward"] for name, f in workload["kernel_families"].items()}
         gdn, ours = families["gdn_core"], families["ours"]
         others = sum(ms for name, ms in families.items() if name not in ("gemm", "gdn_core", "ours"))
-        fla = (timed.get("graphs", {}).get(workload_id) or {}).get("kernel_families", {}).get("gdn_core", {})
+        fla = graphs.get(workload_id, {}).get("kernel_families", {}).get("gdn_core", {})
         calls = {k["name"]: k["calls_per_forward"] for k in workload.get("top_kernels", [])}
         saved = {"measured": 0.0, "capped": 0.0, "floor": 0.0}
         for kernel in KERNELS:

@@ -65,17 +65,15 @@ def test_the_record_with_the_gpu_parts_stubbed(monkeypatch, tmp_path):
 
     import measure.graph_padding as tool
 
-    count = {"drone": 7}
-
     class Engine:
         device = torch.device("cpu")
         graphs = SimpleNamespace(capture_on_miss=False)
 
         def exact_graph(self, cands, groups):
-            return None if len(cands) > 8 else (lambda: torch.ones(len(cands), 4))
+            return lambda: torch.ones(len(cands), 4)
 
         def _forward_plan(self, plan):
-            return torch.ones(count["drone"], 4)
+            return torch.ones(7, 4)  # drone's candidates
 
         def prepare(self, cands, groups):
             return SimpleNamespace(batches=[SimpleNamespace(graph_hit=True)], count=len(cands))
