@@ -93,6 +93,16 @@ interpreter runs any BV. Loading each chunk's `rows` one chunk ahead (so that it
 that load first) gave the same bits and was slower on an H100: +4.7 / +1.9 / +7.9 us a layer on drone /
 easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code at commit 450783f).
 
+Stored operands (`stored_operands`, not the stage's: under test). w = T · (K ⊙ β ⊙ 2^γ) and the masked Q Kᵀ depend on
+no state, yet the walk computes both in each of a head's V / BV programs, on the path from one chunk's state to the
+next. With `stored_operands` a third launch between the solve and the walk (`_gdn_chunk_operands_kernel`, one program
+per walked (chunk, value head), 4 warps, the walk's own functions on the walk's tiles) stores them bf16 in w_qk [T, Hv,
+K + 64], and the walk loads them: sm_90 (Triton 3.9, drone's bucket with the walk and `rows`) 2,208 walk instructions
+against 2,808, the new launch 1,384 at 178 registers without spills. Same bits under the interpreter
+(tests/test_gdn_chunk.py `test_stored_operands_give_the_walks_bits`); on the GPU the probe's variant `stored-operands`
+says whether the walk's shorter chunks pay for the launch and for the walk's 24 KB more loads a chunk, and its bits
+against the stage's.
+
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
 * v3.6 (53af88e, dropped): the walk's chunks in up to three loops ending at the publish points. With the publish (a
@@ -171,6 +181,7 @@ import triton.language as tl
 from kernels.gdn_chunk_body import (
     RCP_LN2,
     _chunk_output,
+    _chunk_qk,
     _chunk_state,
     _chunk_u,
     _chunk_w,
@@ -333,13 +344,65 @@ def _store_block_row(solved, token0, rows_left, i_hv, ROW_BLOCK: tl.constexpr, b
 
 
 @triton.jit
+def _gdn_chunk_operands_kernel(
+    q,
+    k,
+    g,
+    beta,
+    solved,
+    w_qk,
+    cu_seqlens,
+    chunk_indices,
+    walk,
+    slot_rows,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    ROUND: tl.constexpr,
+    TREE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):
+    """The walk's state-independent operands of one (chunk, value head), from the solve launch's T: w = bf16↓(T ·
+    bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)) into w_qk[..., :K] and bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) into w_qk[..., K:] (w_qk
+    [T, Hv, K + 64], row r of the chunk at its slot), by the walk's own functions on the walk's tiles (4 warps). Chunks
+    the walk does not compute are skipped as in the solve launch (`_solve_chunk`)."""
+    BT: tl.constexpr = 64
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
+    needed, dummy, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
+    if needed:
+        o_t = tl.arange(0, BT)
+        o_k = tl.arange(0, KEY_DIM)
+        token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
+            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
+        )
+        k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
+        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+        t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
+                      other=0.0)  # fmt: skip
+        w_op = _chunk_w(_loaded_operand(t16, ROUND, TORCH_CPU), k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+        q_op = _loaded_operand(
+            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+        )
+        qk_op = _chunk_qk(q_op, _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+        out_rows = (token * VALUE_HEADS + i_hv) * (KEY_DIM + BT)
+        tl.store(w_qk + out_rows[:, None] + o_k[None, :], w_op, mask=valid[:, None])
+        tl.store(w_qk + (out_rows + KEY_DIM)[:, None] + o_t[None, :], qk_op, mask=valid[:, None])
+
+
+@triton.jit
 def _walk_chunk(
-    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+    q, k, v, g, beta, o, solved, w_qk, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    STORED_OPERANDS: tl.constexpr,
 ):  # fmt: skip
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
-    the chunk."""
+    the chunk. With STORED_OPERANDS, w and the chunk's masked Q Kᵀ are read from `w_qk` (`_gdn_chunk_operands_kernel`)
+    instead of computed here."""
     BT: tl.constexpr = 64
     token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
         g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
@@ -356,7 +419,12 @@ def _walk_chunk(
     t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
 
     # w = T (K beta 2^γ), u = T (V beta)
-    w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    if STORED_OPERANDS:
+        w_rows = (token * VALUE_HEADS + i_hv) * (KEY_DIM + BT)
+        w_op = _loaded_operand(tl.load(w_qk + w_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND,
+                               TORCH_CPU)  # fmt: skip
+    else:
+        w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
     b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
     b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
 
@@ -366,7 +434,13 @@ def _walk_chunk(
     q_op = _loaded_operand(
         tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
     )
-    b_o = _chunk_output(state_op, v_new, q_op, k_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
+    if STORED_OPERANDS:
+        qk_op = _loaded_operand(
+            tl.load(w_qk + (w_rows + KEY_DIM)[:, None] + o_t[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+        )
+    else:
+        qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    b_o = _chunk_output(state_op, v_new, q_op, qk_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
     o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
     if ROUND:
         tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
@@ -408,6 +482,7 @@ def _gdn_chunk_fwd_kernel(
     h0,
     ht,
     solved,
+    w_qk,
     cu_seqlens,
     walk,
     bank,
@@ -426,6 +501,7 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
+    STORED_OPERANDS: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
@@ -441,27 +517,27 @@ def _gdn_chunk_fwd_kernel(
             i_n = tl.load(walk + group * WALK_WIDTH).to(tl.int64)
             row = walk + i_n * WALK_WIDTH
             _walk_sequence(
-                q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n,
+                q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, i_n,
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
             )  # fmt: skip
     else:
         _walk_sequence(
-            q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
+            q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
         )  # fmt: skip
 
 
 @triton.jit
 def _walk_sequence(
-    q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start, source,
-    publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
-    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
+    q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start,
+    source, publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr, STORED_OPERANDS: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
@@ -493,8 +569,8 @@ def _walk_sequence(
 
     for i_t in range(start, num_chunks):
         state = _walk_chunk(
-            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
-            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
+            q, k, v, g, beta, o, solved, w_qk, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
@@ -530,6 +606,7 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
+    stored_operands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -546,6 +623,9 @@ def gdn_chunk_forward(
     when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
+    `stored_operands`: a third launch between the two computes every walked chunk's w and masked Q Kᵀ once per value
+    head (`_gdn_chunk_operands_kernel`) and the walk reads them instead of computing them in each value block's program
+    (module docstring, "Stored operands").
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -607,13 +687,40 @@ def gdn_chunk_forward(
         slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
         bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
         flags = torch.empty(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)  # the solve zeroes
+    if chunk_indices is None:
+        chunk_indices = chunk_indices_of(cu_seqlens)
     solved = gdn_chunk_solve(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
         solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
+    dot_precision = "tf32" if bf16_points else "ieee"  # bf16 operands: the precision is not used
+    w_qk = solved  # not read without STORED_OPERANDS
     with ieee_quiet(torch_cpu):
+        if stored_operands and chunk_indices.shape[0]:
+            w_qk = torch.empty((tokens, value_heads, key_dim + CHUNK), dtype=solved.dtype, device=device)
+            _gdn_chunk_operands_kernel[(chunk_indices.shape[0], value_heads)](
+                q,
+                k,
+                g,
+                beta,
+                solved,
+                w_qk,
+                cu_seqlens,
+                chunk_indices,
+                chunk_indices if walk is None else walk,  # not read without TREE
+                chunk_indices if rows is None else rows,  # not read without HAS_ROWS
+                KEY_HEADS=key_heads,
+                VALUE_HEADS=value_heads,
+                KEY_DIM=key_dim,
+                ROUND=bf16_points,
+                TREE=walk is not None,
+                HAS_ROWS=rows is not None,
+                DOT_PRECISION=dot_precision,
+                TORCH_CPU=torch_cpu,
+                num_warps=num_warps,
+            )
         _gdn_chunk_fwd_kernel[grid](
             q,
             k,
@@ -624,6 +731,7 @@ def gdn_chunk_forward(
             o if initial_state is None else initial_state,  # not read without HAS_H0
             o if final is None else final,  # not written without STORE_HT
             solved,
+            w_qk,
             cu_seqlens,
             cu_seqlens if walk is None else walk,  # not read without TREE
             bank,
@@ -640,8 +748,9 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
-            DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
+            DOT_PRECISION=dot_precision,
             TORCH_CPU=torch_cpu,
+            STORED_OPERANDS=stored_operands,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),

@@ -230,22 +230,24 @@ def _chunk_u(t_op, b_v, b_beta, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr
 
 
 @triton.jit
-def _chunk_output(
-    state_op, v_new, q_op, k_op, b_gc, scale, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):  # fmt: skip
-    """o = scale · (Q S_b ⊙ 2^γ) + scale · (bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) · bf16↓(v')), from the chunk-start
-    state S_b (as the operand `state_op`) and v' = u − w S_b; fp32."""
-    inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
+def _chunk_qk(q_op, k_op, b_gc, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr):
+    """bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) as a dot operand: the chunk's intra-chunk attention, [64, 64]."""
     b_qk = tl.dot(q_op, tl.trans(k_op), input_precision=DOT_PRECISION)
     o_t = tl.arange(0, 64) + _opaque_zero()  # the causal mask rebuilt in every chunk: not live across the loop
     causal = o_t[:, None] >= o_t[None, :]
     b_qk = tl.where(causal, b_qk * tl.exp2(b_gc[:, None] - b_gc[None, :]), 0.0)  # inf above: never selected
-    intra = tl.dot(
-        _rounded_operand(b_qk, ROUND, TORCH_CPU),
-        _rounded_operand(v_new, ROUND, TORCH_CPU),
-        input_precision=DOT_PRECISION,
-    )
+    return _rounded_operand(b_qk, ROUND, TORCH_CPU)
+
+
+@triton.jit
+def _chunk_output(
+    state_op, v_new, q_op, qk_op, b_gc, scale, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
+):  # fmt: skip
+    """o = scale · (Q S_b ⊙ 2^γ) + scale · (qk_op · bf16↓(v')), from the chunk-start state S_b (as the operand
+    `state_op`), v' = u − w S_b and the chunk's masked Q Kᵀ operand (`_chunk_qk`); fp32."""
+    inter = tl.dot(q_op, state_op, input_precision=DOT_PRECISION) * tl.exp2(b_gc)[:, None]
+    intra = tl.dot(qk_op, _rounded_operand(v_new, ROUND, TORCH_CPU), input_precision=DOT_PRECISION)
     return inter * scale + intra * scale
 
 
