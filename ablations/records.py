@@ -38,8 +38,9 @@ them): `kernel_families` {family: {calls_per_forward, ms_per_forward}} over abla
 summed kernel time of GEMMs + GDN core + attention core per forward and `core_multiple` = median_ms / core_ms;
 `gemm_ms` and `gemm_multiple` the same for the GEMMs alone; `idle_between_kernels_ms` and `top_gaps` the time
 between kernels in the profiled window and the kernel pairs with the most of it (ablations.timing.kernel_gaps);
-`lead_to_first_kernel_ms` the time from the profiled call's first host event to its first kernel (the host's work
-before the GPU ran anything: ablations.timing.kernel_lead);
+records of 9a6886e also hold `lead_to_first_kernel_ms`, the profiled call's first host event to its first kernel,
+since dropped: under the profiler it was 0.9-5.0 ms where the timed medians' excess over busy + idle was 1.2-4.9
+(engine/stages/core.md, "Campaign 37");
 `host_median_ms` the median host time until a timed call returned (GPU only); `host_profile` (GPU, headline
 workload only) cProfile's top functions of one call.
 Headline workload only, once the reference states exist: `state_rel_rmse` (relative RMSE against the reference per

@@ -477,7 +477,6 @@ class Run:
         result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
         result["idle_between_kernels_ms"] = kernels.idle_ms if kernels else None
         result["top_gaps"] = kernels.top_gaps if kernels else []
-        result["lead_to_first_kernel_ms"] = kernels.lead_ms if kernels else None
         result["top_kernels"] = kernels.top_kernels if kernels else []
         result["kernel_families"] = kernels.families if kernels else None
         result["host_profile"] = host

@@ -160,7 +160,6 @@ class KernelStats:
     families: dict[str, dict]  # per family (FAMILIES): calls per forward, ms per forward (summed kernel time)
     idle_ms: float  # per forward: the GPU's time between kernels in the profiled window (`kernel_gaps`)
     top_gaps: list[dict]  # the kernel pairs with the most idle time between them (`kernel_gaps`)
-    lead_ms: float | None = None  # the window's first host op to its first kernel (`kernel_lead`); None without ops
 
     @property
     def core_ms(self) -> float:
@@ -188,23 +187,7 @@ def kernel_stats(trace_events: list[dict], calls: int, top: int = 24) -> KernelS
         family["calls_per_forward"] += len(durs) / calls
         family["ms_per_forward"] += sum(durs) / calls / 1e3
     idle_ms, top_gaps = kernel_gaps(kernels, calls)
-    lead_ms = kernel_lead(trace_events, kernels)
-    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families, idle_ms, top_gaps, lead_ms)
-
-
-HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")  # the trace's host-side events
-
-
-def kernel_lead(trace_events: list[dict], kernels: list[dict]) -> float | None:
-    """Ms from the profiled window's first host event (a torch op or CUDA API call: `HOST_CATEGORIES`) to its first
-    kernel: what the first call's host work (planning, the staging copy, the graph launch) and any copy before the
-    kernels cost the GPU before anything ran. With one profiled call, window = lead + busy + idle (`kernel_gaps`), so
-    a timed median above that sum was lost outside the call or to a slower card; with several, only the first call's
-    lead is seen (the later ones overlap the GPU's work). None without host events or kernels."""
-    host = [float(e["ts"]) for e in trace_events if e.get("cat") in HOST_CATEGORIES and "ts" in e]
-    if not host or not kernels:
-        return None
-    return max(0.0, min(float(e["ts"]) for e in kernels) - min(host)) / 1e3
+    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families, idle_ms, top_gaps)
 
 
 def kernel_gaps(kernels: list[dict], calls: int, top: int = 10) -> tuple[float, list[dict]]:

@@ -93,16 +93,6 @@ interpreter runs any BV. Loading each chunk's `rows` one chunk ahead (so that it
 that load first) gave the same bits and was slower on an H100: +4.7 / +1.9 / +7.9 us a layer on drone /
 easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code at commit 450783f).
 
-Stored operands (`stored_operands`, not the stage's: under test). w = T · (K ⊙ β ⊙ 2^γ) and the masked Q Kᵀ depend on
-no state, yet the walk computes both in each of a head's V / BV programs, on the path from one chunk's state to the
-next. With `stored_operands` a third launch between the solve and the walk (`_gdn_chunk_operands_kernel`, one program
-per walked (chunk, value head), 4 warps, the walk's own functions on the walk's tiles) stores them bf16 in w_qk [T, Hv,
-K + 64], and the walk loads them: sm_90 (Triton 3.9, drone's bucket with the walk and `rows`) 2,208 walk instructions
-against 2,808, the new launch 1,384 at 178 registers without spills. Same bits under the interpreter
-(tests/test_gdn_chunk.py `test_stored_operands_give_the_walks_bits`); on the GPU the probe's variant `stored-operands`
-says whether the walk's shorter chunks pay for the launch and for the walk's 24 KB more loads a chunk, and its bits
-against the stage's.
-
 Version history (timings: one layer's core inside CUDA graphs on the H200, `python -m measure.gdn_chunk_probe`,
 engine/stages/core.md):
 * v3.6 (53af88e, dropped): the walk's chunks in up to three loops ending at the publish points. With the publish (a
@@ -114,6 +104,12 @@ engine/stages/core.md):
   walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
   customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
   interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
+* stored operands (9a6886e, dropped): a third launch between the solve and the walk computed every walked chunk's w and
+  masked Q Kᵀ once per value head (4 warps, the walk's functions and tiles) and stored them bf16; the walk loaded them
+  instead of computing them in each of a head's two value-block programs (sm_90, Triton 3.9: 2,208 walk instructions
+  against 2,808, the new launch 1,384 at 178 registers). The same bits under the interpreter; on an H100 (probe of
+  9a6886e, one process) slower on all three workloads: 82.2 / 49.7 / 152.0 us a layer on drone / easy-intent-00 /
+  customer_service against the stage's 75.2 / 45.2 / 142.6. Attempt `gdn-chunk-walk-stored-operands`.
 * v3.7 (this file): v3.5 with the walk's tickets and flags zeroed by the solve launch's programs (`ZERO_FLAGS`, a
   grid-stride loop of 128-flag stores) instead of a torch fill kernel in front of it: one launch and one graph node
   fewer a GDN layer (48 fills a forward, 1.09 us each on drone in the H100 record of 1143e81, plus the node's gap).
@@ -125,7 +121,11 @@ engine/stages/core.md):
   interpreter (the solve and the forward on three head shapes, every solve, both modes). On the H200 (probe of
   827fa63): the core 71.2 / 44.0 / 136.4 us a layer on drone / easy-intent-00 / customer_service, the solve alone
   11.4 / 9.9 / 19.5 (FLA 145.3 / 91.0 / 493.9); the GPU tests green (engine/stages/core.md, "The H200 record of
-  827fa63"); no same-process timing of v3.5 on that card.
+  827fa63"); no same-process timing of v3.5 on that card. Since 9a6886e the chunk's masked Q Kᵀ is a function of its
+  own (`kernels.gdn_chunk_body._chunk_qk`, kept from the stored-operands attempt above), which moves it ahead of the
+  inter-chunk dot: sm_90 (Triton 3.9) 2,808 walk instructions and 164 bytes of spills against 2,824 and 224, the
+  stage's answers unchanged (JevBench through core on an H100 at 9a6886e: every flip and max |dp| of 827fa63's H200
+  run), the probe's core 75.2 / 45.2 / 142.6 us a layer on an H100 (v3.5 at 37d05bf: 75.0 / 46.9 / 141.6).
 * v3.5: v3.4 with the "blocks-doubling" solve as the stage's (the diagonal blocks by doubling, above; the
   walk unchanged). On an H100 (probe of 37d05bf, one process): the core 75.0 / 46.9 / 141.6 us a layer on drone /
   easy-intent-00 / customer_service against fla-blocks' 80.3 / 51.7 / 151.9 (FLA 134.5 / 81.5 / 527.4).
@@ -344,65 +344,13 @@ def _store_block_row(solved, token0, rows_left, i_hv, ROW_BLOCK: tl.constexpr, b
 
 
 @triton.jit
-def _gdn_chunk_operands_kernel(
-    q,
-    k,
-    g,
-    beta,
-    solved,
-    w_qk,
-    cu_seqlens,
-    chunk_indices,
-    walk,
-    slot_rows,
-    KEY_HEADS: tl.constexpr,
-    VALUE_HEADS: tl.constexpr,
-    KEY_DIM: tl.constexpr,
-    ROUND: tl.constexpr,
-    TREE: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):
-    """The walk's state-independent operands of one (chunk, value head), from the solve launch's T: w = bf16↓(T ·
-    bf16↓(bf16↓(K ⊙ β) ⊙ 2^γ)) into w_qk[..., :K] and bf16↓(causal(Q Kᵀ ⊙ 2^(γ_r − γ_s))) into w_qk[..., K:] (w_qk
-    [T, Hv, K + 64], row r of the chunk at its slot), by the walk's own functions on the walk's tiles (4 warps). Chunks
-    the walk does not compute are skipped as in the solve launch (`_solve_chunk`)."""
-    BT: tl.constexpr = 64
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
-    needed, dummy, bos, seq_len, i_t = _solve_chunk(cu_seqlens, chunk_indices, walk, i_c, TREE)
-    if needed:
-        o_t = tl.arange(0, BT)
-        o_k = tl.arange(0, KEY_DIM)
-        token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
-            g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-        )
-        k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
-        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
-        t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
-                      other=0.0)  # fmt: skip
-        w_op = _chunk_w(_loaded_operand(t16, ROUND, TORCH_CPU), k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-        q_op = _loaded_operand(
-            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-        )
-        qk_op = _chunk_qk(q_op, _loaded_operand(k16, ROUND, TORCH_CPU), b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-        out_rows = (token * VALUE_HEADS + i_hv) * (KEY_DIM + BT)
-        tl.store(w_qk + out_rows[:, None] + o_k[None, :], w_op, mask=valid[:, None])
-        tl.store(w_qk + (out_rows + KEY_DIM)[:, None] + o_t[None, :], qk_op, mask=valid[:, None])
-
-
-@triton.jit
 def _walk_chunk(
-    q, k, v, g, beta, o, solved, w_qk, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
-    STORED_OPERANDS: tl.constexpr,
 ):  # fmt: skip
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
-    the chunk. With STORED_OPERANDS, w and the chunk's masked Q Kᵀ are read from `w_qk` (`_gdn_chunk_operands_kernel`)
-    instead of computed here."""
+    the chunk."""
     BT: tl.constexpr = 64
     token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
         g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
@@ -419,12 +367,7 @@ def _walk_chunk(
     t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
 
     # w = T (K beta 2^γ), u = T (V beta)
-    if STORED_OPERANDS:
-        w_rows = (token * VALUE_HEADS + i_hv) * (KEY_DIM + BT)
-        w_op = _loaded_operand(tl.load(w_qk + w_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND,
-                               TORCH_CPU)  # fmt: skip
-    else:
-        w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
     b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
     b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
 
@@ -434,12 +377,7 @@ def _walk_chunk(
     q_op = _loaded_operand(
         tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
     )
-    if STORED_OPERANDS:
-        qk_op = _loaded_operand(
-            tl.load(w_qk + (w_rows + KEY_DIM)[:, None] + o_t[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-        )
-    else:
-        qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
     b_o = _chunk_output(state_op, v_new, q_op, qk_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
     o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
     if ROUND:
@@ -482,7 +420,6 @@ def _gdn_chunk_fwd_kernel(
     h0,
     ht,
     solved,
-    w_qk,
     cu_seqlens,
     walk,
     bank,
@@ -501,7 +438,6 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    STORED_OPERANDS: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
@@ -517,27 +453,27 @@ def _gdn_chunk_fwd_kernel(
             i_n = tl.load(walk + group * WALK_WIDTH).to(tl.int64)
             row = walk + i_n * WALK_WIDTH
             _walk_sequence(
-                q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, i_n,
+                q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n,
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
-            q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
+            q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
 @triton.jit
 def _walk_sequence(
-    q, k, v, g, beta, o, h0, ht, solved, w_qk, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start,
-    source, publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr,
-    VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr, STORED_OPERANDS: tl.constexpr,
+    q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start, source,
+    publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
@@ -569,8 +505,8 @@ def _walk_sequence(
 
     for i_t in range(start, num_chunks):
         state = _walk_chunk(
-            q, k, v, g, beta, o, solved, w_qk, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
-            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, STORED_OPERANDS,
+            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
@@ -606,7 +542,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    stored_operands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -623,9 +558,6 @@ def gdn_chunk_forward(
     when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
-    `stored_operands`: a third launch between the two computes every walked chunk's w and masked Q Kᵀ once per value
-    head (`_gdn_chunk_operands_kernel`) and the walk reads them instead of computing them in each value block's program
-    (module docstring, "Stored operands").
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -687,40 +619,13 @@ def gdn_chunk_forward(
         slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
         bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
         flags = torch.empty(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)  # the solve zeroes
-    if chunk_indices is None:
-        chunk_indices = chunk_indices_of(cu_seqlens)
     solved = gdn_chunk_solve(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
         solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
-    dot_precision = "tf32" if bf16_points else "ieee"  # bf16 operands: the precision is not used
-    w_qk = solved  # not read without STORED_OPERANDS
     with ieee_quiet(torch_cpu):
-        if stored_operands and chunk_indices.shape[0]:
-            w_qk = torch.empty((tokens, value_heads, key_dim + CHUNK), dtype=solved.dtype, device=device)
-            _gdn_chunk_operands_kernel[(chunk_indices.shape[0], value_heads)](
-                q,
-                k,
-                g,
-                beta,
-                solved,
-                w_qk,
-                cu_seqlens,
-                chunk_indices,
-                chunk_indices if walk is None else walk,  # not read without TREE
-                chunk_indices if rows is None else rows,  # not read without HAS_ROWS
-                KEY_HEADS=key_heads,
-                VALUE_HEADS=value_heads,
-                KEY_DIM=key_dim,
-                ROUND=bf16_points,
-                TREE=walk is not None,
-                HAS_ROWS=rows is not None,
-                DOT_PRECISION=dot_precision,
-                TORCH_CPU=torch_cpu,
-                num_warps=num_warps,
-            )
         _gdn_chunk_fwd_kernel[grid](
             q,
             k,
@@ -731,7 +636,6 @@ def gdn_chunk_forward(
             o if initial_state is None else initial_state,  # not read without HAS_H0
             o if final is None else final,  # not written without STORE_HT
             solved,
-            w_qk,
             cu_seqlens,
             cu_seqlens if walk is None else walk,  # not read without TREE
             bank,
@@ -748,9 +652,8 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
-            DOT_PRECISION=dot_precision,
+            DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
-            STORED_OPERANDS=stored_operands,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),

@@ -108,8 +108,7 @@ def kernel_padding(exact, bucket) -> list[dict]:
 def profile_summary(stats) -> dict:
     """What the record keeps of a profile beside `kernel_padding`: busy and idle time, kernel count, families."""
     return {"gpu_busy_ms": stats.gpu_busy_ms, "idle_between_kernels_ms": stats.idle_ms,
-            "lead_to_first_kernel_ms": stats.lead_ms, "kernels_per_forward": stats.kernels_per_forward,
-            "families": stats.families}  # fmt: skip
+            "kernels_per_forward": stats.kernels_per_forward, "families": stats.families}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

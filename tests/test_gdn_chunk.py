@@ -283,28 +283,6 @@ def test_reading_through_the_slot_rows_gives_the_gathered_bits(tree_walk, solve)
     assert torch.isfinite(written).all()
 
 
-@pytest.mark.parametrize(("tree_walk", "bf16_points"), [(True, True), (False, True), (False, False)],
-                         ids=["tree-walk-rows", "plain-rows", "plain-rows-fp32"])  # fmt: skip
-def test_stored_operands_give_the_walks_bits(tree_walk, bf16_points):
-    """`stored_operands`: w and the masked Q Kᵀ computed by their own launch and read by the walk give every element
-    of o the bits of the walk that computes them (the same functions on the same tiles; the stored values are the
-    rounding points' bf16 values, or fp32 without rounding points), NaN-poisoned outputs written alike; V = 128 has
-    two value-block programs per head reading one stored copy."""
-    plan, call, _, packed = _packed_tree_call(seed=16)
-    dims = (1, 2, 16, 128)
-    q, k, v, g, beta, _, _ = gdn_chunk_inputs((plan.num_rows,), dims, seed=17)
-    layout = {"chunk_indices": call.chunk_indices, "rows": call.rows, "bf16_points": bf16_points}
-    layout |= {"walk": call.walk} if tree_walk else {}
-    dtype = torch.bfloat16 if bf16_points else torch.float32
-    computed, _ = gdn_chunk_forward(q, k, v, g, beta, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1, dtype)[0],
-                                    **layout)  # fmt: skip
-    stored, _ = gdn_chunk_forward(q, k, v, g, beta, call.cu_seqlens, out=_poisoned(len(call.rows), dims, 1, dtype)[0],
-                                  stored_operands=True, **layout)  # fmt: skip
-    int_view = torch.int16 if bf16_points else torch.int32
-    assert torch.equal(stored.view(int_view), computed.view(int_view))
-    assert torch.isfinite(stored[call.out_slots[call.out_rows < plan.num_rows - 73]]).all()
-
-
 def test_walked_chunks_of_the_bucketed_calls():
     """The counts engine/stages/core.md quotes (`measure.gdn_chunk_probe.walked_chunks`): chunks the tree walk
     computes on the buckets `graphs` replays."""

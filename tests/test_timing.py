@@ -40,24 +40,6 @@ def test_kernel_stats_from_a_chrome_trace():
     assert stats.core_ms == pytest.approx(0.01)
     assert stats.idle_ms == pytest.approx(5 / 2 / 1e3)  # 15..20 between norm's end and the second gemm
     assert stats.top_gaps == [{"after": "norm", "before": "gemm", "gaps_per_forward": 0.5, "ms_per_forward": 0.0025}]
-    assert stats.lead_ms == 0.0  # the first host op (aten::mm at 0) and the first kernel start together
-
-
-def test_kernel_lead_is_the_host_time_before_the_first_kernel():
-    """The lead runs from the earliest host event (op or CUDA API call) to the earliest kernel; copies, memsets and
-    annotations are neither; no host events or no kernels: None."""
-    kernels = [{"cat": "kernel", "name": "gemm", "ts": 730.0, "dur": 10}, {"cat": "kernel", "name": "norm", "ts": 745.0,
-                                                                           "dur": 2}]  # fmt: skip
-    host = [
-        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 420.0, "dur": 300},
-        {"cat": "cpu_op", "name": "aten::copy_", "ts": 130.0, "dur": 40},
-        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 90.0, "dur": 5},
-        {"cat": "gpu_user_annotation", "name": "forward", "ts": 0.0, "dur": 1000},
-    ]
-    assert timing.kernel_lead(host + kernels, kernels) == pytest.approx(0.6)
-    assert timing.kernel_stats(host + kernels, calls=1).lead_ms == pytest.approx(0.6)
-    assert timing.kernel_lead(kernels, kernels) is None
-    assert timing.kernel_lead(host, []) is None
 
 
 def test_kernel_gaps_merge_overlaps_and_rank_the_pairs():
