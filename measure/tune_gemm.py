@@ -14,7 +14,13 @@ stage runs):
   first, at limit 8, offered only split-K algorithms for down at 64 rows (K = 17,408; tests/test_gpu_gemm_tuned.py in
   results/gpu/20261201T2125Z-nvidia-h200-6871773-graphs-gemm-batching-tests.log), and a bucket with only such offers
   has no cuBLASLt candidate for the bitwise table. What the second query offers on the H200 is not measured yet.
-  Plus an explicit set: the `EXPLICIT_PER_SHAPE` non-split algorithms offered at the most buckets of the shape, each
+  Plus the non-split offers at the bucket's neighbour rows (`neighbour_rows`: `NEIGHBOUR_OFFSETS` below the bucket,
+  above the grid's previous size), timed at the bucket: cuBLAS sizes a kernel's row tile to the row count (on an H100
+  at 9a6886e drone's 337 rows ran 128x176 and 192x176 tiles, its 352-row bucket 128x192 and 192x192 ones, and the
+  bucket's GEMMs took 1.00 ms more a forward: engine/stages/core.md, "Campaign 37"), so a request padded to a bucket
+  pays the bucket's tiles, and the heuristic asked at the bucket's own rows does not offer the tiles of the rows just
+  below it. The offers of every row count asked are in the candidates record (`offers`).
+  And an explicit set: the `EXPLICIT_PER_SHAPE` non-split algorithms offered at the most buckets of the shape, each
   tried at every bucket (a one-kernel-per-shape table needs one algorithm measured everywhere). Split-K algorithms
   are tried only where offered: no bitwise bucket takes them (`select_table`), and cuBLAS's own split-K kernel for
   down was not row-count invariant on the H200 (engine/stages/tree.md). A cuBLASLt candidate's split is its
@@ -76,6 +82,7 @@ SPLITS = (2, 3, 4)
 HEURISTIC_LIMIT = 8  # offers of cuBLASLt's heuristic with every reduction scheme, per (shape, bucket)
 NON_SPLIT_LIMIT = 8  # offers of cuBLASLt's heuristic without split-K (reduction scheme NONE), per (shape, bucket)
 EXPLICIT_PER_SHAPE = 6
+NEIGHBOUR_OFFSETS = (8, 16, 24, 32, 48, 64, 96)  # rows below a bucket where the heuristic is asked too (module doc)
 WEIGHT_COPIES = 4
 FLUSH_BYTES = 256 * 2**20  # larger than the H200's 60 MiB L2
 SHIP_MARGIN = 0.02
@@ -123,15 +130,37 @@ def heuristic_offers(matmul: Any, shape: str, rows: int, skipped: list[dict]) ->
     return offers
 
 
+def neighbour_rows(buckets: Iterable[int], rows_grid: tuple[int, ...] = ROWS_GRID) -> dict[int, list[int]]:
+    """Per bucket, the row counts below it where the heuristic is asked too: bucket - d for d in `NEIGHBOUR_OFFSETS`
+    while above the grid's previous size (for the grid's first size, above its size less the grid's first step), so
+    each row count a request can have is near one of its bucket's."""
+    out = {}
+    for rows in buckets:
+        i = rows_grid.index(rows)
+        below = rows_grid[i - 1] if i else rows - (rows_grid[1] - rows_grid[0])
+        out[rows] = [rows - d for d in NEIGHBOUR_OFFSETS if rows - d > below]
+    return out
+
+
 def cublaslt_candidates(
-    shape: str, offers: dict[int, dict[str, list[dict[str, int]]]], skipped: list[dict]
+    shape: str,
+    offers: dict[int, dict[str, list[dict[str, int]]]],
+    skipped: list[dict],
+    neighbours: dict[int, list[dict[str, list[dict[str, int]]]]] | None = None,
 ) -> dict[int, list[dict[str, int]]]:
     """Per bucket rows (the keys of `offers`, `heuristic_offers` per bucket), the cuBLASLt algorithms to measure there:
-    that bucket's offers of both queries and the explicit set, the `EXPLICIT_PER_SHAPE` non-split algorithms offered
-    at the most buckets of the shape (ties in order of first offer), sorted by `kernel_key`. The buckets where no
-    non-split algorithm was offered are one entry of `skipped`, saying whether the explicit set still covers them."""
+    that bucket's offers of both queries, the non-split offers at its neighbour rows (`neighbours`: per bucket, the
+    `heuristic_offers` of each of its `neighbour_rows`), and the explicit set, the `EXPLICIT_PER_SHAPE` non-split
+    algorithms offered at the most buckets of the shape (ties in order of first offer; the buckets' own offers only),
+    sorted by `kernel_key`. The buckets where no non-split algorithm was offered are one entry of `skipped`, saying
+    whether the explicit set still covers them."""
     offered = {rows: {kernel_key(c): c for c in o["any"] + o["non_split"]} for rows, o in offers.items()}
     non_split = {rows: [key for key, c in by_key.items() if c["splitk_num"] == 1] for rows, by_key in offered.items()}
+    near = {
+        rows: {kernel_key(c) for o in (neighbours or {}).get(rows, []) for c in o["any"] + o["non_split"]
+               if c["splitk_num"] == 1}
+        for rows in offers
+    }  # fmt: skip
     counts = Counter(key for keys in non_split.values() for key in keys)
     explicit = {key for key, _ in counts.most_common(EXPLICIT_PER_SHAPE)}
     without = [rows for rows, keys in non_split.items() if not keys]
@@ -142,7 +171,8 @@ def cublaslt_candidates(
             covered = "nor at any other bucket: the shape has no non-split cuBLASLt candidate"
         why = f"cuBLASLt's heuristic offered no algorithm without split-K at these rows; {covered}"
         skipped.append({"shape": shape, "rows": without, "query": "non-split", "why": why})
-    return {rows: [json.loads(key) for key in sorted(set(by_key) | explicit)] for rows, by_key in offered.items()}
+    measured = {rows: set(by_key) | near[rows] | explicit for rows, by_key in offered.items()}
+    return {rows: [json.loads(key) for key in sorted(keys)] for rows, keys in measured.items()}
 
 
 def tuned_ceilings(ceilings: dict, measurements: Iterable[Measurement], rows_grid: tuple[int, ...]) -> dict:
@@ -266,10 +296,17 @@ def table_document(shapes: dict[str, list[dict]], env: dict[str, Any]) -> dict[s
 
 
 def measure_shape(
-    shape: str, rows_grid: tuple[int, ...], calls: int, replays: int, progress: Any, skipped: list[dict]
+    shape: str,
+    rows_grid: tuple[int, ...],
+    calls: int,
+    replays: int,
+    progress: Any,
+    skipped: list[dict],
+    offers: dict[str, Any],
 ) -> list[Measurement]:
     """Every candidate of one shape at every bucket of `rows_grid` (module docstring), on the current CUDA device;
-    candidates that could not run are appended to `skipped` with the reason."""
+    candidates that could not run are appended to `skipped` with the reason, and the heuristic's offers at each bucket
+    and its neighbour rows are put in `offers[shape]`."""
     import torch
     import torch.nn.functional as F
     from nvmath.linalg.advanced import Matmul
@@ -293,7 +330,12 @@ def measure_shape(
         matmul = Matmul(x_all[:rows], weights[0].t(), stream=torch.cuda.current_stream())
         return heuristic_offers(matmul, shape, rows, skipped)
 
-    lt_candidates = cublaslt_candidates(shape, {rows: offers_at(rows) for rows in rows_grid}, skipped)
+    bucket_offers = {rows: offers_at(rows) for rows in rows_grid}
+    near_rows = neighbour_rows(rows_grid)
+    near_offers = {rows: {r: offers_at(r) for r in near_rows[rows]} for rows in rows_grid}
+    offers[shape] = {rows: {"bucket": bucket_offers[rows], "neighbours": near_offers[rows]} for rows in rows_grid}
+    neighbours = {rows: list(by_rows.values()) for rows, by_rows in near_offers.items()}
+    lt_candidates = cublaslt_candidates(shape, bucket_offers, skipped, neighbours)
 
     def run_one(kernel: dict, rows: int, matmul: Any) -> Callable[[int], Any]:
         x, residual = x_all[:rows], residual_all[:rows]
@@ -417,7 +459,12 @@ def environment(device: Any) -> dict[str, Any]:
 
 
 def write_outputs(
-    measurements: list[Measurement], env: dict, ceilings: dict, rows_grid: tuple[int, ...], skipped: list[dict]
+    measurements: list[Measurement],
+    env: dict,
+    ceilings: dict,
+    rows_grid: tuple[int, ...],
+    skipped: list[dict],
+    offers: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
     """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
     of the grid was measured. Floors come from `tuned_ceilings` of `ceilings` and the measurements; times under them
@@ -434,7 +481,7 @@ def write_outputs(
         "floors_us": [[s, r, f] for (s, r), f in sorted(floors.items())],
         "measurements": [asdict(m) for m in measurements], "skipped": skipped, "selection": selection,
         "below_floor": below, "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"],
-        "commit": env["commit"],
+        "commit": env["commit"], "offers": offers or {},
     }  # fmt: skip
     complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) == ROWS_GRID
     if complete:
@@ -475,7 +522,8 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
         "stream_tbps": max(timing.streaming_tbps(r["ceilings"]) for r in records),
         "bf16_tflops": max(r["ceilings"]["bf16_tflops"] for r in records),
     }
-    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped)
+    offers = {shape: by_rows for r in records for shape, by_rows in r.get("offers", {}).items()}
+    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,11 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     measurements: list[Measurement] = []
     skipped: list[dict] = []
+    offers: dict[str, Any] = {}
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
-            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped)
-    written = write_outputs(measurements, env, ceilings, rows_grid, skipped)
+            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped, offers)
+    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers)
     print(json.dumps({k: str(v) for k, v in written.items()}))
     return 0
 

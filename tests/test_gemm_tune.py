@@ -14,8 +14,16 @@ import pytest
 
 from engine.gemm import NO_ALGORITHM_OFFERED, NO_SPLIT_K_MASK, offered_algorithms
 from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, load_gemm_table
+from engine.graphs import ROWS_GRID
 from measure import tune_gemm
-from measure.tune_gemm import Measurement, cublaslt_candidates, heuristic_offers, kernel_key, select_table
+from measure.tune_gemm import (
+    Measurement,
+    cublaslt_candidates,
+    heuristic_offers,
+    kernel_key,
+    neighbour_rows,
+    select_table,
+)
 
 GRID = (64, 128, 256)
 CUBLAS = {"family": "cublas"}
@@ -106,6 +114,28 @@ def test_cublaslt_candidates_keep_non_split_algorithms_and_record_buckets_withou
     ids = {rows: sorted((c["id"], c["splitk_num"]) for c in configs) for rows, configs in candidates.items()}
     assert ids == {64: [(1, 4), (2, 2), (3, 1), (6, 1)], 128: [(1, 4), (3, 1), (6, 1)], 256: [(1, 4), (3, 1), (6, 1)]}
     assert len(skipped) == 1 and skipped[0]["rows"] == [128] and "still tried there" in skipped[0]["why"]
+
+
+def test_neighbour_rows_lie_between_the_previous_size_and_the_bucket():
+    """Below each bucket, above the grid's previous size: one row count in the 16-row steps, three in the 32-row
+    steps, five in the 64-row steps, all seven offsets below 1,152 (previous 1,024); the first size counts its own
+    step below it."""
+    near = neighbour_rows(ROWS_GRID)
+    assert near[64] == [56] and near[208] == [200] and near[352] == [344, 336, 328]
+    assert near[640] == [632, 624, 616, 608, 592] and near[1152] == [1144, 1136, 1128, 1120, 1104, 1088, 1056]
+    assert all(prev < r < rows for prev, rows in zip(ROWS_GRID, ROWS_GRID[1:]) for r in near[rows])
+    assert neighbour_rows([352]) == {352: [344, 336, 328]}  # a subset of buckets keeps the grid's neighbours
+
+
+def test_neighbour_offers_are_measured_at_the_bucket_without_split_k_or_the_explicit_set():
+    """A tile offered just below a bucket (as cuBLAS sizes a 176-row tile for 337 rows) is a candidate at the bucket;
+    a neighbour's split-K offer is not, and neighbour offers do not enter the explicit set of other buckets."""
+    skipped: list[dict] = []
+    offers = {rows: heuristic_offers(FakeMatmul([offer(1)], [offer(1)]), "gate_up", rows, skipped) for rows in GRID}
+    near = {256: [heuristic_offers(FakeMatmul([offer(7), offer(8, 2)], [offer(7)]), "gate_up", 240, skipped)]}
+    candidates = cublaslt_candidates("gate_up", offers, skipped, near)
+    ids = {rows: sorted((c["id"], c["splitk_num"]) for c in configs) for rows, configs in candidates.items()}
+    assert ids == {64: [(1, 1)], 128: [(1, 1)], 256: [(1, 1), (7, 1)]} and skipped == []
 
 
 def test_a_shape_with_no_non_split_offer_anywhere_is_recorded_not_an_error():
