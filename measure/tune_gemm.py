@@ -1,7 +1,7 @@
 """The GEMM tuner of stage `gemm` (issue 14): measure every candidate kernel of every GEMM shape at every row bucket of
 the graphs grid on this GPU, select a table by the row-invariance law, and write it under results/gemm/.
 
-    python -m measure.tune_gemm [--shapes gdn_in,out] [--buckets 64,96,227] [--calls 10] [--replays 7]
+    python -m measure.tune_gemm [--shapes gdn_in,out] [--buckets 64,96,224] [--calls 10] [--replays 7] [--offers 8]
     python -m measure.tune_gemm --from-candidates results/gemm/A-candidates.json results/gemm/B-candidates.json
     nox --no-venv -s tune_gemm -- [the same options]          (on the H200)
 
@@ -10,7 +10,8 @@ stage runs):
 * `cublas`: `F.linear`.
 * `cublaslt`: the algorithms cuBLASLt's heuristic offers at that bucket (nvmath-python's `Matmul.plan`), asked twice
   (`heuristic_offers`): with every reduction scheme, up to `HEURISTIC_LIMIT`, and without split-K (reduction scheme
-  NONE: `engine.gemm.offered_algorithms`), up to `NON_SPLIT_LIMIT`. The second query is there because on the H200 the
+  NONE: `engine.gemm.offered_algorithms`), up to `NON_SPLIT_LIMIT` (`--offers N` asks both for N: a wider search,
+  recorded as the candidates record's `offer_limits`). The second query is there because on the H200 the
   first, at limit 8, offered only split-K algorithms for down at 64 rows (K = 17,408; tests/test_gpu_gemm_tuned.py in
   results/gpu/20261201T2125Z-nvidia-h200-6871773-graphs-gemm-batching-tests.log), and a bucket with only such offers
   has no cuBLASLt candidate for the bitwise table. What the second query offers on the H200 is not measured yet.
@@ -113,17 +114,24 @@ def kernel_split(kernel: dict[str, Any]) -> int:
     return kernel["algorithm"]["splitk_num"] if kernel["family"] == "cublaslt" else 1
 
 
-def heuristic_offers(matmul: Any, shape: str, rows: int, skipped: list[dict]) -> dict[str, list[dict[str, int]]]:
+def heuristic_offers(
+    matmul: Any,
+    shape: str,
+    rows: int,
+    skipped: list[dict],
+    limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
+) -> dict[str, list[dict[str, int]]]:
     """The algorithms (config dicts, `engine.gemm.cublaslt_config`) cuBLASLt's heuristic offers for one nvmath `Matmul`
-    of `shape` at `rows` rows: {"any": up to `HEURISTIC_LIMIT` with every reduction scheme, "non_split": up to
-    `NON_SPLIT_LIMIT` without split-K}. A non-split query that cuBLASLt refuses with an error, rather than offering
-    none, is appended to `skipped` with the error and counts as no offer, so the tuner goes on with the other shapes."""
+    of `shape` at `rows` rows, best first: {"any": up to limits[0] (`HEURISTIC_LIMIT`) with every reduction scheme,
+    "non_split": up to limits[1] (`NON_SPLIT_LIMIT`) without split-K}. A non-split query that cuBLASLt refuses with an
+    error, rather than offering none, is appended to `skipped` with the error and counts as no offer, so the tuner goes
+    on with the other shapes."""
     from engine.gemm import cublaslt_config, offered_algorithms
 
     # each query re-plans `matmul`: read its offers before the next one
-    offers = {"any": [cublaslt_config(a) for a in offered_algorithms(matmul, HEURISTIC_LIMIT, allow_split_k=True)]}
+    offers = {"any": [cublaslt_config(a) for a in offered_algorithms(matmul, limits[0], allow_split_k=True)]}
     try:
-        non_split = [cublaslt_config(a) for a in offered_algorithms(matmul, NON_SPLIT_LIMIT, allow_split_k=False)]
+        non_split = [cublaslt_config(a) for a in offered_algorithms(matmul, limits[1], allow_split_k=False)]
     except Exception as error:  # nvmath and cuBLASLt raise their own types
         skipped.append({"shape": shape, "rows": rows, "query": "non-split", "why": f"{type(error).__name__}: {error}"})
         non_split = []
@@ -304,10 +312,11 @@ def measure_shape(
     progress: Any,
     skipped: list[dict],
     offers: dict[str, Any],
+    limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
 ) -> list[Measurement]:
     """Every candidate of one shape at every bucket of `rows_grid` (module docstring), on the current CUDA device;
     candidates that could not run are appended to `skipped` with the reason, and the heuristic's offers at each bucket
-    and its neighbour rows are put in `offers[shape]`."""
+    and its neighbour rows (`limits`: see `heuristic_offers`) are put in `offers[shape]`."""
     import torch
     import torch.nn.functional as F
     from nvmath.linalg.advanced import Matmul
@@ -329,7 +338,7 @@ def measure_shape(
 
     def offers_at(rows: int) -> dict[str, list[dict[str, int]]]:
         matmul = Matmul(x_all[:rows], weights[0].t(), stream=torch.cuda.current_stream())
-        return heuristic_offers(matmul, shape, rows, skipped)
+        return heuristic_offers(matmul, shape, rows, skipped, limits)
 
     bucket_offers = {rows: offers_at(rows) for rows in rows_grid}
     near_rows = neighbour_rows(rows_grid)
@@ -466,6 +475,7 @@ def write_outputs(
     rows_grid: tuple[int, ...],
     skipped: list[dict],
     offers: dict[str, Any] | None = None,
+    offer_limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
 ) -> dict[str, Path]:
     """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
     of the grid was measured. Floors come from `tuned_ceilings` of `ceilings` and the measurements; times under them
@@ -482,7 +492,7 @@ def write_outputs(
         "floors_us": [[s, r, f] for (s, r), f in sorted(floors.items())],
         "measurements": [asdict(m) for m in measurements], "skipped": skipped, "selection": selection,
         "below_floor": below, "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"],
-        "commit": env["commit"], "offers": offers or {},
+        "commit": env["commit"], "offers": offers or {}, "offer_limits": list(offer_limits),
     }  # fmt: skip
     complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) == ROWS_GRID
     if complete:
@@ -524,7 +534,8 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
         "bf16_tflops": max(r["ceilings"]["bf16_tflops"] for r in records),
     }
     offers = {shape: by_rows for r in records for shape, by_rows in r.get("offers", {}).items()}
-    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers)
+    limits = tuple(first.get("offer_limits", (HEURISTIC_LIMIT, NON_SPLIT_LIMIT)))
+    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers, limits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -533,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", help="comma-separated subset of engine.graphs.ROWS_GRID (default: all)")
     parser.add_argument("--calls", type=int, default=10, help="GEMM calls per captured graph")
     parser.add_argument("--replays", type=int, default=7, help="timed replays per candidate (median)")
+    parser.add_argument("--offers", type=int, default=HEURISTIC_LIMIT, help="offers asked of each heuristic query")
     parser.add_argument("--from-candidates", nargs="+", type=Path, help="merge candidates records into a table")
     args = parser.parse_args(argv)
     if args.from_candidates:
@@ -568,8 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
-            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped, offers)
-    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers)
+            measurements += measure_shape(
+                shape, rows_grid, args.calls, args.replays, progress, skipped, offers, (args.offers, args.offers)
+            )
+    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers, (args.offers, args.offers))
     print(json.dumps({k: str(v) for k, v in written.items()}))
     return 0
 
