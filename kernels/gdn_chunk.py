@@ -345,14 +345,12 @@ def _store_block_row(solved, token0, rows_left, i_hv, ROW_BLOCK: tl.constexpr, b
 
 @triton.jit
 def _walk_chunk(
-    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale, bank, flags,
-    wait_source, i_v, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
-    VALUE_DIM: tl.constexpr, NV: tl.constexpr, HAS_ROWS: tl.constexpr, ROUND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr, LATE_WAIT: tl.constexpr,
+    q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
-    the chunk. With LATE_WAIT and wait_source >= 0 the chunk-start state is the one published in bank slot
-    wait_source, acquired after w and u, which do not depend on it."""
+    the chunk."""
     BT: tl.constexpr = 64
     token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
         g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
@@ -374,9 +372,6 @@ def _walk_chunk(
     b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
 
     # v' = u - w Sb; output from the chunk-start state; then the state update
-    if LATE_WAIT:
-        if wait_source >= 0:
-            state = _acquire_state(bank, flags, wait_source, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
     state_op = _rounded_operand(state, ROUND, TORCH_CPU)
     v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
     q_op = _loaded_operand(
@@ -401,19 +396,6 @@ def _state_tile(i_v, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.cons
     408 -> 240 bytes of spills, gdn_chunk v3.4)."""
     key = tl.arange(0, KEY_DIM) + _opaque_zero()
     return key[:, None] * VALUE_DIM + (i_v * BV + tl.arange(0, BV))[None, :]
-
-
-@triton.jit
-def _acquire_state(bank, flags, source, i_hv, i_v, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
-                   VALUE_DIM: tl.constexpr, NV: tl.constexpr):  # fmt: skip
-    """Spin on bank slot `source`'s flag for (i_hv, i_v) with acquire loads, then read the state published there
-    through L2."""
-    flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
-    ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    while ready == 0:
-        ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
-    return tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, VALUE_DIM // NV), cache_modifier=".cg")
 
 
 @triton.jit
@@ -456,7 +438,6 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    LATE_WAIT: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
@@ -476,13 +457,13 @@ def _gdn_chunk_fwd_kernel(
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, LATE_WAIT,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
             q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, False,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
@@ -492,7 +473,7 @@ def _walk_sequence(
     publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr, LATE_WAIT: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
@@ -513,28 +494,19 @@ def _walk_sequence(
         state = tl.load(h0 + state_offsets + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV))
     else:
         state = tl.zeros([KEY_DIM, BV], dtype=tl.float32)
-    first = start
     if TREE:
         if source >= 0:  # start from the state another program publishes at this sequence's start chunk
-            if LATE_WAIT:  # the first chunk apart, acquiring the state after its w and u
-                state = _walk_chunk(
-                    q, k, v, g, beta, o, solved, slot_rows, state, start, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v,
-                    scale, bank, flags, source, i_v, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV, HAS_ROWS, ROUND,
-                    DOT_PRECISION, TORCH_CPU, True,
-                )  # fmt: skip
-                first = start + 1
-                if first == publish_chunks:
-                    _publish(state, bank, flags, publish_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-                if first == publish2_chunks:
-                    _publish(state, bank, flags, publish2_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-            else:
-                state = _acquire_state(bank, flags, source, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
+            flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
+            ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            while ready == 0:
+                ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
+            state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
-    for i_t in range(first, num_chunks):
+    for i_t in range(start, num_chunks):
         state = _walk_chunk(
-            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale, bank,
-            flags, -1, i_v, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV, HAS_ROWS, ROUND, DOT_PRECISION,
-            TORCH_CPU, False,
+            q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
@@ -570,7 +542,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    late_wait: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -587,8 +558,6 @@ def gdn_chunk_forward(
     when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
-    `late_wait` (with `walk`): a reader runs its first chunk apart from the loop and acquires its starting state there
-    after the chunk's w and u instead of before the chunk (the same arithmetic, so the same bits).
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -685,7 +654,6 @@ def gdn_chunk_forward(
             HAS_ROWS=rows is not None,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
-            LATE_WAIT=late_wait and walk is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),

@@ -17,8 +17,7 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   blocks inverted by doubling, also on 2 and 4 warps); the walk on 8 warps, which spills 88 bytes where 4 warps spill
   408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3` and
   `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an SM,
-  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified; the readers'
-  first chunk apart from the loop, acquiring their state after its w and u, `late-wait`); the solve launch
+  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the solve launch
   is also timed alone. Records of c2ff2ee also have solve warps and walk tilings; earlier records also have the walk on
   1 and 3 software-pipelining stages, dropped: with the publish inside the tree walk's chunk loop Triton pipelines
   nothing at any number of stages, so they timed the stage's code again (attempt `gdn-chunk-walk-segments-pipelined`;
@@ -71,7 +70,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
     "walk-bv16": ({"value_block": 16, "unverified_value_block": True}, True, True),
-    "late-wait": ({"late_wait": True}, True, True),
 }
 
 
