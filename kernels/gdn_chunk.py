@@ -104,6 +104,11 @@ engine/stages/core.md):
   walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
   customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
   interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
+* late wait (58f9ceb, dropped): a tree walk's reader ran its first chunk apart from the loop and acquired its starting
+  state after that chunk's w and u instead of before the chunk, so the first wave of readers worked while candidate 0
+  walked the root's chunk (inside the loop the conditional acquire doubled its spills). The same bits; on an H100
+  (probe of 58f9ceb, one process) slower on all three workloads: 77.7 / 47.1 / 143.0 us a layer on drone /
+  easy-intent-00 / customer_service against the stage's 76.3 / 45.4 / 141.9. Attempt `gdn-chunk-walk-late-wait`.
 * stored operands (9a6886e, dropped): a third launch between the solve and the walk computed every walked chunk's w and
   masked Q Kᵀ once per value head (4 warps, the walk's functions and tiles) and stored them bf16; the walk loaded them
   instead of computing them in each of a head's two value-block programs (sm_90, Triton 3.9: 2,208 walk instructions
