@@ -155,18 +155,18 @@ def cublaslt_candidates(
     shape: str,
     offers: dict[int, dict[str, list[dict[str, int]]]],
     skipped: list[dict],
-    neighbours: dict[int, list[dict[str, list[dict[str, int]]]]] | None = None,
+    neighbours: dict[int, dict[int, dict[str, list[dict[str, int]]]]] | None = None,
 ) -> dict[int, list[dict[str, int]]]:
     """Per bucket rows (the keys of `offers`, `heuristic_offers` per bucket), the cuBLASLt algorithms to measure there:
     that bucket's offers of both queries, the non-split offers at its neighbour rows (`neighbours`: per bucket, the
-    `heuristic_offers` of each of its `neighbour_rows`), and the explicit set, the `EXPLICIT_PER_SHAPE` non-split
-    algorithms offered at the most buckets of the shape (ties in order of first offer; the buckets' own offers only),
-    sorted by `kernel_key`. The buckets where no non-split algorithm was offered are one entry of `skipped`, saying
-    whether the explicit set still covers them."""
+    `heuristic_offers` at each of its `neighbour_rows`, by row count), and the explicit set, the `EXPLICIT_PER_SHAPE`
+    non-split algorithms offered at the most buckets of the shape (ties in order of first offer; the buckets' own
+    offers only), sorted by `kernel_key`. The buckets where no non-split algorithm was offered are one entry of
+    `skipped`, saying whether the explicit set still covers them."""
     offered = {rows: {kernel_key(c): c for c in o["any"] + o["non_split"]} for rows, o in offers.items()}
     non_split = {rows: [key for key, c in by_key.items() if c["splitk_num"] == 1] for rows, by_key in offered.items()}
     near = {
-        rows: {kernel_key(c) for o in (neighbours or {}).get(rows, []) for c in o["any"] + o["non_split"]
+        rows: {kernel_key(c) for o in (neighbours or {}).get(rows, {}).values() for c in o["any"] + o["non_split"]
                if c["splitk_num"] == 1}
         for rows in offers
     }  # fmt: skip
@@ -341,11 +341,9 @@ def measure_shape(
         return heuristic_offers(matmul, shape, rows, skipped, limits)
 
     bucket_offers = {rows: offers_at(rows) for rows in rows_grid}
-    near_rows = neighbour_rows(rows_grid)
-    near_offers = {rows: {r: offers_at(r) for r in near_rows[rows]} for rows in rows_grid}
+    near_offers = {rows: {r: offers_at(r) for r in near} for rows, near in neighbour_rows(rows_grid).items()}
     offers[shape] = {rows: {"bucket": bucket_offers[rows], "neighbours": near_offers[rows]} for rows in rows_grid}
-    neighbours = {rows: list(by_rows.values()) for rows, by_rows in near_offers.items()}
-    lt_candidates = cublaslt_candidates(shape, bucket_offers, skipped, neighbours)
+    lt_candidates = cublaslt_candidates(shape, bucket_offers, skipped, near_offers)
 
     def run_one(kernel: dict, rows: int, matmul: Any) -> Callable[[int], Any]:
         x, residual = x_all[:rows], residual_all[:rows]
@@ -577,13 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[Measurement] = []
     skipped: list[dict] = []
     offers: dict[str, Any] = {}
+    limits = (args.offers, args.offers)
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
-            measurements += measure_shape(
-                shape, rows_grid, args.calls, args.replays, progress, skipped, offers, (args.offers, args.offers)
-            )
-    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers, (args.offers, args.offers))
+            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped, offers, limits)
+    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers, limits)
     print(json.dumps({k: str(v) for k, v in written.items()}))
     return 0
 

@@ -132,7 +132,7 @@ def test_neighbour_offers_are_measured_at_the_bucket_without_split_k_or_the_expl
     a neighbour's split-K offer is not, and neighbour offers do not enter the explicit set of other buckets."""
     skipped: list[dict] = []
     offers = {rows: heuristic_offers(FakeMatmul([offer(1)], [offer(1)]), "gate_up", rows, skipped) for rows in GRID}
-    near = {256: [heuristic_offers(FakeMatmul([offer(7), offer(8, 2)], [offer(7)]), "gate_up", 240, skipped)]}
+    near = {256: {240: heuristic_offers(FakeMatmul([offer(7), offer(8, 2)], [offer(7)]), "gate_up", 240, skipped)}}
     candidates = cublaslt_candidates("gate_up", offers, skipped, near)
     ids = {rows: sorted((c["id"], c["splitk_num"]) for c in configs) for rows, configs in candidates.items()}
     assert ids == {64: [(1, 1)], 128: [(1, 1)], 256: [(1, 1), (7, 1)]} and skipped == []
