@@ -26,7 +26,11 @@ Schema, version 1 (one JSON object; every key required, no others; `...` elides 
   be null (no nvmath in the tuning process); the others are strings. `commit` is the tuned tree's git hash (7-40 hex),
   `created_utc` an ISO 8601 time in UTC.
 * `shapes`: exactly `GEMM_SHAPES` (name: N out, K in; `out` is both the GDN out_proj and the attention o_proj), each
-  with one bucket per row count of the graphs grid (`engine.graphs.ROWS_GRID`), in the grid's order.
+  with one bucket per row count of the graphs grid (`engine.graphs.ROWS_GRID`), in the grid's order, as the tuner
+  writes it. A table tuned on an earlier grid (the same rows in every shape, each a row count of today's grid,
+  ascending) is taken too: a grid row it lacks runs the kernel of the table's next larger bucket (`choice`: the
+  shape's one split, so the row-invariance law holds), `untuned_rows` lists them, and `table_or_fallback` warns once
+  (the 264-bucket grid's tables lack 1,088 and 1,216 rows).
 * A bucket's `kernel`: `cublas` (`F.linear` in the row-invariant process: no workspace, no split-K), `cublaslt` (one
   cuBLASLt algorithm: the nine `cublasLtMatmulAlgoConfigAttributes_t` values, lower-cased, as nvmath-python's
   `Algorithm` and `nvmath.bindings.cublasLt` expose them) or `splitk` (K cut in `split` >= 2 slices, fp32 partials
@@ -149,6 +153,12 @@ class GemmTable:
                 return shape
         raise KeyError(f"no GEMM shape {name!r}; the table has {[s.name for s in self.shapes]}")
 
+    @property
+    def untuned_rows(self) -> tuple[int, ...]:
+        """The grid's row counts without a bucket of their own (a table of an earlier grid)."""
+        tuned = {c.rows for c in self.shapes[0].choices}
+        return tuple(rows for rows in ROWS_GRID if rows not in tuned)
+
     def choice(self, shape_name: str, rows: int) -> GemmChoice:
         """The choice of the smallest bucket >= rows. Above the largest bucket: the largest bucket's choice, not
         cuBLAS, because it has the shape's one split (the row-invariance law holds at every row count)."""
@@ -184,12 +194,17 @@ def table_or_fallback(
     path: str | Path, device_name: str, warn: Callable[[str], None] = LOG.warning
 ) -> GemmTable | None:
     """`load_gemm_table`, or None after one `warn(message)` when the table cannot be used: the caller then runs
-    cuBLAS. Meant for start-up of a server, which must not fail on a bad table."""
+    cuBLAS. Meant for start-up of a server, which must not fail on a bad table. A table of an earlier grid is used
+    after one `warn(message)` naming its `untuned_rows`."""
     try:
-        return load_gemm_table(path, device_name=device_name)
+        table = load_gemm_table(path, device_name=device_name)
     except GemmTableError as error:
         warn(f"{error}; GEMMs fall back to cuBLAS")
         return None
+    if table.untuned_rows:
+        warn(f"GEMM table {path}: no bucket of its own at rows {list(table.untuned_rows)} (tuned on an earlier grid); "
+             "those run the next larger bucket's kernel (run `nox -s tune_gemm` on this GPU)")  # fmt: skip
+    return table
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -217,6 +232,10 @@ def _table(data: dict, device_name: str) -> GemmTable:
     if created_utc is None or created_utc.utcoffset() != timedelta(0):
         raise GemmTableError(f"created_utc: expected an ISO 8601 time in UTC, got {created!r}")
     shapes = _keys(data["shapes"], "shapes", tuple(GEMM_SHAPES))
+    parsed = tuple(_shape(name, shapes[name]) for name in GEMM_SHAPES)
+    rows = {name: [c.rows for c in shape.choices] for name, shape in zip(GEMM_SHAPES, parsed)}
+    if len({tuple(r) for r in rows.values()}) > 1:
+        raise GemmTableError(f"shapes: every shape must have the same bucket rows, got {rows}")
     return GemmTable(
         gpu_name=gpu_name,
         capability=(_int(capability[0], "gpu.capability", 1), _int(capability[1], "gpu.capability", 0)),
@@ -226,7 +245,7 @@ def _table(data: dict, device_name: str) -> GemmTable:
         ),
         commit=commit,
         created_utc=created_utc,
-        shapes=tuple(_shape(name, shapes[name]) for name in GEMM_SHAPES),
+        shapes=parsed,
     )
 
 
@@ -241,11 +260,10 @@ def _shape(name: str, data: Any) -> GemmShape:
         raise GemmTableError(f"{where}.buckets: expected a list, got {type(buckets).__name__}")
     choices = tuple(_choice(bucket, f"{where}.buckets[{i}]") for i, bucket in enumerate(buckets))
     rows = [c.rows for c in choices]
-    if rows != list(ROWS_GRID):
-        missing = sorted(set(ROWS_GRID) - set(rows))
-        extra = sorted(set(rows) - set(ROWS_GRID))
-        detail = f"missing {missing}" if missing else f"not in the grid {extra}" if extra else "out of order"
-        raise GemmTableError(f"{where}: bucket rows must be engine.graphs.ROWS_GRID in order: {detail}")
+    extra = sorted(set(rows) - set(ROWS_GRID))
+    if not rows or extra or rows != sorted(set(rows)):
+        detail = f"not in the grid {extra}" if extra else "none" if not rows else "out of order or repeated"
+        raise GemmTableError(f"{where}: bucket rows must be row counts of engine.graphs.ROWS_GRID, ascending: {detail}")
     if name not in SPLITK_SHAPES and any(c.kernel.family == "splitk" for c in choices):
         raise GemmTableError(f"{where}: split-K only for {SPLITK_SHAPES}, whose partials residual_rmsnorm reduces")
     rows_by_split: dict[int, list[int]] = {}

@@ -10,39 +10,43 @@ previous copy out of the buffer before overwriting it), the int32 copies are the
 replays, and the real candidates' rows are copied out of the static output (the next replay overwrites it). Where no
 graph serves a bucketed plan it runs eagerly after `TreePlan.to(device)`.
 
-The grid (`default_grid`): rows x candidate class x slot factor, 264 buckets. Rows (`ROWS_GRID`): every 16 from 64 to
-256, every 32 to 512, every 64 to 1,024, then 1,152 and 1,280 (31 sizes; the step grows with the size as in vLLM's and
-SGLang's capture sizes, since a GEMM's cost is flat in the rows below the H200's ridge, about 178 rows, and linear
-above it). Candidate classes per rows size (`candidate_classes`): 1, 2, 4, 6, 8 up to 256 rows; 1, 2, 4, 8, 16 up to
-512; 1, 2, 8, 32 above (the largest class, `candidate_capacity`, is the previous grid's only one, so the grid holds
-every request it held). Slot factors per class (`slot_factors`; a request's slots / rows lies in [1, candidates]):
-1 for one candidate, 2 for two, 2 and 3 for four, 2 for six, 2, 3 and 5 from eight. Per bucket, with C candidates
-and S = factor x rows: slots S + 2C + 2, sequences and attention nodes 2C + 2 (the dummy paths absorb each real
-candidate's partial last chunk one chunk at a time), GDN chunks ceil(S / 64) + C + 1 (the bound of a request's
-chunks given its slots and candidates), keys 2 x slots + rows, `max_q` = `max_k` = rows.
+The grid (`default_grid`): rows x candidate class x slot factor, 280 buckets. Rows (`ROWS_GRID`): every 16 from 64 to
+256, every 32 to 512, every 64 to 1,280 (33 sizes; the step grows with the size as in vLLM's and SGLang's capture
+sizes, since a GEMM's cost is flat in the rows below the H200's ridge, about 178 rows, and linear above it).
+Candidate classes per rows size (`candidate_classes`): 1, 2, 4, 6, 8 up to 256 rows; 1, 2, 4, 8, 16 up to 512; 1, 2,
+8, 32 above (the largest class, `candidate_capacity`, is the first grid's only one, so the grid holds every request
+it held). Slot factors per class (`slot_factors`; a request's slots / rows lies in [1, candidates]): 1 for one
+candidate, 2 for two, 2 and 3 for four, 2 for six, 2, 3 and 5 from eight. Per bucket, with C candidates and S =
+factor x rows: slots S + 2C + 2, sequences and attention nodes 2C + 2 (the dummy paths absorb each real candidate's
+partial last chunk one chunk at a time), GDN chunks ceil(S / 64) + C + 1 (the bound of a request's chunks given its
+slots and candidates), keys 2 x slots + rows, `max_q` = `max_k` = rows.
 
-How it was chosen. The previous grid (one class per rows size, 8 / 16 / 32 candidates, slot factors 1, 2, 3, 5: 124
+How it was chosen. The first grid (one class per rows size, 8 / 16 / 32 candidates, slot factors 1, 2, 3, 5: 124
 buckets) sized every capacity but rows from 8-32 candidates, and the H200 measured 1.3-6.3 ms per forward from those
 capacities (engine/stages/graphs.md, "Where the padding cost comes from"); JevBench requests have 1, 4, 5 or 6
 candidates. The classes and factors were picked on the request shapes of the public JevBench tiers (120 tasks), the
 six Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over
 states of 0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per
-capture plus about 25 s of eager warm-up allows about 280 graphs; 264 take about 66-87 s of capture. `python -m
-measure.grid_coverage` recomputes the padding of every capacity for both grids (results/graphs/grid-coverage.json;
-padded / real, new grid, previous in brackets):
+capture plus about 25 s of eager warm-up allows about 280 graphs. The second grid had the rows 1,152 and 1,280 after
+1,024 (264 buckets); the padding tool measured customer_service's 1,032 rows at 101.03 ms in its 1,152-row bucket
+against 93.75 for the exact plan and 99.97 at 1,088 rows (engine/stages/core.md, "Where the bucket's padding goes"),
+so the 64-row step now runs to 1,280 and the grid fills the budget. `python -m measure.grid_coverage` recomputes the
+padding of every capacity for the three grids (results/graphs/grid-coverage.json; padded / real, this grid, the
+first grid's in brackets where they differ; the second grid's differ only in the Open-Jev set: rows 1.082, slots
+1.247, chunks 1.37, keys 1.61):
 
-| set | plans | held | rows | slots | sequences | chunks | nodes | keys | reads |
+| set | plans | held | rows | slots | sequences | chunks | nodes | keys | cands |
 |---|---|---|---|---|---|---|---|---|---|
 | JevBench | 120 | 120 | 1.060 | 1.175 (1.205) | 2.75 (4.97) | 1.51 (2.13) | 2.16 (3.89) | 2.44 (2.49) | 1.10 (2.21) |
-| Open-Jev | 6 | 5 | 1.082 | 1.247 (1.265) | 2.44 (8.07) | 1.37 (1.89) | 1.54 (5.07) | 1.61 (1.63) | 1.04 (3.85) |
+| Open-Jev | 6 | 5 | 1.058 (1.082) | 1.21 (1.27) | 2.44 (8.07) | 1.34 (1.89) | 1.54 (5.07) | 1.56 (1.63) | 1.04 (3.85) |
 | generated | 145 | 17 | 1.041 | 1.193 (1.201) | 2.88 (3.91) | 1.67 (1.90) | 2.48 (3.37) | 2.40 (2.41) | 1.35 (1.87) |
 
 (synthetic: 2 plans, both hand-off; the two generated plans left out have 5-6k rows.)
-Memory: the pool is shared and sized by the largest graph, which is the same
-bucket in both grids; what grows with the bucket count is per-graph: the arena (int64 index arrays, well under 1 MiB
-each), the static output and the FLA solve buffers each arena keeps (slots x 48 value heads x 64 bf16 at 27B: 1.94 GiB
-over the grid against 0.91 GiB for the previous one, computed by the coverage tool), so about 1 GiB more than the
-run that peaked at 50.2 GiB; the peak must be measured again (target <= 56 GiB).
+Memory: the pool is shared and sized by the largest graph, which is the same bucket in all three grids; what grows
+with the bucket count is per-graph: the arena (int64 index arrays, well under 1 MiB each), the static output and the
+FLA solve buffers each arena keeps (slots x 48 value heads x 64 bf16 at 27B: 2.25 GiB over the grid against 1.94 GiB
+for the second and 0.91 GiB for the first, computed by the coverage tool); the server's peak is in its /health
+(target <= 56 GiB).
 
 The `handoff` mode (long shared contexts with several candidates: a host loop over calls and a state bank) and plans
 outside the grid run eagerly and are counted as misses, by reason; they are the long plans, whose GPU time dwarfs
@@ -77,7 +81,7 @@ import torch
 
 from engine.plan import Bucket, PlanShape, TreeLayout, TreePlan, bucket_padding, plan_tree
 
-ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1152, 1280)
+ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1281, 64))
 DEFAULT_MAX_GRAPHS = 512
 
 

@@ -4,17 +4,17 @@
     python3 -m measure.graph_padding --stage core --workloads drone,customer_service --kernels
 
 One process, 27B synthetic weights (seed 0). Per workload, the request's own unpadded plan captured as one graph
-(`exact_ms`), then the request laid out at five buckets, each captured on the request's own padded plan and replayed
+(`exact_ms`), then the request laid out at seven buckets, each captured on the request's own padded plan and replayed
 (median of 30 CUDA-event timings, output copied out): `grid` (the default grid's bucket, with its candidate classes),
-`previous_grid` (the bucket of the grid it replaced, `measure.grid_coverage.previous_grid`: the one the first
-records measured), `finer_rows_grid` (the bucket of `finer_rows_grid()`: the default grid with the rows step halved
-above 256 rows, every 16 to 512, 32 to 1,024, 64 to 1,280, the candidate classes and slot factors unchanged: what a
-finer rows grid would give the request), `grid_but_actual_max_qk` (the grid's bucket with the attention maxima of the
-request),
-`grid_rows_minimal_rest` (the grid's rows, every other capacity just what the request and one dummy node need) and
-`one_dummy_row_minimal_rest` (one dummy row); then `served`: `engine.forward` of the prepared request through the
-graph cache (the host plan copied into the captured arena through the pinned staging buffer, the replay, the output
-copied out). Each replay's output is compared bit for bit with the exact-plan graph's.
+`grid_to_1152` (the bucket of the grid it replaced, `measure.grid_coverage.grid_to_1152`: 1,152 rows after 1,024),
+`previous_grid` (the bucket of the first grid, `measure.grid_coverage.previous_grid`: the one the first records
+measured), `finer_rows_grid` (the bucket of `finer_rows_grid()`: the default grid's classes and slot factors over rows
+every 16 to 512, 32 to 1,024, 64 to 1,280: what a finer rows grid would give the request), `grid_but_actual_max_qk` (the
+grid's bucket with the attention maxima of the request), `grid_rows_minimal_rest` (the grid's rows, every other capacity
+just what the request and one dummy node need) and `one_dummy_row_minimal_rest` (one dummy row); then `served`:
+`engine.forward` of the prepared request through the graph cache (the host plan copied into the captured arena through
+the pinned staging buffer, the replay, the output copied out). Each replay's output is compared bit for bit with the
+exact-plan graph's.
 
 `--kernels`: the exact-plan graph and the `grid` bucket's graph also run under torch.profiler (`--profile-calls`
 replays each, `ablations.timing.profile_kernels`), and the record holds each one's GPU-busy time, kernel families and
@@ -44,7 +44,7 @@ from engine.graphs import capture_forward, default_grid, smallest_bucket
 from engine.plan import Bucket, bucket_padding, plan_tree, tree_layout
 from engine.stages import build_engine, config_of, prepare_process
 from engine.weights import MergedWeights
-from measure.grid_coverage import previous_grid
+from measure.grid_coverage import grid_to_1152, previous_grid
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
@@ -78,8 +78,8 @@ FINER_ROWS = (*range(64, 257, 16), *range(272, 513, 16), *range(544, 1025, 32), 
 
 
 def finer_rows_grid() -> tuple[Bucket, ...]:
-    """The default grid (engine/graphs.py) with the rows step halved above 256 rows (`FINER_ROWS`, 424 buckets against
-    264): a candidate, measured here before any change to the engine's grid."""
+    """The default grid's classes and slot factors (engine/graphs.py) over `FINER_ROWS`: the step halved from 256 to
+    1,024 rows (424 buckets against 280): a candidate, measured here before any change to the engine's grid."""
     return default_grid(FINER_ROWS)
 
 
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         row["previous_grid_bucket"] = None if previous is None else previous.name
         variants = {
             "grid": grid,
+            "grid_to_1152": smallest_bucket(lay, grid_to_1152()),
             "previous_grid": previous,
             "finer_rows_grid": finer,
             "grid_but_actual_max_qk": dataclasses.replace(

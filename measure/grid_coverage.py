@@ -2,18 +2,19 @@
 
     python -m measure.grid_coverage [--out results/graphs/grid-coverage.json]
 
-Workload sets: the public JevBench tiers (every task), the six Open-Jev requests, our two synthetic workloads, and
-60 generated requests (seeded: 1-16 questions of 2-64 options over states of 0-16k tokens). Each request is
-tokenized as the server does (`reference.service.request_candidates`) and split into batches as the `tree` stage
-splits it (`engine.planner.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and
-a replicated batch is held when some bucket fits it. Per set and grid: plans, replicated plans, plans in the grid,
-and padded / real of every capacity over the plans held (rows, path slots, sequences, GDN chunks, attention nodes
-and keys, read rows: sum of the buckets' over sum of the requests'). Two grids: `default_grid()` and the grid it
-replaced (`previous_grid`: one candidate capacity per rows size, 8 / 16 / 32, and slot factors 1, 2, 3, 5; 124
-buckets), so the record holds both. Per grid also its bucket count and the FLA solve buffers its arenas keep at the
-27B shapes (slots x linear value heads x 64 bf16 per bucket: the one per-bucket buffer that grows with the slots,
-computed from the shapes, not measured). Prints the table and writes it as JSON with the environment (commit,
-versions, time: `ablations.envinfo`). CPU only, about 30 s.
+Workload sets: the public JevBench tiers (every task), the six Open-Jev requests, our two synthetic workloads, and 60
+generated requests (seeded: 1-16 questions of 2-64 options over states of 0-16k tokens). Each request is tokenized as
+the server does (`reference.service.request_candidates`) and split into batches as the `tree` stage splits it
+(`engine.planner.split_questions`, the default row budget); per batch the cost rule picks the GDN mode, and a replicated
+batch is held when some bucket fits it. Per set and grid: plans, replicated plans, plans in the grid, and padded / real
+of every capacity over the plans held (rows, path slots, sequences, GDN chunks, attention nodes and keys, read rows: sum
+of the buckets' over sum of the requests'). Three grids: `default_grid()`, the grid it replaced (`grid_to_1152`: the
+same classes and factors over the rows sizes of before, 1,152 after 1,024; 264 buckets) and the first grid
+(`previous_grid`: one candidate capacity per rows size, 8 / 16 / 32, and slot factors 1, 2, 3, 5; 124 buckets), so the
+record holds all three. Per grid also its bucket count and the FLA solve buffers its arenas keep at the 27B shapes
+(slots x linear value heads x 64 bf16 per bucket: the one per-bucket buffer that grows with the slots, computed from the
+shapes, not measured). Prints the table and writes it as JSON with the environment (commit, versions, time:
+`ablations.envinfo`). CPU only, about 30 s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from ablations import envinfo
 from ablations.workloads import _count_state_tokens, resolve, synthetic_state
 from engine.config import EngineConfig
-from engine.graphs import ROWS_GRID, GridIndex, candidate_capacity, default_grid, grid_bucket
+from engine.graphs import GridIndex, candidate_capacity, default_grid, grid_bucket
 from engine.plan import CHUNK_SIZE, Bucket, TreeLayout, tree_layout
 from engine.planner import GDN_CALL_COST_CHUNKS, cheaper_gdn_mode, split_questions
 from reference.service import request_candidates
@@ -38,10 +39,20 @@ GENERATED = 60
 CAPACITIES = ("rows", "slots", "sequences", "chunks", "nodes", "keys", "candidates")
 
 
+# The rows sizes of the grids before 2026-12-06: every 64 to 1,024, then 1,152 and 1,280 (31 sizes).
+ROWS_TO_1152 = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), 1152, 1280)
+
+
 def previous_grid() -> tuple[Bucket, ...]:
-    """The grid `default_grid()` replaced: at every rows size the largest candidate class only, slot factors 1, 2, 3
+    """The first grid: at every rows size of `ROWS_TO_1152` the largest candidate class only, slot factors 1, 2, 3
     and 5 (124 buckets; the H200 runs of the stage's first records used it)."""
-    return tuple(grid_bucket(rows, factor) for rows in ROWS_GRID for factor in (1, 2, 3, 5))
+    return tuple(grid_bucket(rows, factor) for rows in ROWS_TO_1152 for factor in (1, 2, 3, 5))
+
+
+def grid_to_1152() -> tuple[Bucket, ...]:
+    """The grid `default_grid()` replaced on 2026-12-06: its classes and slot factors over `ROWS_TO_1152` (264
+    buckets), whose 128-row step above 1,024 put customer_service's 1,032 rows in a 1,152-row bucket."""
+    return default_grid(ROWS_TO_1152)
 
 
 def real_sizes(layout: TreeLayout) -> dict[str, int]:
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             plans += [(group, layout) for layout in layouts(workload.request)]
     for request in generated_requests():
         plans += [("generated", layout) for layout in layouts(request)]
-    grids = {"default": default_grid(), "previous": previous_grid()}
+    grids = {"default": default_grid(), "to_1152": grid_to_1152(), "previous": previous_grid()}
     record = {"env": envinfo.collect("cpu"), "grids": {}}
     header = " ".join(f"{name[:6]:>6}" for name in CAPACITIES)
     for grid_name, grid in grids.items():

@@ -55,11 +55,13 @@ at every bucket, the bitwise table is written as the table; otherwise the best, 
 must then be made bounded (engine/stages/gemm.md). Both tables and the decision are in the candidates record.
 
 Outputs (through this tool only): results/gemm/<utc>-<gpu>-<commit>-candidates.json (environment, ceilings, every
-measurement, both tables, the decision) and, when every shape and bucket was measured, <...>-table.json (schema v1,
-engine/gemm_table.py). `--from-candidates` recomputes the floors from the records' ceilings and measurements, so
-records written before `tuned_ceilings` existed get the same floors as a new run. Runtime on the H200 at 2f9c178:
-41 s for gdn_in, attn_in, out and 40 s for gate_up, down (../shared/h200/2f9c178/logs/campaign.log); with the
-neighbour offers, on an H100 at 84441ff: 91 s for every shape in one call (3,104 candidates).
+measurement, both tables, the decision) and, when every shape was measured at every bucket of the grid (or of the grid
+before it, `measure.grid_coverage.ROWS_TO_1152`: its candidates records still merge into a table, which the loader takes
+with its untuned rows), <...>-table.json (schema v1, engine/gemm_table.py). `--from-candidates` recomputes the floors
+from the records' ceilings and measurements, so records written before `tuned_ceilings` existed get the same floors as a
+new run. Runtime on the H200 at 2f9c178: 41 s for gdn_in, attn_in, out and 40 s for gate_up, down
+(../shared/h200/2f9c178/logs/campaign.log); with the neighbour offers, on an H100 at 84441ff: 91 s for every shape in
+one call (3,104 candidates).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from typing import Any
 from ablations import timing
 from engine.gemm_table import GEMM_SHAPES, SCHEMA_VERSION, SPLITK_SHAPES, load_gemm_table
 from engine.graphs import ROWS_GRID
+from measure.grid_coverage import ROWS_TO_1152
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "gemm"
 SPLITS = (2, 3, 4)
@@ -492,7 +495,7 @@ def write_outputs(
         "below_floor": below, "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"],
         "commit": env["commit"], "offers": offers or {}, "offer_limits": list(offer_limits),
     }  # fmt: skip
-    complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) == ROWS_GRID
+    complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) in (ROWS_GRID, ROWS_TO_1152)  # a grid's rows
     if complete:
         path = RESULTS / f"{env['stem']}-table.json"
         path.write_text(json.dumps(table_document(selection[selection["ship"]], env), indent=1) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -17,10 +18,18 @@ import torch.nn.functional as F
 
 from ablations.plans import load_plan
 from engine import gemm
-from engine.gemm_table import CUBLASLT_ALGORITHM_KEYS, GEMM_SHAPES, GemmChoice, GemmTableError, load_gemm_table
+from engine.gemm_table import (
+    CUBLASLT_ALGORITHM_KEYS,
+    GEMM_SHAPES,
+    GemmChoice,
+    GemmTableError,
+    load_gemm_table,
+    table_or_fallback,
+)
 from engine.graphs import ROWS_GRID
 from engine.stages import build_engine, config_of, get_stage
 from engine.weights import MergedWeights, Weight
+from measure.grid_coverage import ROWS_TO_1152
 from reference import ops
 from reference.shapes import TINY
 from reference.weights import synthetic_weights
@@ -197,6 +206,34 @@ def test_tables_the_cpu_cannot_run_fall_back_with_one_warning(merged_weights, tm
     assert torch.equal(
         engine.forward(engine.prepare(candidates, groups)), plain.forward(plain.prepare(candidates, groups))
     )
+
+
+def test_a_table_of_the_grid_before_serves_its_missing_rows_from_the_next_bucket(tmp_path):
+    """A table tuned on the 264-bucket grid (1,152 after 1,024) is taken after one warning: 1,088 rows run the
+    1,152-row bucket's kernel, 1,216 the 1,280's; rows outside the grid, out of order or unequal across shapes are
+    refused (engine/gemm_table.py, `shapes`)."""
+    data = table_data({"gate_up": {"family": "cublaslt", "algorithm": ALGORITHM}})
+    for shape in data["shapes"].values():
+        shape["buckets"] = [b for b in shape["buckets"] if b["rows"] in ROWS_TO_1152]
+    warnings: list[str] = []
+    table = table_or_fallback(write_table(tmp_path, data), "cpu", warnings.append)
+    assert table.untuned_rows == (1088, 1216) and len(warnings) == 1 and "[1088, 1216]" in warnings[0]
+    assert [table.choice("gate_up", rows).rows for rows in (1025, 1088, 1152, 1153, 1216, 5000)] == [
+        1152, 1152, 1152, 1280, 1280, 1280]  # fmt: skip
+    assert load(tmp_path, {}).untuned_rows == ()
+    broken = {
+        "not in the grid [1100]": lambda buckets: buckets.append(dict(buckets[-1], rows=1100)),
+        "out of order or repeated": lambda buckets: buckets.reverse(),
+    }
+    for message, damage in broken.items():
+        bad = json.loads(json.dumps(data))
+        damage(bad["shapes"]["down"]["buckets"])
+        with pytest.raises(GemmTableError, match=re.escape(message)):
+            load_gemm_table(write_table(tmp_path, bad, "bad.json"), device_name="cpu")
+    unequal = json.loads(json.dumps(data))
+    unequal["shapes"]["down"]["buckets"].pop(0)
+    with pytest.raises(GemmTableError, match="the same bucket rows"):
+        load_gemm_table(write_table(tmp_path, unequal, "unequal.json"), device_name="cpu")
 
 
 def test_split_k_is_refused_outside_the_norm_fed_projections(tmp_path):

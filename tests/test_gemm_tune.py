@@ -118,11 +118,12 @@ def test_cublaslt_candidates_keep_non_split_algorithms_and_record_buckets_withou
 
 def test_neighbour_rows_lie_between_the_previous_size_and_the_bucket():
     """Below each bucket, above the grid's previous size: one row count in the 16-row steps, three in the 32-row
-    steps, five in the 64-row steps, all seven offsets below 1,152 (previous 1,024); the first size counts its own
-    step below it."""
+    steps, five in the 64-row steps (customer_service's 1,032 rows: 1,040 below its 1,088); the first size counts
+    its own step below it; a step of 128 would take all seven offsets."""
     near = neighbour_rows(ROWS_GRID)
     assert near[64] == [56] and near[208] == [200] and near[352] == [344, 336, 328]
-    assert near[640] == [632, 624, 616, 608, 592] and near[1152] == [1144, 1136, 1128, 1120, 1104, 1088, 1056]
+    assert near[640] == [632, 624, 616, 608, 592] and near[1088] == [1080, 1072, 1064, 1056, 1040]
+    assert neighbour_rows([1152], (1024, 1152)) == {1152: [1144, 1136, 1128, 1120, 1104, 1088, 1056]}
     assert all(prev < r < rows for prev, rows in zip(ROWS_GRID, ROWS_GRID[1:]) for r in near[rows])
     assert neighbour_rows([352]) == {352: [344, 336, 328]}  # a subset of buckets keeps the grid's neighbours
 

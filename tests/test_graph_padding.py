@@ -103,6 +103,7 @@ def test_the_record_with_the_gpu_parts_stubbed(monkeypatch, tmp_path):
     assert record["stage"] == "core"
     drone, long = record["workloads"]
     assert drone["grid_bucket"] == "r352-s1074-c8" and drone["finer_rows_grid"]["bucket"]["rows"] == 352
+    assert drone["grid_to_1152"]["bucket"] == drone["grid"]["bucket"]  # the grids differ above 1,024 rows only
     assert drone["one_dummy_row_minimal_rest"]["bucket"]["rows"] == 338
     assert all(drone[name]["bitwise_vs_exact"] for name in ("grid", "finer_rows_grid", "served"))
     assert [k["name"] for k in drone["kernel_padding_ms"]] == ["walk", "gemm", "solve"]

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is first imported (by engine.backbone)
 
+from ablations.workloads import get_workload  # noqa: E402
 from engine.graphs import (  # noqa: E402
     ROWS_GRID,
     candidate_classes,
@@ -45,6 +46,7 @@ from engine.plan_arrays import PAD_TOKEN_ID  # noqa: E402
 from engine.planner import GDN_CALL_COST_CHUNKS, EngineRows, gdn_mode_costs, row_batch  # noqa: E402  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
+from reference.service import request_candidates  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
 from reference.weights import synthetic_weights  # noqa: E402
 
@@ -323,7 +325,7 @@ def test_requests_outside_the_grid_run_eagerly_and_say_why(merged_weights):
 def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
     """Every bucket can be captured on the placeholder, and its shape is that of a real request in the bucket."""
     grid = default_grid()
-    assert len(grid) == len(set(grid)) == 264  # the start-time budget: engine/graphs.py, "The grid"
+    assert len(grid) == len(set(grid)) == 280  # the start-time budget: engine/graphs.py, "The grid"
     assert max(b.rows for b in grid) == ROWS_GRID[-1] and {b.rows for b in grid} == set(ROWS_GRID)
     placeholder = tree_layout(*placeholder_request())
     assert all(bucket_padding(placeholder, bucket) is not None for bucket in grid)
@@ -334,6 +336,15 @@ def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
         if bucket_padding(tree_layout(*request), bucket) is not None:
             real = plan_tree(*request, bucket=bucket)
             assert real.shape == plan_tree(*placeholder_request(), bucket=bucket).shape, bucket.name
+
+
+def test_the_rows_step_is_at_most_a_sixteenth_of_the_rows_above_512():
+    """Above 512 rows the step is 64 up to the largest size (the grid before had 1,152 after 1,024): the 27B's
+    customer_service request, 1,032 rows, lands in a 1,088-row bucket (engine/graphs.py, "How it was chosen")."""
+    above = [rows for rows in ROWS_GRID if rows >= 512]
+    assert [b - a for a, b in zip(above, above[1:])] == [64] * (len(above) - 1) and above[-1] == 1280
+    layout = tree_layout(*request_candidates(get_workload("customer_service").request))
+    assert layout.rows == 1032 and smallest_bucket(layout, default_grid()).rows == 1088
 
 
 def _tensors(obj, path: str):
