@@ -24,16 +24,17 @@ slots and candidates), keys 2 x slots + rows, `max_q` = `max_k` = rows.
 How it was chosen. The first grid (one class per rows size, 8 / 16 / 32 candidates, slot factors 1, 2, 3, 5: 124
 buckets) sized every capacity but rows from 8-32 candidates, and the H200 measured 1.3-6.3 ms per forward from those
 capacities (engine/stages/graphs.md, "Where the padding cost comes from"); JevBench requests have 1, 4, 5 or 6
-candidates. The classes and factors were picked on the request shapes of the public JevBench tiers (120 tasks), the
-six Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over
-states of 0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per
-capture plus about 25 s of eager warm-up allows about 280 graphs. The second grid had the rows 1,152 and 1,280 after
-1,024 (264 buckets); the padding tool measured customer_service's 1,032 rows at 101.03 ms in its 1,152-row bucket
-against 93.75 for the exact plan and 99.97 at 1,088 rows (engine/stages/core.md, "Where the bucket's padding goes"),
-so the 64-row step now runs to 1,280 and the grid fills the budget. `python -m measure.grid_coverage` recomputes the
-padding of every capacity for the three grids (results/graphs/grid-coverage.json; padded / real, this grid, the
-first grid's in brackets where they differ; the second grid's differ only in the Open-Jev set: rows 1.082, slots
-1.247, chunks 1.37, keys 1.61):
+candidates. The classes and factors were picked on the request shapes of the public JevBench tiers (120 tasks), the six
+Open-Jev requests, our two synthetic workloads and 60 generated requests (1-16 questions of 2-64 options over states of
+0-16k tokens, 145 plans) under a bucket budget: server start <= 120 s at the measured 0.25-0.33 s per capture plus about
+25 s of eager warm-up allows about 280 graphs. The second grid had the rows 1,152 and 1,280 after 1,024 (264 buckets);
+the padding tool measured customer_service's 1,032 rows at 101.03 ms in its 1,152-row bucket against 93.75 for the exact
+plan and 99.97 at 1,088 rows (engine/stages/core.md, "Where the bucket's padding goes"), so the 64-row step now runs to
+1,280 and the grid fills the budget (the 280 captures took 63.5 s on an H100 at 581c73c and 98.3 s on an H200 at
+8edfe66, where the start went over 120 s: hosts differ by up to 1.5x). `python -m measure.grid_coverage` recomputes the
+padding of every capacity for the three grids (results/graphs/grid-coverage.json; padded / real, this grid, the first
+grid's in brackets where they differ; the second grid's differ only in the Open-Jev set: rows 1.082, slots 1.247, chunks
+1.37, keys 1.61):
 
 | set | plans | held | rows | slots | sequences | chunks | nodes | keys | cands |
 |---|---|---|---|---|---|---|---|---|---|
