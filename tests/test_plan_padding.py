@@ -338,7 +338,7 @@ def test_the_capture_placeholder_fits_every_bucket_of_the_grid():
             assert real.shape == plan_tree(*placeholder_request(), bucket=bucket).shape, bucket.name
 
 
-def test_the_rows_step_is_at_most_a_sixteenth_of_the_rows_above_512():
+def test_the_rows_step_is_64_from_512_to_the_largest_size():
     """Above 512 rows the step is 64 up to the largest size (the grid before had 1,152 after 1,024): the 27B's
     customer_service request, 1,032 rows, lands in a 1,088-row bucket (engine/graphs.py, "How it was chosen")."""
     above = [rows for rows in ROWS_GRID if rows >= 512]
