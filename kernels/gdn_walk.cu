@@ -1,0 +1,443 @@
+// The tree walk of the chunked gated delta rule (kernels/gdn_chunk.py's second launch) in CUDA C++: one CTA of eight
+// warps per (sequence, value head), the whole fp32 state S [K, V] in registers, every dot on mma.sync m16n8k16 (bf16
+// operands, fp32 accumulate) with ldmatrix from shared memory. Math, rounding points and the walk's protocol
+// (tickets, published states, flags) are kernels/gdn_chunk.py's; kernels/gdn_walk_cuda.py compiles and launches it.
+//
+// Compiled by NVRTC (cupy) with KEY_DIM and VALUE_DIM defined in front of this file (128 each at the 27B).
+//
+// One CTA, per 64-row chunk of its sequence (warp w: row block rb = w % 4 of 16 rows, column half ch = w / 4):
+//   A (warp 0)  the chunk's input rows, g and beta; gamma = cumsum(g) * log2(e) by a warp scan; 2^gamma
+//   B (all)     K, Q -> shared; K~ = bf16(bf16(K beta) 2^gamma), V~ = bf16(V beta), T -> shared
+//   C (warp)    QK = bf16(causal(Q K^T 2^(gamma_r - gamma_s))) rows rb, all 64 columns (A fragments in registers);
+//               w = bf16(T K~) rows rb, columns ch -> shared; u = bf16(T V~) rows rb, columns ch (registers)
+//   D (warp)    v' = u - w Sb and Q Sb 2^gamma, rows rb, columns ch; bf16(v') and bf16(v' 2^(gamma_last - gamma))
+//               -> shared
+//   E (warp)    o = bf16(scale (Q Sb 2^gamma) + scale (QK bf16(v'))) -> global; S <- S 2^gamma_last + K^T v'_decayed
+//               for the warp's 16 state rows, all 128 columns; Sb = bf16(S) -> shared; publish where the walk says
+// Five CTA barriers a chunk. No atomics but the ticket and the flags.
+//
+// Versions (timings: engine/stages/core.md):
+// * v1 (this file): the layout above, loads without prefetch.
+
+#define BT 64
+#define WARPS 8
+#define THREADS (WARPS * 32)
+#define LDS (KEY_DIM + 8)  // row stride (bf16) of a [64, 128] tile in shared memory: 16 bytes of padding, so the
+                           // eight rows one ldmatrix reads fall in distinct banks
+#define LDT (BT + 8)       // the same for T [64, 64]
+#define WALK_WIDTH 8
+#define RCP_LN2 1.4426950216f  // FLA's constant, as kernels/gdn_chunk_body.py
+
+typedef unsigned short bf16;
+
+__device__ __forceinline__ float bf2f(unsigned bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ float round_bf16(float x) {  // bf16(x) (nearest, ties to even) widened back
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return bf2f(r);
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {  // two bf16(x): lo in the low half
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {  // what Triton's tl.exp2 compiles to on sm_90
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+// d += a b for one 16 x 8 tile: a the 16 x 16 A fragment (4 registers), b the 16 x 8 B fragment (2 registers).
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+// (g+8, 2t+8..)}, b = {(k 2t..2t+1, n g), (k 2t+8.., n g)}, d = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}.
+__device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The A fragment of rows m0.. and columns k0.. of a row-major [m][k] tile.
+__device__ __forceinline__ void load_a(unsigned* a, const bf16* base, int ld, int m0, int k0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  ldmatrix_x4(a, base + (m0 + i + (j & 1) * 8) * ld + k0 + (j >> 1) * 8);
+}
+
+// The A fragment of A = X^T (rows m0.., columns k0..) from a row-major X [k][m].
+__device__ __forceinline__ void load_a_of_transposed(unsigned* a, const bf16* base, int ld, int m0, int k0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  ldmatrix_x4_trans(a, base + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+}
+
+// The B fragments of two 8-column tiles (n0.., n0 + 8..) and rows k0.. of a row-major B [k][n]: b[0..1], b[2..3].
+__device__ __forceinline__ void load_b(unsigned* b, const bf16* base, int ld, int k0, int n0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  ldmatrix_x4_trans(b, base + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+}
+
+// The same for B = X^T from a row-major X [n][k].
+__device__ __forceinline__ void load_b_of_transposed(unsigned* b, const bf16* base, int ld, int k0, int n0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  ldmatrix_x4(b, base + (n0 + i + (j >> 1) * 8) * ld + k0 + (j & 1) * 8);
+}
+
+__device__ __forceinline__ void store_pair(bf16* p, float lo, float hi) { *(unsigned*)p = pack_bf16(lo, hi); }
+
+// One 8-column tile of a row block (rows r, r + 8) as bf16 into a row-major shared tile.
+__device__ __forceinline__ void store_tile(bf16* base, int ld, int r, int col, const float* c) {
+  store_pair(base + r * ld + col, c[0], c[1]);
+  store_pair(base + (r + 8) * ld + col, c[2], c[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    gdn_walk_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                    const float* __restrict__ g, const bf16* __restrict__ beta, bf16* __restrict__ o,
+                    const bf16* __restrict__ solved, const long long* __restrict__ cu_seqlens,
+                    const long long* __restrict__ walk, float* bank, int* flags,
+                    const long long* __restrict__ slot_rows, float scale, int key_heads, int value_heads) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sK = (bf16*)smem;          // K [64, K] as loaded
+  bf16* sQ = sK + BT * LDS;        // Q [64, K]
+  bf16* sKt = sQ + BT * LDS;       // K~ = bf16(bf16(K beta) 2^gamma)
+  bf16* sVt = sKt + BT * LDS;      // V~ = bf16(V beta)
+  bf16* sW = sVt + BT * LDS;       // w = bf16(T K~)
+  bf16* sVn = sW + BT * LDS;       // bf16(v')
+  bf16* sVd = sVn + BT * LDS;      // bf16(v' 2^(gamma_last - gamma))
+  bf16* sS = sVd + BT * LDS;       // Sb = bf16(S) [K, V]
+  bf16* sT = sS + KEY_DIM * LDS;   // T [64, 64]
+  float* sGamma = (float*)(sT + BT * LDT);
+  float* sDecay = sGamma + BT;     // 2^gamma
+  float* sBeta = sDecay + BT;
+  long long* sRow = (long long*)(sBeta + BT);  // each chunk row's input row, -1 past the sequence
+  int* sTicket = (int*)(sRow + BT);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+  if (tid == 0) sTicket[0] = atomicAdd(flags, 1);  // orders nothing but the tickets
+  __syncthreads();
+  const int ticket = sTicket[0];
+  const int group = ticket / value_heads;
+  if (group >= (int)walk[WALK_WIDTH - 1]) return;  // a dummy path's group: the solve launch zeroed its rows of o
+  const long long seq = walk[(long long)group * WALK_WIDTH];
+  const long long* row = walk + seq * WALK_WIDTH;
+  const int hv = ticket % value_heads, hk = hv / (value_heads / key_heads);
+  const int start = (int)row[1], source = (int)row[2];
+  const int publish_chunks = (int)row[3], publish_slot = (int)row[4];
+  const int publish2_chunks = (int)row[5], publish2_slot = (int)row[6];
+  const long long bos = cu_seqlens[seq];
+  const int seq_len = (int)(cu_seqlens[seq + 1] - bos);
+  const int num_chunks = (seq_len + BT - 1) / BT;
+  const long long state_size = (long long)KEY_DIM * VALUE_DIM;
+
+  // The state: warp w holds rows 16 w + gq (+ 8), columns 8 nt + 2 tq (+ 1).
+  const int srow = 16 * warp + gq;
+  float s[VALUE_DIM / 8][4];
+  if (source >= 0) {  // the state another CTA publishes at this sequence's start chunk
+    if (tid == 0) {
+      const int* flag = flags + 1 + source * value_heads + hv;
+      int ready = 0;
+      while (ready == 0) asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    }
+    __syncthreads();
+    const float* from = bank + ((long long)source * value_heads + hv) * state_size;
+#pragma unroll
+    for (int nt = 0; nt < VALUE_DIM / 8; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x, y;
+        asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];"
+                     : "=f"(x), "=f"(y)
+                     : "l"(from + (srow + 8 * h) * VALUE_DIM + 8 * nt + 2 * tq));
+        s[nt][2 * h] = x;
+        s[nt][2 * h + 1] = y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < VALUE_DIM / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  }
+#pragma unroll
+  for (int nt = 0; nt < VALUE_DIM / 8; ++nt) store_tile(sS, LDS, srow, 8 * nt + 2 * tq, s[nt]);
+
+  const int rb = warp & 3, ch = warp >> 2, r0 = 16 * rb;
+  for (int i_t = start; i_t < num_chunks; ++i_t) {
+    // A: rows and gates
+    if (warp == 0) {
+      float gv[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * lane + h, offset = i_t * BT + r;
+        const bool valid = offset < seq_len;
+        const long long token = bos + offset;
+        const long long input = valid ? (slot_rows ? slot_rows[token] : token) : -1;
+        sRow[r] = input;
+        gv[h] = valid ? g[input * value_heads + hv] : 0.f;
+        sBeta[r] = valid ? bf2f(beta[input * value_heads + hv]) : 0.f;
+      }
+      float inclusive = gv[0] + gv[1];
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += y;
+      }
+      float before = __shfl_up_sync(0xffffffffu, inclusive, 1);
+      if (lane == 0) before = 0.f;
+      const float c0 = before + gv[0], c1 = c0 + gv[1];
+      sGamma[2 * lane] = c0 * RCP_LN2;
+      sGamma[2 * lane + 1] = c1 * RCP_LN2;
+      sDecay[2 * lane] = exp2_approx(c0 * RCP_LN2);
+      sDecay[2 * lane + 1] = exp2_approx(c1 * RCP_LN2);
+    }
+    __syncthreads();
+
+    // B: tiles
+    for (int idx = tid; idx < BT * (KEY_DIM / 8); idx += THREADS) {
+      const int r = idx / (KEY_DIM / 8), c = (idx % (KEY_DIM / 8)) * 8;
+      const long long input = sRow[r];
+      uint4 kv = make_uint4(0, 0, 0, 0), qv = make_uint4(0, 0, 0, 0);
+      if (input >= 0) {
+        const long long at = (input * key_heads + hk) * KEY_DIM + c;
+        kv = *(const uint4*)(k + at);
+        qv = *(const uint4*)(q + at);
+      }
+      *(uint4*)(sK + r * LDS + c) = kv;
+      *(uint4*)(sQ + r * LDS + c) = qv;
+      const float b = sBeta[r], e = sDecay[r];
+      const unsigned words[4] = {kv.x, kv.y, kv.z, kv.w};
+      unsigned scaled[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        scaled[j] = pack_bf16(round_bf16(bf2f(words[j] & 0xffffu) * b) * e, round_bf16(bf2f(words[j] >> 16) * b) * e);
+      *(uint4*)(sKt + r * LDS + c) = make_uint4(scaled[0], scaled[1], scaled[2], scaled[3]);
+    }
+    for (int idx = tid; idx < BT * (VALUE_DIM / 8); idx += THREADS) {
+      const int r = idx / (VALUE_DIM / 8), c = (idx % (VALUE_DIM / 8)) * 8;
+      const long long input = sRow[r];
+      uint4 vv = make_uint4(0, 0, 0, 0);
+      if (input >= 0) vv = *(const uint4*)(v + (input * value_heads + hv) * VALUE_DIM + c);
+      const float b = sBeta[r];
+      const unsigned words[4] = {vv.x, vv.y, vv.z, vv.w};
+      unsigned scaled[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) scaled[j] = pack_bf16(bf2f(words[j] & 0xffffu) * b, bf2f(words[j] >> 16) * b);
+      *(uint4*)(sVt + r * LDS + c) = make_uint4(scaled[0], scaled[1], scaled[2], scaled[3]);
+    }
+    for (int idx = tid; idx < BT * (BT / 8); idx += THREADS) {
+      const int r = idx / (BT / 8), c = (idx % (BT / 8)) * 8;
+      uint4 tv = make_uint4(0, 0, 0, 0);
+      if (sRow[r] >= 0) tv = *(const uint4*)(solved + ((bos + i_t * BT + r) * value_heads + hv) * BT + c);
+      *(uint4*)(sT + r * LDT + c) = tv;
+    }
+    __syncthreads();
+
+    // C: the masked Q K^T (all 64 columns of the warp's rows), w and u (the warp's rows and columns)
+    unsigned qk[BT / 16][4];
+    {
+      float c[BT / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BT / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KEY_DIM / 16; ++kk) {
+        unsigned a[4];
+        load_a(a, sQ, LDS, r0, 16 * kk, lane);
+#pragma unroll
+        for (int np = 0; np < BT / 16; ++np) {
+          unsigned b[4];
+          load_b_of_transposed(b, sK, LDS, 16 * kk, 16 * np, lane);
+          mma_bf16(c[2 * np], a, b);
+          mma_bf16(c[2 * np + 1], a, b + 2);
+        }
+      }
+      const int ra = r0 + gq, rc = ra + 8;
+      const float ga = sGamma[ra], gc = sGamma[rc];
+#pragma unroll
+      for (int nt = 0; nt < BT / 8; ++nt) {
+        const int s0 = 8 * nt + 2 * tq;
+        const float g0 = sGamma[s0], g1 = sGamma[s0 + 1];
+        c[nt][0] = ra >= s0 ? c[nt][0] * exp2_approx(ga - g0) : 0.f;
+        c[nt][1] = ra >= s0 + 1 ? c[nt][1] * exp2_approx(ga - g1) : 0.f;
+        c[nt][2] = rc >= s0 ? c[nt][2] * exp2_approx(gc - g0) : 0.f;
+        c[nt][3] = rc >= s0 + 1 ? c[nt][3] * exp2_approx(gc - g1) : 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < BT / 16; ++kk) {  // accumulator tiles 2 kk, 2 kk + 1 are the A fragment of columns 16 kk..
+        qk[kk][0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+        qk[kk][1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+        qk[kk][2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        qk[kk][3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+      }
+    }
+    const int c0 = 64 * ch;  // the warp's first value (and key) column
+    {
+      float c[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BT / 16; ++kk) {
+        unsigned a[4];
+        load_a(a, sT, LDT, r0, 16 * kk, lane);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          unsigned b[4];
+          load_b(b, sKt, LDS, 16 * kk, c0 + 16 * np, lane);
+          mma_bf16(c[2 * np], a, b);
+          mma_bf16(c[2 * np + 1], a, b + 2);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) store_tile(sW, LDS, r0 + gq, c0 + 8 * nt + 2 * tq, c[nt]);
+    }
+    float u[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) u[nt][0] = u[nt][1] = u[nt][2] = u[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < BT / 16; ++kk) {
+      unsigned a[4];
+      load_a(a, sT, LDT, r0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned b[4];
+        load_b(b, sVt, LDS, 16 * kk, c0 + 16 * np, lane);
+        mma_bf16(u[2 * np], a, b);
+        mma_bf16(u[2 * np + 1], a, b + 2);
+      }
+    }
+    __syncthreads();  // w complete
+
+    // D: v' = u - w Sb and Q Sb (the same B fragments)
+    float p[8][4], inter[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
+      inter[nt][0] = inter[nt][1] = inter[nt][2] = inter[nt][3] = 0.f;
+    }
+#pragma unroll 2
+    for (int kk = 0; kk < KEY_DIM / 16; ++kk) {
+      unsigned aw[4], aq[4];
+      load_a(aw, sW, LDS, r0, 16 * kk, lane);
+      load_a(aq, sQ, LDS, r0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned b[4];
+        load_b(b, sS, LDS, 16 * kk, c0 + 16 * np, lane);
+        mma_bf16(p[2 * np], aw, b);
+        mma_bf16(p[2 * np + 1], aw, b + 2);
+        mma_bf16(inter[2 * np], aq, b);
+        mma_bf16(inter[2 * np + 1], aq, b + 2);
+      }
+    }
+    const float gamma_last = sGamma[BT - 1];  // gamma is constant past the sequence's last row (g = 0 there)
+    {
+      const int ra = r0 + gq, rc = ra + 8;
+      const float ea = sDecay[ra], ec = sDecay[rc];
+      const float da = exp2_approx(gamma_last - sGamma[ra]), dc = exp2_approx(gamma_last - sGamma[rc]);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float vn[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) vn[e] = round_bf16(u[nt][e]) - p[nt][e];
+        const int col = c0 + 8 * nt + 2 * tq;
+        store_tile(sVn, LDS, ra, col, vn);
+        store_pair(sVd + ra * LDS + col, vn[0] * da, vn[1] * da);
+        store_pair(sVd + rc * LDS + col, vn[2] * dc, vn[3] * dc);
+        inter[nt][0] *= ea;
+        inter[nt][1] *= ea;
+        inter[nt][2] *= ec;
+        inter[nt][3] *= ec;
+      }
+    }
+    __syncthreads();  // bf16(v') and its decayed copy complete; every read of Sb done
+
+    // E: the output rows, then the state update
+    {
+      float c[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BT / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          unsigned b[4];
+          load_b(b, sVn, LDS, 16 * kk, c0 + 16 * np, lane);
+          mma_bf16(c[2 * np], qk[kk], b);
+          mma_bf16(c[2 * np + 1], qk[kk], b + 2);
+        }
+      }
+      const int ra = i_t * BT + r0 + gq, rc = ra + 8;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int col = c0 + 8 * nt + 2 * tq;
+        if (ra < seq_len)
+          store_pair(o + ((bos + ra) * value_heads + hv) * VALUE_DIM + col, inter[nt][0] * scale + c[nt][0] * scale,
+                     inter[nt][1] * scale + c[nt][1] * scale);
+        if (rc < seq_len)
+          store_pair(o + ((bos + rc) * value_heads + hv) * VALUE_DIM + col, inter[nt][2] * scale + c[nt][2] * scale,
+                     inter[nt][3] * scale + c[nt][3] * scale);
+      }
+    }
+    const float decay_last = exp2_approx(gamma_last);
+#pragma unroll
+    for (int nt = 0; nt < VALUE_DIM / 8; ++nt) {
+      s[nt][0] *= decay_last;
+      s[nt][1] *= decay_last;
+      s[nt][2] *= decay_last;
+      s[nt][3] *= decay_last;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BT / 16; ++kk) {
+      unsigned a[4];
+      load_a_of_transposed(a, sK, LDS, 16 * warp, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < VALUE_DIM / 16; ++np) {
+        unsigned b[4];
+        load_b(b, sVd, LDS, 16 * kk, 16 * np, lane);
+        mma_bf16(s[2 * np], a, b);
+        mma_bf16(s[2 * np + 1], a, b + 2);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < VALUE_DIM / 8; ++nt) store_tile(sS, LDS, srow, 8 * nt + 2 * tq, s[nt]);
+#pragma unroll
+    for (int point = 0; point < 2; ++point) {  // the walk's two publish points (kernels/gdn_chunk.py)
+      if (i_t + 1 != (point ? publish2_chunks : publish_chunks)) continue;
+      const int slot = point ? publish2_slot : publish_slot;
+      float* to = bank + ((long long)slot * value_heads + hv) * state_size;
+#pragma unroll
+      for (int nt = 0; nt < VALUE_DIM / 8; ++nt) {
+        *(float2*)(to + srow * VALUE_DIM + 8 * nt + 2 * tq) = make_float2(s[nt][0], s[nt][1]);
+        *(float2*)(to + (srow + 8) * VALUE_DIM + 8 * nt + 2 * tq) = make_float2(s[nt][2], s[nt][3]);
+      }
+      __syncthreads();  // the whole state stored before the flag
+      if (tid == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flags + 1 + slot * value_heads + hv), "r"(1)
+                     : "memory");
+      }
+    }
+    __syncthreads();  // the next chunk overwrites the tiles and gates
+  }
+}
