@@ -20,8 +20,11 @@
 // * v1 (f1dc4fb): the layout above; the chunk's loads in three loops of load, convert, store (the V and T loops
 //   serialised: each read its row from shared memory after the previous store); on an H100 (probe of f1dc4fb) slower
 //   than the Triton walk: drone 90.5 against 76.0 us a layer, customer_service 198.6 against 141.6.
-// * v2 (this file): every tile load of a chunk issued before its first shared store (fixed rows per thread); the next
-//   chunk's input rows and gates fetched by warp 0 during the chunk before (phases C and E).
+// * v2 (469524d, not run): every tile load of a chunk issued before its first shared store; the next chunk's input rows
+//   and gates fetched by warp 0 during the chunk before (phases C and E).
+// * v3 (this file): v2 with the next chunk's K, Q, V and T copied into spare buffers by cp.async during the chunk
+//   before (from its phase D), so a chunk starts on landed tiles; K~ and V~ share their buffers with the decayed v'
+//   and v' (dead by then).
 
 #define BT 64
 #define WARPS 8
@@ -109,6 +112,12 @@ __device__ __forceinline__ void load_b_of_transposed(unsigned* b, const bf16* ba
   ldmatrix_x4(b, base + (n0 + i + (j >> 1) * 8) * ld + k0 + (j & 1) * 8);
 }
 
+// 16 bytes global -> shared without the registers; zeros when `bytes` is 0 (a row past the sequence).
+__device__ __forceinline__ void copy_async(bf16* to, const bf16* from, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(to)), "l"(from), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void store_pair(bf16* p, float lo, float hi) { *(unsigned*)p = pack_bf16(lo, hi); }
 
 // One 8-column tile of a row block (rows r, r + 8) as bf16 into a row-major shared tile.
@@ -124,20 +133,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     const long long* __restrict__ walk, float* bank, int* flags,
                     const long long* __restrict__ slot_rows, float scale, int key_heads, int value_heads) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sK = (bf16*)smem;          // K [64, K] as loaded
-  bf16* sQ = sK + BT * LDS;        // Q [64, K]
-  bf16* sKt = sQ + BT * LDS;       // K~ = bf16(bf16(K beta) 2^gamma)
-  bf16* sVt = sKt + BT * LDS;      // V~ = bf16(V beta)
-  bf16* sW = sVt + BT * LDS;       // w = bf16(T K~)
-  bf16* sVn = sW + BT * LDS;       // bf16(v')
-  bf16* sVd = sVn + BT * LDS;      // bf16(v' 2^(gamma_last - gamma))
-  bf16* sS = sVd + BT * LDS;       // Sb = bf16(S) [K, V]
-  bf16* sT = sS + KEY_DIM * LDS;   // T [64, 64]
-  float* sGamma = (float*)(sT + BT * LDT);
-  float* sDecay = sGamma + BT;     // 2^gamma
+  bf16* sK = (bf16*)smem;                // K [64, K] as loaded, two buffers: this chunk's and the next one's
+  bf16* sQ = sK + 2 * BT * LDS;          // Q [64, K], two buffers
+  bf16* sV = sQ + 2 * BT * LDS;          // V [64, V] as loaded (the next chunk's once this chunk's V~ is made)
+  bf16* sKt = sV + BT * LDS;             // K~ = bf16(bf16(K beta) 2^gamma); later in the chunk bf16(v' 2^(gl - gamma))
+  bf16* sVt = sKt + BT * LDS;            // V~ = bf16(V beta); later in the chunk bf16(v')
+  bf16* sW = sVt + BT * LDS;             // w = bf16(T K~)
+  bf16* sS = sW + BT * LDS;              // Sb = bf16(S) [K, V]
+  bf16* sT = sS + KEY_DIM * LDS;         // T [64, 64], two buffers
+  float* sGamma = (float*)(sT + 2 * BT * LDT);
+  float* sDecay = sGamma + BT;           // 2^gamma
   float* sBeta = sDecay + BT;
-  long long* sRow = (long long*)(sBeta + BT);  // each chunk row's input row, -1 past the sequence
-  int* sTicket = (int*)(sRow + BT);
+  long long* sRow = (long long*)(sBeta + BT);  // each chunk row's input row (-1 past the sequence), two buffers
+  int* sTicket = (int*)(sRow + 2 * BT);
+  bf16* sVd = sKt;
+  bf16* sVn = sVt;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
@@ -187,8 +197,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int nt = 0; nt < VALUE_DIM / 8; ++nt) store_tile(sS, LDS, srow, 8 * nt + 2 * tq, s[nt]);
 
-  // Warp 0 fetches a chunk's input rows (lanes: rows 2 lane, 2 lane + 1) and gates ahead of the chunk: the rows during
-  // the chunk before's phase C, the gates (which need the rows) during its phase E; the first chunk's here.
+  // Warp 0 fetches a chunk's input rows (lanes: rows 2 lane, 2 lane + 1) and gates ahead of the chunk: the rows at the
+  // start of the chunk before's phase C (stored for every thread at its end), the gates during its phase E. Every
+  // thread then copies the chunk's K, Q, V and T rows into the free buffers (cp.async) at the start of phase D, so
+  // they land while the chunk before computes. The first chunk's: here.
   long long next_input[2];
   float next_g[2], next_beta[2];
   auto fetch_rows = [&](int chunk) {
@@ -207,20 +219,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       next_beta[h] = input >= 0 ? bf2f(beta[input * value_heads + hv]) : 0.f;
     }
   };
-  if (warp == 0 && start < num_chunks) {
-    fetch_rows(start);
-    fetch_gates();
+  const int kc = (tid & 15) * 8, tc = (tid & 7) * 8;  // each thread's 16-byte column of the tiles
+  auto copy_tiles = [&](int chunk, int buffer) {       // rows tid / 16 + 16 j of K, Q, V; tid / 8 + 32 j of T
+    const long long* rows = sRow + buffer * BT;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = (tid >> 4) + 16 * j;
+      const long long input = rows[r];
+      const int bytes = input >= 0 ? 16 : 0;
+      const long long at = (input >= 0 ? input * key_heads + hk : 0) * KEY_DIM + kc;
+      copy_async(sK + (buffer * BT + r) * LDS + kc, k + at, bytes);
+      copy_async(sQ + (buffer * BT + r) * LDS + kc, q + at, bytes);
+      copy_async(sV + r * LDS + kc, v + (input >= 0 ? input * value_heads + hv : 0) * VALUE_DIM + kc, bytes);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = (tid >> 3) + 32 * j;
+      const bool valid = rows[r] >= 0;
+      copy_async(sT + (buffer * BT + r) * LDT + tc,
+                 solved + (valid ? (bos + chunk * BT + r) * value_heads + hv : 0) * BT + tc, valid ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  if (start < num_chunks) {
+    if (warp == 0) {
+      fetch_rows(start);
+      sRow[2 * lane] = next_input[0];
+      sRow[2 * lane + 1] = next_input[1];
+      fetch_gates();
+    }
+    __syncthreads();
+    copy_tiles(start, 0);
   }
 
   const int rb = warp & 3, ch = warp >> 2, r0 = 16 * rb;
   for (int i_t = start; i_t < num_chunks; ++i_t) {
-    // A: rows and gates
+    const int cur = (i_t - start) & 1, nxt = cur ^ 1;
+    const bf16* cK = sK + cur * BT * LDS;
+    const bf16* cQ = sQ + cur * BT * LDS;
+    const bf16* cT = sT + cur * BT * LDT;
+    // A: gates; this chunk's tiles landed
     if (warp == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sRow[2 * lane + h] = next_input[h];
-        sBeta[2 * lane + h] = next_beta[h];
-      }
+      sBeta[2 * lane] = next_beta[0];
+      sBeta[2 * lane + 1] = next_beta[1];
       float inclusive = next_g[0] + next_g[1];
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -235,53 +276,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       sDecay[2 * lane] = exp2_approx(c0 * RCP_LN2);
       sDecay[2 * lane + 1] = exp2_approx(c1 * RCP_LN2);
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
 
-    // B: tiles. Each thread's rows are fixed (r = tid / 16 + 16 j for the [64, 128] tiles, tid / 8 + 32 j for T), so
-    // every global load is issued before any shared store.
-    {
-      const int kc = (tid & 15) * 8, tc = (tid & 7) * 8;
-      long long input[4];
-      uint4 kv[4], qv[4], vv[4], tv[2];
+    // B: K~ and V~ from the landed tiles (shared to shared)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) input[j] = sRow[(tid >> 4) + 16 * j];
+    for (int j = 0; j < 4; ++j) {
+      const int r = (tid >> 4) + 16 * j;
+      const float b = sBeta[r], e = sDecay[r];
+      const uint4 kv = *(const uint4*)(cK + r * LDS + kc), vv = *(const uint4*)(sV + r * LDS + kc);
+      const unsigned kw[4] = {kv.x, kv.y, kv.z, kv.w}, vw[4] = {vv.x, vv.y, vv.z, vv.w};
+      unsigned kt[4], vt[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        kv[j] = qv[j] = vv[j] = make_uint4(0, 0, 0, 0);
-        if (input[j] >= 0) {
-          const long long at = (input[j] * key_heads + hk) * KEY_DIM + kc;
-          kv[j] = *(const uint4*)(k + at);
-          qv[j] = *(const uint4*)(q + at);
-          vv[j] = *(const uint4*)(v + (input[j] * value_heads + hv) * VALUE_DIM + kc);
-        }
+      for (int w = 0; w < 4; ++w) {
+        kt[w] = pack_bf16(round_bf16(bf2f(kw[w] & 0xffffu) * b) * e, round_bf16(bf2f(kw[w] >> 16) * b) * e);
+        vt[w] = pack_bf16(bf2f(vw[w] & 0xffffu) * b, bf2f(vw[w] >> 16) * b);
       }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int r = (tid >> 3) + 32 * j;
-        tv[j] = make_uint4(0, 0, 0, 0);
-        if (sRow[r] >= 0) tv[j] = *(const uint4*)(solved + ((bos + i_t * BT + r) * value_heads + hv) * BT + tc);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = (tid >> 4) + 16 * j;
-        const float b = sBeta[r], e = sDecay[r];
-        *(uint4*)(sK + r * LDS + kc) = kv[j];
-        *(uint4*)(sQ + r * LDS + kc) = qv[j];
-        const unsigned kw[4] = {kv[j].x, kv[j].y, kv[j].z, kv[j].w}, vw[4] = {vv[j].x, vv[j].y, vv[j].z, vv[j].w};
-        unsigned kt[4], vt[4];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          kt[w] = pack_bf16(round_bf16(bf2f(kw[w] & 0xffffu) * b) * e, round_bf16(bf2f(kw[w] >> 16) * b) * e);
-          vt[w] = pack_bf16(bf2f(vw[w] & 0xffffu) * b, bf2f(vw[w] >> 16) * b);
-        }
-        *(uint4*)(sKt + r * LDS + kc) = make_uint4(kt[0], kt[1], kt[2], kt[3]);
-        *(uint4*)(sVt + r * LDS + kc) = make_uint4(vt[0], vt[1], vt[2], vt[3]);
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) *(uint4*)(sT + ((tid >> 3) + 32 * j) * LDT + tc) = tv[j];
+      *(uint4*)(sKt + r * LDS + kc) = make_uint4(kt[0], kt[1], kt[2], kt[3]);
+      *(uint4*)(sVt + r * LDS + kc) = make_uint4(vt[0], vt[1], vt[2], vt[3]);
     }
     __syncthreads();
-    if (warp == 0 && i_t + 1 < num_chunks) fetch_rows(i_t + 1);
+    const bool more = i_t + 1 < num_chunks;
+    if (warp == 0 && more) fetch_rows(i_t + 1);
 
     // C: the masked Q K^T (all 64 columns of the warp's rows), w and u (the warp's rows and columns)
     unsigned qk[BT / 16][4];
@@ -292,11 +308,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int kk = 0; kk < KEY_DIM / 16; ++kk) {
         unsigned a[4];
-        load_a(a, sQ, LDS, r0, 16 * kk, lane);
+        load_a(a, cQ, LDS, r0, 16 * kk, lane);
 #pragma unroll
         for (int np = 0; np < BT / 16; ++np) {
           unsigned b[4];
-          load_b_of_transposed(b, sK, LDS, 16 * kk, 16 * np, lane);
+          load_b_of_transposed(b, cK, LDS, 16 * kk, 16 * np, lane);
           mma_bf16(c[2 * np], a, b);
           mma_bf16(c[2 * np + 1], a, b + 2);
         }
@@ -328,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int kk = 0; kk < BT / 16; ++kk) {
         unsigned a[4];
-        load_a(a, sT, LDT, r0, 16 * kk, lane);
+        load_a(a, cT, LDT, r0, 16 * kk, lane);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           unsigned b[4];
@@ -346,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BT / 16; ++kk) {
       unsigned a[4];
-      load_a(a, sT, LDT, r0, 16 * kk, lane);
+      load_a(a, cT, LDT, r0, 16 * kk, lane);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         unsigned b[4];
@@ -355,7 +371,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         mma_bf16(u[2 * np + 1], a, b + 2);
       }
     }
-    __syncthreads();  // w complete
+    if (warp == 0 && more) {
+      sRow[nxt * BT + 2 * lane] = next_input[0];
+      sRow[nxt * BT + 2 * lane + 1] = next_input[1];
+    }
+    __syncthreads();  // w complete; every read of K~, V~ and of the raw V done; the next chunk's rows stored
+    if (more) copy_tiles(i_t + 1, nxt);
 
     // D: v' = u - w Sb and Q Sb (the same B fragments)
     float p[8][4], inter[8][4];
@@ -368,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     for (int kk = 0; kk < KEY_DIM / 16; ++kk) {
       unsigned aw[4], aq[4];
       load_a(aw, sW, LDS, r0, 16 * kk, lane);
-      load_a(aq, sQ, LDS, r0, 16 * kk, lane);
+      load_a(aq, cQ, LDS, r0, 16 * kk, lane);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         unsigned b[4];
@@ -400,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     __syncthreads();  // bf16(v') and its decayed copy complete; every read of Sb done
-    if (warp == 0 && i_t + 1 < num_chunks) fetch_gates();
+    if (warp == 0 && more) fetch_gates();
 
     // E: the output rows, then the state update
     {
@@ -440,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BT / 16; ++kk) {
       unsigned a[4];
-      load_a_of_transposed(a, sK, LDS, 16 * warp, 16 * kk, lane);
+      load_a_of_transposed(a, cK, LDS, 16 * warp, 16 * kk, lane);
 #pragma unroll
       for (int np = 0; np < VALUE_DIM / 16; ++np) {
         unsigned b[4];

@@ -46,10 +46,11 @@ PAD = 8  # bf16 elements of padding per shared row (the .cu file's LDS and LDT)
 
 
 def shared_bytes(key_dim: int, value_dim: int) -> int:
-    """Dynamic shared memory of one CTA: seven [64, K + 8] bf16 tiles (K, Q, K̃, Ṽ, w, v', decayed v'), Sb [K, V + 8]
-    bf16, T [64, 72] bf16, three [64] fp32 gate rows, [64] int64 input rows and the ticket."""
-    tiles = 7 * CHUNK * (key_dim + PAD) * 2 + key_dim * (value_dim + PAD) * 2 + CHUNK * (CHUNK + PAD) * 2
-    return tiles + 3 * CHUNK * 4 + CHUNK * 8 + 16
+    """Dynamic shared memory of one CTA (the .cu file's layout): eight [64, K + 8] bf16 tiles (K and Q twice, V, K̃
+    (later the decayed v'), Ṽ (later v'), w), Sb [K, V + 8] bf16, T [64, 72] bf16 twice, three [64] fp32 gate rows,
+    [64] int64 input rows twice and the ticket."""
+    tiles = 8 * CHUNK * (key_dim + PAD) * 2 + key_dim * (value_dim + PAD) * 2 + 2 * CHUNK * (CHUNK + PAD) * 2
+    return tiles + 3 * CHUNK * 4 + 2 * CHUNK * 8 + 16
 
 
 def supports(q: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
