@@ -59,7 +59,6 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows); "stage" is what stage `core` runs
     "stage": ({}, True, True),
-    "triton-walk": ({"walk_kernel": "triton"}, True, True),
     "stage-gathered": ({}, True, False),
     "stage-no-walk": ({}, False, False),
     "doubling": ({"solve": "doubling"}, True, True),
@@ -67,14 +66,10 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "blocks-doubling": ({"solve": "blocks-doubling"}, True, True),
     "blocks-doubling-w2": ({"solve": "blocks-doubling", "solve_num_warps": 2}, True, True),
     "blocks-doubling-w4": ({"solve": "blocks-doubling", "solve_num_warps": 4}, True, True),
-    "walk-w8": ({"walk_kernel": "triton", "num_warps": 8}, True, True),
-    "walk-bv32": ({"walk_kernel": "triton", "value_block": 32, "unverified_value_block": True}, True, True),
-    "walk-bv32-r168": (
-        {"walk_kernel": "triton", "value_block": 32, "unverified_value_block": True, "max_registers": 168},
-        True,
-        True,
-    ),
-    "walk-bv16": ({"walk_kernel": "triton", "value_block": 16, "unverified_value_block": True}, True, True),
+    "walk-w8": ({"num_warps": 8}, True, True),
+    "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
+    "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
+    "walk-bv16": ({"value_block": 16, "unverified_value_block": True}, True, True),
 }
 
 
