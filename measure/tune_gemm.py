@@ -86,6 +86,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "gemm"
 SPLITS = (2, 3, 4)
 HEURISTIC_LIMIT = 8  # offers of cuBLASLt's heuristic with every reduction scheme, per (shape, bucket)
 NON_SPLIT_LIMIT = 8  # offers of cuBLASLt's heuristic without split-K (reduction scheme NONE), per (shape, bucket)
+OFFER_LIMITS = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT)  # the two queries' limits unless `--offers` asks both for N
 EXPLICIT_PER_SHAPE = 6
 NEIGHBOUR_OFFSETS = (8, 16, 24, 32, 48, 64, 96)  # rows below a bucket where the heuristic is asked too (module doc)
 WEIGHT_COPIES = 4
@@ -122,7 +123,7 @@ def heuristic_offers(
     shape: str,
     rows: int,
     skipped: list[dict],
-    limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
+    limits: tuple[int, int] = OFFER_LIMITS,
 ) -> dict[str, list[dict[str, int]]]:
     """The algorithms (config dicts, `engine.gemm.cublaslt_config`) cuBLASLt's heuristic offers for one nvmath `Matmul`
     of `shape` at `rows` rows, best first: {"any": up to limits[0] (`HEURISTIC_LIMIT`) with every reduction scheme,
@@ -315,7 +316,7 @@ def measure_shape(
     progress: Any,
     skipped: list[dict],
     offers: dict[str, Any],
-    limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
+    limits: tuple[int, int] = OFFER_LIMITS,
 ) -> list[Measurement]:
     """Every candidate of one shape at every bucket of `rows_grid` (module docstring), on the current CUDA device;
     candidates that could not run are appended to `skipped` with the reason, and the heuristic's offers at each bucket
@@ -476,7 +477,7 @@ def write_outputs(
     rows_grid: tuple[int, ...],
     skipped: list[dict],
     offers: dict[str, Any] | None = None,
-    offer_limits: tuple[int, int] = (HEURISTIC_LIMIT, NON_SPLIT_LIMIT),
+    offer_limits: tuple[int, int] = OFFER_LIMITS,
 ) -> dict[str, Path]:
     """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
     of the grid was measured. Floors come from `tuned_ceilings` of `ceilings` and the measurements; times under them
@@ -535,7 +536,7 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
         "bf16_tflops": max(r["ceilings"]["bf16_tflops"] for r in records),
     }
     offers = {shape: by_rows for r in records for shape, by_rows in r.get("offers", {}).items()}
-    limits = tuple(first.get("offer_limits", (HEURISTIC_LIMIT, NON_SPLIT_LIMIT)))
+    limits = tuple(first.get("offer_limits", OFFER_LIMITS))
     return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers, limits)
 
 
@@ -545,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", help="comma-separated subset of engine.graphs.ROWS_GRID (default: all)")
     parser.add_argument("--calls", type=int, default=10, help="GEMM calls per captured graph")
     parser.add_argument("--replays", type=int, default=7, help="timed replays per candidate (median)")
-    parser.add_argument("--offers", type=int, default=HEURISTIC_LIMIT, help="offers asked of each heuristic query")
+    parser.add_argument("--offers", type=int, help="offers asked of each heuristic query (default: OFFER_LIMITS)")
     parser.add_argument("--from-candidates", nargs="+", type=Path, help="merge candidates records into a table")
     args = parser.parse_args(argv)
     if args.from_candidates:
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[Measurement] = []
     skipped: list[dict] = []
     offers: dict[str, Any] = {}
-    limits = (args.offers, args.offers)
+    limits = OFFER_LIMITS if args.offers is None else (args.offers, args.offers)
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
