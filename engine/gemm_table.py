@@ -35,10 +35,11 @@ Schema, version 1 (one JSON object; every key required, no others; `...` elides 
   cuBLASLt algorithm: the nine `cublasLtMatmulAlgoConfigAttributes_t` values, lower-cased, as nvmath-python's
   `Algorithm` and `nvmath.bindings.cublasLt` expose them) or `splitk` (K cut in `split` >= 2 slices, fp32 partials
   reduced by `kernels.residual_rmsnorm_splitk`; only for `SPLITK_SHAPES`, whose output feeds that norm). `time_us`
-  is the measured time, `floor_us` the tuner's floor for that GEMM from its ceilings (a time under it is a finding the
-  candidates record lists in `below_floor`: the ceiling was low; the loader accepts it), `bitwise_f_linear`
-  whether its output equals `F.linear`'s bit for bit, and `row_invariant` whether a row's bits are independent of
-  the call's row count (must be true: the tree layout is bitwise against the flat one only then).
+  is the measured time (tables from the in-context tuner: a call behind its forward producer, less the producer's own
+  time; `measure.tune_gemm`, Timing), `floor_us` the tuner's floor for that GEMM from its ceilings (a time under it
+  is a finding the candidates record lists in `below_floor`: the ceiling was low; the loader accepts it),
+  `bitwise_f_linear` whether its output equals `F.linear`'s bit for bit, and `row_invariant` whether a row's bits
+  are independent of the call's row count (must be true: the tree layout is bitwise against the flat one only then).
 * The row-invariance law: one split per shape (`cublas` counts 1, `cublaslt` its `splitk_num`), never one per row
   count, so that a row's K-reduction order does not change when the batch moves to another bucket. Kernels of equal
   split can still differ in bits; the tuner must mix them in one shape only where it measured them bitwise to each

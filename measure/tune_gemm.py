@@ -34,12 +34,21 @@ on the bf16 output, `kernels.residual_rmsnorm_splitk` on the partials), since sp
 
 Timing: each candidate is one CUDA graph of `calls` back-to-back calls cycling over `WEIGHT_COPIES` distinct weights
 (the forward never reads one weight twice in a row), replayed `replays` times after a `FLUSH_BYTES` buffer write
-(cold L2); the time is the median replay / calls. Floor per (shape, rows) = max(weight bytes / streaming rate,
-2 n k rows / bf16 rate) (`floors_us`), from ceilings that are upper bounds of what this run saw (`tuned_ceilings`):
-`ablations.timing.measure_ceilings` at start in this process (read-only and copy streaming; the 8192^3 cube and
-every tuned shape with `F.linear` at the largest bucket), raised to the best candidate's rate of each shape at the
-largest bucket. A candidate still under its floor (another row count ran at a higher rate) is a finding, listed in
-the candidates record's `below_floor`; it never keeps the table from being written.
+(cold L2); the time is the median replay / calls. Each call runs in its forward context: the engine kernel that writes
+the GEMM's input in the forward (`producer`: residual_rmsnorm before gdn_in, attn_in and gate_up, gated_rmsnorm before
+out, silu_mul before down) writes the input the call reads, and a candidate's time is that graph's less a graph of the
+producer alone (`context_us` in the candidates record); each is also timed alone, as before (`alone_us`). Timed
+alone, back to back, a GEMM hides what it costs after another kernel: on the H200 at 8edfe66 and an H100 at 581c73c
+the table's cuBLASLt choice for gate_up at 352 rows (192x176 tiles, 1x2 clusters) took 182.8 us a call in the
+forward, 3.1 less than `F.linear`'s kernel, but the GPU then sat idle 6.7 us before each of its 64 calls, after
+residual_rmsnorm (0.43 ms a drone forward; `top_gaps` of results/runs/20261206T083908Z-nvidia-h200-8edfe66.json),
+where `F.linear`'s kernel waited 0.5 us.
+Floor per (shape, rows) = max(weight bytes / streaming rate, 2 n k rows / bf16 rate) (`floors_us`), from ceilings
+that are upper bounds of what this run saw (`tuned_ceilings`): `ablations.timing.measure_ceilings` at start in this
+process (read-only and copy streaming; the 8192^3 cube and every tuned shape with `F.linear` at the largest bucket),
+raised to the best candidate's rate of each shape at the largest bucket. A candidate still under its floor (another
+row count ran at a higher rate) is a finding, listed in the candidates record's `below_floor`; it never keeps the
+table from being written.
 
 Checks per candidate: `bitwise_f_linear` (its bf16 output, or `splitk_delta` of its partials, equals `F.linear`'s at
 the same rows bit for bit) and `row_invariant` (its first `ROWS_GRID[0]` rows equal, bit for bit, what the same
@@ -95,6 +104,47 @@ SHIP_MARGIN = 0.02
 CALLS_PER_FORWARD = {"gdn_in": 48, "attn_in": 16, "out": 64, "gate_up": 64, "down": 64}  # the 27B's 48 + 16 layers
 
 
+def producer(shape: str, k: int, max_rows: int, device: Any, gen: Any) -> tuple[Any, Callable[[int], None]]:
+    """(x, write): x [max_rows, k] bf16, the input a GEMM of `shape` reads, and write(rows), which runs the engine
+    kernel that writes x[:rows] in the forward (module docstring, Timing) on fixed random operands, x[rows:] untouched.
+    gdn_in, attn_in, gate_up: `kernels.residual_rmsnorm` (hidden k; x is its normed output). out:
+    `kernels.gated_rmsnorm` over k / 128 value heads of 128. down: `kernels.silu_mul` of a [rows, 2k] gate|up."""
+    import torch
+
+    import kernels
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device).bfloat16()
+
+    x = torch.empty(max_rows, k, dtype=torch.bfloat16, device=device)
+    if shape in ("gdn_in", "attn_in", "gate_up"):
+        residual, delta, weight = randn(max_rows, k), randn(max_rows, k), randn(k) * 0.1
+        new_residual = torch.empty_like(residual)
+
+        def write(rows: int) -> None:
+            kernels.residual_rmsnorm(residual[:rows], delta[:rows], weight, 1e-6,
+                                     out_residual=new_residual[:rows], out_normed=x[:rows])  # fmt: skip
+
+    elif shape == "out":
+        head_dim = 128
+        if k % head_dim:
+            raise ValueError(f"out: K = {k} is not value heads of {head_dim}")
+        o, z, weight = randn(max_rows, k // head_dim, head_dim), randn(max_rows, k), 1 + randn(head_dim) * 0.1
+
+        def write(rows: int) -> None:
+            kernels.gated_rmsnorm(o[:rows], z[:rows], weight, 1e-6, out=x[:rows])
+
+    elif shape == "down":
+        gate_up = randn(max_rows, 2 * k)
+
+        def write(rows: int) -> None:
+            kernels.silu_mul(gate_up[:rows], out=x[:rows])
+
+    else:
+        raise ValueError(f"no producer for shape {shape!r}: one of {sorted(GEMM_SHAPES)}")
+    return x, write
+
+
 @dataclass(frozen=True)
 class Measurement:
     """One candidate at one (shape, rows): its kernel (the table's `kernel` object), time and checks."""
@@ -105,6 +155,7 @@ class Measurement:
     time_us: float
     bitwise_f_linear: bool
     row_invariant: bool
+    alone_us: float | None = None  # the same calls without their producer, back to back (records before: None)
 
 
 def kernel_key(kernel: dict[str, Any]) -> str:
@@ -316,11 +367,13 @@ def measure_shape(
     progress: Any,
     skipped: list[dict],
     offers: dict[str, Any],
+    context_us: dict[str, dict[int, float]],
     limits: tuple[int, int] = OFFER_LIMITS,
 ) -> list[Measurement]:
     """Every candidate of one shape at every bucket of `rows_grid` (module docstring), on the current CUDA device;
-    candidates that could not run are appended to `skipped` with the reason, and the heuristic's offers at each bucket
-    and its neighbour rows (`limits`: see `heuristic_offers`) are put in `offers[shape]`."""
+    candidates that could not run are appended to `skipped` with the reason, the heuristic's offers at each bucket
+    and its neighbour rows (`limits`: see `heuristic_offers`) are put in `offers[shape]`, and the producer's own time
+    per bucket, taken off every candidate's (module docstring, Timing), in `context_us[shape]`."""
     import torch
     import torch.nn.functional as F
     from nvmath.linalg.advanced import Matmul
@@ -337,6 +390,7 @@ def measure_shape(
     residual_all = torch.randn(max(rows_grid), n, generator=gen, device=device).bfloat16()
     norm_weight = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).bfloat16()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    x_context, write_input = producer(shape, k, max(rows_grid), device, gen)  # timing reads this x, never x_all
     with_norm = shape in SPLITK_SHAPES
     first = rows_grid[0]
 
@@ -348,9 +402,11 @@ def measure_shape(
     near_offers = {rows: {r: offers_at(r) for r in near} for rows, near in neighbour_rows(rows_grid).items()}
     offers[shape] = {rows: {"bucket": bucket_offers[rows], "neighbours": near_offers[rows]} for rows in rows_grid}
     lt_candidates = cublaslt_candidates(shape, bucket_offers, skipped, near_offers)
+    context_us[shape] = {}
 
-    def run_one(kernel: dict, rows: int, matmul: Any) -> Callable[[int], Any]:
-        x, residual = x_all[:rows], residual_all[:rows]
+    def run_one(kernel: dict, rows: int, matmul: Any) -> tuple[Callable[[int], Any], Callable[[int], Any]]:
+        """(call i in its forward context, call i alone) on the producer's x."""
+        x, residual = x_context[:rows], residual_all[:rows]
         if kernel["family"] == "splitk":
             op = lambda w: splitk_partials(x, w, kernel["split"])  # noqa: E731
         elif kernel["family"] == "cublaslt":
@@ -361,12 +417,17 @@ def measure_shape(
         else:
             op = lambda w: F.linear(x, w)  # noqa: E731
         if not with_norm:
-            return lambda i: op(weights[i % WEIGHT_COPIES])
-        if kernel["family"] == "splitk":
-            return lambda i: kernels.residual_rmsnorm_splitk(
-                residual, op(weights[i % WEIGHT_COPIES]), norm_weight, 1e-6
-            )
-        return lambda i: kernels.residual_rmsnorm(residual, op(weights[i % WEIGHT_COPIES]), norm_weight, 1e-6)
+            consume = op
+        elif kernel["family"] == "splitk":
+            consume = lambda w: kernels.residual_rmsnorm_splitk(residual, op(w), norm_weight, 1e-6)  # noqa: E731
+        else:
+            consume = lambda w: kernels.residual_rmsnorm(residual, op(w), norm_weight, 1e-6)  # noqa: E731
+
+        def in_context(i: int) -> Any:
+            write_input(rows)
+            return consume(weights[i % WEIGHT_COPIES])
+
+        return in_context, lambda i: consume(weights[i % WEIGHT_COPIES])
 
     def bits(kernel: dict, rows: int, matmul: Any) -> Any:
         x = x_all[:rows]
@@ -403,6 +464,7 @@ def measure_shape(
     keep = []  # Matmul objects used under capture stay alive until their bucket's graphs are gone (free() raised)
     out = []
     for rows in rows_grid:
+        context_us[shape][rows] = producer_us = graph_time_us(lambda i, rows=rows: write_input(rows))
         want = F.linear(x_all[:rows], weights[0])
         candidates: list[tuple[dict, Any]] = [({"family": "cublas"}, None)]
         for algorithm in lt_candidates[rows]:
@@ -429,13 +491,15 @@ def measure_shape(
                 else:
                     anchor = bits(kernel, first, None)
                 invariant = anchor is not None and bool(torch.equal(got[:first], anchor))
-                time_us = graph_time_us(run_one(kernel, rows, matmul))
+                in_context, alone = run_one(kernel, rows, matmul)
+                time_us = graph_time_us(in_context) - producer_us
+                alone_us = graph_time_us(alone)
             except Exception as error:  # nvmath and cuBLASLt raise their own types; the candidate is recorded, not lost
                 skipped.append(
                     {"shape": shape, "rows": rows, "kernel": kernel, "why": f"{type(error).__name__}: {error}"}
                 )
                 continue
-            out.append(Measurement(shape, rows, kernel, round(time_us, 3), bitwise, invariant))
+            out.append(Measurement(shape, rows, kernel, round(time_us, 3), bitwise, invariant, round(alone_us, 3)))
         keep.clear()
     return out
 
@@ -478,6 +542,7 @@ def write_outputs(
     skipped: list[dict],
     offers: dict[str, Any] | None = None,
     offer_limits: tuple[int, int] = OFFER_LIMITS,
+    context_us: dict[str, dict[int, float]] | None = None,
 ) -> dict[str, Path]:
     """The candidates record always; the table (schema v1, validated by its loader) when every shape and every bucket
     of the grid was measured. Floors come from `tuned_ceilings` of `ceilings` and the measurements; times under them
@@ -495,6 +560,7 @@ def write_outputs(
         "measurements": [asdict(m) for m in measurements], "skipped": skipped, "selection": selection,
         "below_floor": below, "stem": env["stem"], "gpu_name": env["gpu"], "capability": env["capability"],
         "commit": env["commit"], "offers": offers or {}, "offer_limits": list(offer_limits),
+        "context_us": context_us or {},
     }  # fmt: skip
     complete = set(shapes) == set(GEMM_SHAPES) and tuple(rows_grid) in (ROWS_GRID, ROWS_TO_1152)  # a grid's rows
     if complete:
@@ -537,7 +603,8 @@ def from_candidates(paths: list[Path]) -> dict[str, Path]:
     }
     offers = {shape: by_rows for r in records for shape, by_rows in r.get("offers", {}).items()}
     limits = tuple(first.get("offer_limits", OFFER_LIMITS))
-    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers, limits)
+    context = {shape: by_rows for r in records for shape, by_rows in r.get("context_us", {}).items()}
+    return write_outputs(measurements, env, ceilings, tuple(first["rows_grid"]), skipped, offers, limits, context)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -579,12 +646,15 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[Measurement] = []
     skipped: list[dict] = []
     offers: dict[str, Any] = {}
+    context_us: dict[str, dict[int, float]] = {}
     limits = OFFER_LIMITS if args.offers is None else (args.offers, args.offers)
     with tqdm(desc="gemm candidates", unit="cand", file=sys.stderr) as progress:
         for shape in shapes:
             progress.set_postfix_str(shape)
-            measurements += measure_shape(shape, rows_grid, args.calls, args.replays, progress, skipped, offers, limits)
-    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers, limits)
+            measurements += measure_shape(
+                shape, rows_grid, args.calls, args.replays, progress, skipped, offers, context_us, limits
+            )
+    written = write_outputs(measurements, env, ceilings, rows_grid, skipped, offers, limits, context_us)
     print(json.dumps({k: str(v) for k, v in written.items()}))
     return 0
 

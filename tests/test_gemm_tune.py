@@ -333,3 +333,20 @@ def test_the_command_line_refuses_unknown_shapes_and_buckets():
         tune_gemm.main(["--shapes", "qkv"])
     with pytest.raises(SystemExit):
         tune_gemm.main(["--buckets", "100"])
+
+
+@pytest.mark.parametrize("shape", list(GEMM_SHAPES))
+def test_the_producer_writes_exactly_the_rows_the_timed_gemm_reads(shape):
+    """The tuner times each GEMM behind the kernel that writes its input in the forward: that kernel must write all of
+    x[:rows] (NaN-poisoned before) and nothing of x[rows:], at an odd row count (27B kernels at a small K)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    x, write = tune_gemm.producer(shape, 256, 9, torch.device("cpu"), gen)
+    assert x.shape == (9, 256) and x.dtype == torch.bfloat16
+    x.fill_(float("nan"))
+    write(5)
+    assert torch.isfinite(x[:5]).all() and x[:5].abs().sum() > 0
+    assert torch.isnan(x[5:]).all()
+    with pytest.raises(ValueError, match="no producer"):
+        tune_gemm.producer("lm_head", 256, 9, torch.device("cpu"), gen)
