@@ -37,7 +37,8 @@ Nullable by design: `kernels_per_forward` and `gpu_busy_ms` on the CPU (no CUDA 
 them): `kernel_families` {family: {calls_per_forward, ms_per_forward}} over ablations.timing.FAMILIES; `core_ms` the
 summed kernel time of GEMMs + GDN core + attention core per forward and `core_multiple` = median_ms / core_ms;
 `gemm_ms` and `gemm_multiple` the same for the GEMMs alone; `idle_between_kernels_ms` and `top_gaps` the time
-between kernels in the profiled window and the kernel pairs with the most of it (ablations.timing.kernel_gaps);
+between kernels in the profiled window and the kernel pairs with the most of it (ablations.timing.kernel_gaps), and
+`gpu_non_kernel` the memsets and copies that lie in it (ablations.timing.non_kernel_activity; records after a25795f);
 records of 9a6886e also hold `lead_to_first_kernel_ms`, the profiled call's first host event to its first kernel,
 since dropped: under the profiler it was 0.9-5.0 ms where the timed medians' excess over busy + idle was 1.2-4.9
 (engine/stages/core.md, "Campaign 37");

@@ -477,6 +477,7 @@ class Run:
         result["gpu_busy_ms"] = kernels.gpu_busy_ms if kernels else None
         result["idle_between_kernels_ms"] = kernels.idle_ms if kernels else None
         result["top_gaps"] = kernels.top_gaps if kernels else []
+        result["gpu_non_kernel"] = kernels.non_kernel if kernels else {}
         result["top_kernels"] = kernels.top_kernels if kernels else []
         result["kernel_families"] = kernels.families if kernels else None
         result["host_profile"] = host

@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +160,7 @@ class KernelStats:
     families: dict[str, dict]  # per family (FAMILIES): calls per forward, ms per forward (summed kernel time)
     idle_ms: float  # per forward: the GPU's time between kernels in the profiled window (`kernel_gaps`)
     top_gaps: list[dict]  # the kernel pairs with the most idle time between them (`kernel_gaps`)
+    non_kernel: dict[str, dict] = field(default_factory=dict)  # GPU memsets / copies (`non_kernel_activity`)
 
     @property
     def core_ms(self) -> float:
@@ -187,7 +188,25 @@ def kernel_stats(trace_events: list[dict], calls: int, top: int = 24) -> KernelS
         family["calls_per_forward"] += len(durs) / calls
         family["ms_per_forward"] += sum(durs) / calls / 1e3
     idle_ms, top_gaps = kernel_gaps(kernels, calls)
-    return KernelStats(len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families, idle_ms, top_gaps)
+    return KernelStats(
+        len(kernels) / calls, busy_us / calls / 1e3, top_kernels, families, idle_ms, top_gaps,
+        non_kernel_activity(trace_events, calls),
+    )  # fmt: skip
+
+
+def non_kernel_activity(trace_events: list[dict], calls: int) -> dict[str, dict]:
+    """The GPU's activities that are not kernels, per call, by "<category>: <name>" ({calls_per_forward,
+    ms_per_forward}): memsets and copies (`cat` gpu_memset / gpu_memcpy, or a kernel event named Memset / Memcpy).
+    They lie in `kernel_gaps`' idle time: a library's memset node before its kernel shows there as a gap (cuBLASLt
+    before some algorithms of the GEMM table: engine/stages/gemm.md, "Campaigns 50-51")."""
+    out: dict[str, dict] = {}
+    for event in trace_events:
+        category, name = event.get("cat"), event.get("name", "")
+        if category in ("gpu_memset", "gpu_memcpy") or (category == "kernel" and NOT_KERNELS.match(name)):
+            entry = out.setdefault(f"{category}: {name}", {"calls_per_forward": 0.0, "ms_per_forward": 0.0})
+            entry["calls_per_forward"] += 1 / calls
+            entry["ms_per_forward"] += float(event.get("dur", 0.0)) / calls / 1e3
+    return out
 
 
 def kernel_gaps(kernels: list[dict], calls: int, top: int = 10) -> tuple[float, list[dict]]:

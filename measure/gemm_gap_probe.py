@@ -36,7 +36,6 @@ VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.
     "f_linear": (),
     "norm-gate_up": ("gate_up",),
 }
-GPU_EVENT_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         with torch.cuda.graph(graph):
             fn()
         events = profiled_events(graph.replay, args.calls)
-        stats = timing.kernel_stats(events, args.calls * args.layers)
-        other: dict[str, dict[str, float]] = {}
-        for event in events:
-            if event.get("cat") in GPU_EVENT_CATEGORIES[1:]:
-                entry = other.setdefault(f"{event['cat']}: {event.get('name', '')}", {"per_layer": 0.0, "us": 0.0})
-                entry["per_layer"] += 1 / (args.calls * args.layers)
-                entry["us"] += float(event.get("dur", 0.0)) / (args.calls * args.layers)
+        stats = timing.kernel_stats(events, args.calls * args.layers)  # per layer
+        other = {name: {"per_layer": v["calls_per_forward"], "us": v["ms_per_forward"] * 1e3}
+                 for name, v in stats.non_kernel.items()}  # fmt: skip
         record["variants"][name] = {
             "tabled": list(tabled),
             "busy_us_per_layer": stats.gpu_busy_ms * 1e3,

@@ -27,6 +27,7 @@ def test_kernel_stats_from_a_chrome_trace():
         {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 10},
         {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 40, "dur": 100},
         {"cat": "kernel", "name": "Memset (Device)", "ts": 40, "dur": 100},
+        {"cat": "gpu_memset", "name": "Memset (Unknown)", "ts": 17, "dur": 1},  # in the gap before the second gemm
         {"cat": "gpu_user_annotation", "name": "forward", "ts": 0, "dur": 1000},
         {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3},
     ]
@@ -40,6 +41,11 @@ def test_kernel_stats_from_a_chrome_trace():
     assert stats.core_ms == pytest.approx(0.01)
     assert stats.idle_ms == pytest.approx(5 / 2 / 1e3)  # 15..20 between norm's end and the second gemm
     assert stats.top_gaps == [{"after": "norm", "before": "gemm", "gaps_per_forward": 0.5, "ms_per_forward": 0.0025}]
+    assert stats.non_kernel == {  # not kernels, so not in busy time: the memset sits in the gap it explains
+        "gpu_memcpy: Memcpy HtoD": {"calls_per_forward": 0.5, "ms_per_forward": pytest.approx(0.05)},
+        "kernel: Memset (Device)": {"calls_per_forward": 0.5, "ms_per_forward": pytest.approx(0.05)},
+        "gpu_memset: Memset (Unknown)": {"calls_per_forward": 0.5, "ms_per_forward": pytest.approx(0.0005)},
+    }
 
 
 def test_kernel_gaps_merge_overlaps_and_rank_the_pairs():
