@@ -197,8 +197,9 @@ def kernel_stats(trace_events: list[dict], calls: int, top: int = 24) -> KernelS
 def non_kernel_activity(trace_events: list[dict], calls: int) -> dict[str, dict]:
     """The GPU's activities that are not kernels, per call, by "<category>: <name>" ({calls_per_forward,
     ms_per_forward}): memsets and copies (`cat` gpu_memset / gpu_memcpy, or a kernel event named Memset / Memcpy).
-    They lie in `kernel_gaps`' idle time: a library's memset node before its kernel shows there as a gap (cuBLASLt
-    before some algorithms of the GEMM table: engine/stages/gemm.md, "Campaigns 50-51")."""
+    They lie in `kernel_gaps`' idle time, so a gap that holds one says so (cuBLASLt puts one before some algorithms of
+    the GEMM table; moving it did not close their gap: engine/stages/gemm.md, "The idle before some cuBLASLt
+    kernels")."""
     out: dict[str, dict] = {}
     for event in trace_events:
         category, name = event.get("cat"), event.get("name", "")
