@@ -13,9 +13,7 @@ engine's Triton norms and activation):
     out GEMM -> residual_rmsnorm -> gate_up GEMM -> silu_mul -> down GEMM -> residual_rmsnorm       (x `--layers`)
 
 with each GEMM from the table or from `F.linear` (`VARIANTS`), every layer on its own weights (no L2 reuse across
-layers), the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone), and `table-carveout`, last: the
-table's graph with the lab's Triton kernels asking for the SM's largest shared-memory carveout
-(`prefer_most_shared_memory`). Each variant is one CUDA graph
+layers), and the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone). Each variant is one CUDA graph
 replayed `--calls` times under torch.profiler; the record has, per layer, the GPU-busy and idle time, the kernel pairs
 with the most idle time between them (`ablations.timing.kernel_gaps`), and every GPU activity that is not a kernel
 (memsets, copies) by name, so an idle gap that hides a memset node shows as one. Synthetic weights and inputs: timings
@@ -37,9 +35,7 @@ VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.
     "out-down-f_linear": ("gate_up",),
     "f_linear": (),
     "norm-gate_up": ("gate_up",),
-    "table-carveout": ("out", "gate_up", "down"),  # the lab's Triton kernels asking for the most shared memory
 }
-CARVEOUT_ATTRIBUTE, MOST_SHARED = 9, 100  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent of the maximum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             fn()
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if name == "table-carveout":  # compiled by the warm-up: set before the capture, kept for this last variant
-            record["carveout_functions"] = prefer_most_shared_memory()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
@@ -149,34 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(out)
     return 0
-
-
-def prefer_most_shared_memory() -> int:
-    """Ask every compiled launch of the lab's Triton kernels (kernels.norms, kernels.activations) for the SM's largest
-    shared-memory carveout, as the GEMMs after them run with: the test of whether the GPU's wait before those GEMMs is
-    the SMs' reconfiguration between the two (the carveout decides the L1 / shared-memory split of an SM). Returns how
-    many compiled functions were set. Triton internals: `JITFunction.device_caches[device][0]` is the compiled-kernel
-    cache (Triton 3.6 and 3.9)."""
-    import ctypes
-
-    import triton
-
-    from kernels import activations, norms
-
-    driver = ctypes.CDLL("libcuda.so.1")
-    count = 0
-    for module in (norms, activations):
-        for jit in [v for v in vars(module).values() if isinstance(v, triton.runtime.JITFunction)]:
-            for cache in jit.device_caches.values():
-                for compiled in cache[0].values():
-                    compiled._init_handles()
-                    status = driver.cuFuncSetAttribute(
-                        ctypes.c_void_p(compiled.function), CARVEOUT_ATTRIBUTE, MOST_SHARED
-                    )
-                    if status != 0:
-                        raise RuntimeError(f"cuFuncSetAttribute({jit.__name__}) returned CUDA error {status}")
-                    count += 1
-    return count
 
 
 def profiled_events(fn: Any, calls: int) -> list[dict]:
