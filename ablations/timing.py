@@ -234,6 +234,11 @@ def kernel_gaps(kernels: list[dict], calls: int, top: int = 10) -> tuple[float, 
 def profile_kernels(fn: Callable[[], object], calls: int, top: int = 24) -> KernelStats:
     """Run `fn` `calls` times under torch.profiler (CUDA) and count the kernels it launched (`kernel_stats`, its `top`
     kernels listed)."""
+    return kernel_stats(profiled_events(fn, calls), calls, top)
+
+
+def profiled_events(fn: Callable[[], object], calls: int) -> list[dict]:
+    """The chrome-trace events of `calls` calls of `fn` under torch.profiler (CPU and CUDA activities)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -244,8 +249,7 @@ def profile_kernels(fn: Callable[[], object], calls: int, top: int = 24) -> Kern
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    return kernel_stats(events, calls, top)
+        return json.loads(path.read_text())["traceEvents"]
 
 
 def host_profile(fn: Callable[[], object], top: int = 15) -> dict:

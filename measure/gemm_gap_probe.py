@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        events = profiled_events(graph.replay, args.calls)
+        events = timing.profiled_events(graph.replay, args.calls)
         stats = timing.kernel_stats(events, args.calls * args.layers)  # per layer
         other = {name: {"per_layer": v["calls_per_forward"], "us": v["ms_per_forward"] * 1e3}
                  for name, v in stats.non_kernel.items()}  # fmt: skip
@@ -143,22 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(out)
     return 0
-
-
-def profiled_events(fn: Any, calls: int) -> list[dict]:
-    """Chrome-trace events of `calls` calls of `fn` under torch.profiler (CPU and CUDA activities)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return json.loads(path.read_text())["traceEvents"]
 
 
 if __name__ == "__main__":
