@@ -13,10 +13,7 @@ engine's Triton norms and activation):
     out GEMM -> residual_rmsnorm -> gate_up GEMM -> silu_mul -> down GEMM -> residual_rmsnorm       (x `--layers`)
 
 with each GEMM from the table or from `F.linear` (`VARIANTS`), every layer on its own weights (no L2 reuse across
-layers), the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone), and `table-trigger`: the table's
-graph with a one-program kernel between the norm and gate_up that only lets the next kernel launch
-(`griddepcontrol.launch_dependents`; a test of whether the wait is cuBLASLt's kernel launched with programmatic
-dependent launch behind a kernel that never allows it). Each variant is one CUDA graph
+layers), and the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone). Each variant is one CUDA graph
 replayed `--calls` times under torch.profiler; the record has, per layer, the GPU-busy and idle time, the kernel pairs
 with the most idle time between them (`ablations.timing.kernel_gaps`), and every GPU activity that is not a kernel
 (memsets, copies) by name, so an idle gap that hides a memset node shows as one. Synthetic weights and inputs: timings
@@ -30,9 +27,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import triton
-from triton.language.extra.cuda import gdc_launch_dependents
-
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.linear); "norm-gate_up": tuner context
     "table": ("out", "gate_up", "down"),
@@ -40,8 +34,6 @@ VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.
     "out-down-f_linear": ("gate_up",),
     "f_linear": (),
     "norm-gate_up": ("gate_up",),
-    "table-trigger": ("out", "gate_up", "down"),  # a one-program kernel between the norm and gate_up that only
-    # executes griddepcontrol.launch_dependents (`_trigger_dependents_kernel`)
 }
 
 
@@ -96,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     def weight(shape: str, layer: int) -> Weight:
         return Weight(weights[shape][layer])
 
-    def mlp_half(tabled: tuple[str, ...], trigger: bool) -> Any:
+    def mlp_half(tabled: tuple[str, ...]) -> Any:
         def by(shape: str) -> gemm.GemmDispatch:
             return tuned if shape in tabled else plain
 
@@ -105,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
             for layer in range(args.layers):
                 delta = by("out").project(o, weight("out", layer), "out")
                 res, normed = by("out").residual_rmsnorm(Norms, res, delta, norm_weight)
-                if trigger:
-                    _trigger_dependents_kernel[(1,)]()
                 act = kernels.silu_mul(by("gate_up").linear(normed, weight("gate_up", layer), "gate_up"))
                 down = by("down").project(act, weight("down", layer), "down")
                 res, _ = by("down").residual_rmsnorm(Norms, res, down, norm_weight)
@@ -123,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": {s: str(tuned.kernel(s, rows)) for s in shapes}, "variants": {},
     }  # fmt: skip
     for name, tabled in VARIANTS.items():
-        fn = norm_gate_up if name == "norm-gate_up" else mlp_half(tabled, trigger=name == "table-trigger")
+        fn = norm_gate_up if name == "norm-gate_up" else mlp_half(tabled)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -152,14 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(out)
     return 0
-
-
-@triton.jit
-def _trigger_dependents_kernel():
-    """Nothing but `griddepcontrol.launch_dependents`: if the next kernel in the stream was launched with
-    programmatic dependent launch (as cuBLASLt may launch its kernels), it may start now rather than when the kernel
-    before this one has fully retired; it reads nothing, writes nothing, changes no bit."""
-    gdc_launch_dependents()
 
 
 if __name__ == "__main__":
