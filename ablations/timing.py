@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +160,7 @@ class KernelStats:
     families: dict[str, dict]  # per family (FAMILIES): calls per forward, ms per forward (summed kernel time)
     idle_ms: float  # per forward: the GPU's time between kernels in the profiled window (`kernel_gaps`)
     top_gaps: list[dict]  # the kernel pairs with the most idle time between them (`kernel_gaps`)
-    non_kernel: dict[str, dict] = field(default_factory=dict)  # GPU memsets / copies (`non_kernel_activity`)
+    non_kernel: dict[str, dict]  # per forward: the GPU's memsets and copies (`non_kernel_activity`)
 
     @property
     def core_ms(self) -> float:

@@ -17,7 +17,7 @@ layers), and the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up al
 replayed `--calls` times under torch.profiler; the record has, per layer, the GPU-busy and idle time, the kernel pairs
 with the most idle time between them (`ablations.timing.kernel_gaps`), and every GPU activity that is not a kernel
 (memsets, copies) by name, so an idle gap that hides a memset node shows as one. Synthetic weights and inputs: timings
-only. Writes results/gemm/<utc>-<gpu>-<commit>-gap-probe.json.
+only. Writes results/gemm/<utc>-<gpu>-<commit>-gap-probe-r<rows>.json.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         events = timing.profiled_events(graph.replay, args.calls)
         stats = timing.kernel_stats(events, args.calls * args.layers)  # per layer
-        other = {name: {"per_layer": v["calls_per_forward"], "us": v["ms_per_forward"] * 1e3}
-                 for name, v in stats.non_kernel.items()}  # fmt: skip
+        other = {activity: {"per_layer": v["calls_per_forward"], "us": v["ms_per_forward"] * 1e3}
+                 for activity, v in stats.non_kernel.items()}  # fmt: skip
         record["variants"][name] = {
             "tabled": list(tabled),
             "busy_us_per_layer": stats.gpu_busy_ms * 1e3,
