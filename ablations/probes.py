@@ -357,7 +357,7 @@ def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
             with ieee_quiet(torch_cpu):
                 _silu_mul_kernel[grid](gate_up_ptr=gate_up, out_ptr=outs[0], rows=rows, stride_in=gate_up.stride(0),
                                        INTER=inter, BLOCK_R=block_r, BLOCK_N=block_n, TORCH_CPU=torch_cpu,
-                                       DEPENDENT=False, num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
+                                       num_warps=warps, **LAUNCH_OPTIONS)  # fmt: skip
 
         return f"{block_r}x{block_n}, {warps} warps", launch
 
@@ -394,7 +394,7 @@ def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[
                     residual_ptr=residual, delta_ptr=delta, weight_ptr=weight, new_residual_ptr=outs[0],
                     normed_ptr=outs[1], rows=rows, residual_sr=hidden, delta_sr=hidden, delta_ss=0, eps=eps,
                     inv_n=inverse_count(hidden), HIDDEN=hidden, BLOCK_R=block_r, BLOCK_H=block_h, HAS_DELTA=True,
-                    SPLITS=0, TORCH_CPU=torch_cpu, DEPENDENT=False, num_warps=warps, **LAUNCH_OPTIONS,
+                    SPLITS=0, TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_r}x{block_h}, {warps} warps", launch
@@ -443,8 +443,7 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
                     proj_sr=proj.stride(0), eps=1e-6, KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim,
                     WIDTH=width, SEARCH_STEPS=0, QK_L2NORM=True, HAS_ROWS=False, HAS_SLOTS=False, HAS_TAPS=True,
                     BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)),
-                    BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, DEPENDENT=False, num_warps=warps,
-                    **LAUNCH_OPTIONS,
+                    BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_t} rows, {warps} warps", launch
@@ -498,7 +497,7 @@ def gated_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str
                     o_ptr=o, o_rows_ptr=o_rows, z_ptr=z, weight_ptr=weight, out_ptr=outs[0], head_rows=rows * hv,
                     z_sr=z.stride(0), eps=eps, inv_n=inverse_count(v_dim), HEADS=hv, HEAD_DIM=v_dim, BLOCK_R=block_r,
                     BLOCK_D=triton.next_power_of_2(v_dim), W_BF16=False, HAS_O_ROWS=True, TORCH_CPU=torch_cpu,
-                    DEPENDENT=False, num_warps=warps, **LAUNCH_OPTIONS,
+                    num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_r} rows, {warps} warps", launch
@@ -545,7 +544,7 @@ def attn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, An
                     proj_sr=proj.stride(0), cos_sr=cos.stride(0), sin_sr=sin.stride(0), q_st=hq * d, q_sh=d,
                     kv_st=hkv * d, kv_sh=d, eps=eps, inv_n=inverse_count(d), HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d,
                     ROTARY_DIM=r, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), HAS_KEY_ROWS=True,
-                    TORCH_CPU=torch_cpu, DEPENDENT=False, num_warps=warps, **LAUNCH_OPTIONS,
+                    TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 
         return f"{block_t} rows, {warps} warps", launch

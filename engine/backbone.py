@@ -257,20 +257,19 @@ def _row_invariant_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -
 class _FusedOps:
     """The `fused` stage: the Triton kernels of `kernels/` (exactness per kernel in `kernels/__init__.py`)."""
 
-    def __init__(self, shapes: ModelShapes, gdn_core: str, dependent_launch: bool):
+    def __init__(self, shapes: ModelShapes, gdn_core: str):
         self.shapes = shapes
         # FLA takes q/k normalised by the prep kernel (its l2norm numerics); the torch core normalises in fp32 itself.
         self.qk_normalised = gdn_core != "torch"
-        self.launch = {"dependent_launch": dependent_launch}  # every kernel call's (EngineConfig.dependent_launch)
 
     def residual_rmsnorm(self, residual: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
-        return kernels.residual_rmsnorm(residual, delta, weight, self.shapes.rms_norm_eps, **self.launch)
+        return kernels.residual_rmsnorm(residual, delta, weight, self.shapes.rms_norm_eps)
 
     def residual_rmsnorm_splitk(self, residual: Tensor, partials: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-        return kernels.residual_rmsnorm_splitk(residual, partials, weight, self.shapes.rms_norm_eps, **self.launch)
+        return kernels.residual_rmsnorm_splitk(residual, partials, weight, self.shapes.rms_norm_eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return kernels.silu_mul(gate_up, **self.launch)
+        return kernels.silu_mul(gate_up)
 
     def gdn_prep(
         self,
@@ -301,14 +300,13 @@ class _FusedOps:
             head_v_dim=s.linear_value_head_dim,
             qk_l2norm=self.qk_normalised,
             taps=taps,  # [N, W] the proj rows of each packed row's window
-            **self.launch,
         )
-        if row_slot is not None and on_slots:  # to every slot holding the row
-            return tuple(t[0] for t in kernels.gather_slots(out, conv.rows, **self.launch))
+        if row_slot is not None and on_slots:
+            return tuple(t[0] for t in kernels.gather_slots(out, conv.rows))  # to every slot holding the row
         return tuple(t[0] for t in out)
 
     def gated_rmsnorm(self, o: Tensor, z: Tensor, weight: Tensor, o_rows: Tensor | None) -> Tensor:
-        return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps, o_rows=o_rows, **self.launch)
+        return kernels.gated_rmsnorm(o, z, weight, self.shapes.rms_norm_eps, o_rows=o_rows)
 
     def attn_prep(self, proj, layer: AttentionLayerWeights, cos, sin, key_rows: Tensor | None, heads_first: bool):
         """One prep launch; with key rows (a tree's node paths) k and v are prepared straight in the key layout."""
@@ -317,21 +315,12 @@ class _FusedOps:
         layout = "htd" if heads_first else "thd"
         key_rows = None if heads_first else key_rows
         q, k, v = kernels.attn_prep(
-            proj,
-            layer.q_norm,
-            layer.k_norm,
-            cos,
-            sin,
-            s.rms_norm_eps,
-            layout=layout,
-            key_rows=key_rows,
-            **dims,
-            **self.launch,
+            proj, layer.q_norm, layer.k_norm, cos, sin, s.rms_norm_eps, layout=layout, key_rows=key_rows, **dims
         )
         return q, k, v, kernels.attention_gate_view(proj, num_heads=dims["num_heads"], head_dim=dims["head_dim"])
 
     def attention_gate(self, attn: Tensor, gate: Tensor) -> Tensor:
-        return kernels.attention_gate(attn, gate, **self.launch)
+        return kernels.attention_gate(attn, gate)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -385,13 +374,11 @@ class EngineBackbone:
         self._core = {
             "fla": fla_chunk_function,
             "fla_forward": FlaForwardCore,
-            "chunk_fused": lambda: GdnChunkCore(dependent_launch=config.dependent_launch),
+            "chunk_fused": GdnChunkCore,
             "torch": lambda: torch_chunk_core,
         }[self.gdn_core]()
         fused = config.elementwise == "triton"
-        self._ops = (
-            _FusedOps(self.shapes, self.gdn_core, config.dependent_launch) if fused else _ReferenceOps(self.shapes)
-        )
+        self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
         self._node_core = default_node_core(self.device)
         self._range = _Ranges(nvtx_ranges)
         # RoPE inverse frequencies on the device once: the tables are computed inside the forward (capturable)

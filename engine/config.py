@@ -28,10 +28,6 @@ Fields (values; what each picks):
   graph captured for that bucket (`engine/graphs.py`; on the CPU the padded plans run eagerly; needs the `tree` layout,
   the Triton element-wise kernels, varlen attention and the direct FLA core, whose launches read only the plan's
   shape).
-* `dependent_launch` (`False`, `True`): the Triton kernels of `kernels/` as ordinary launches, or as programmatic
-  dependent launches (Hopper's PDL: each waits on the device for the kernel before it, `griddepcontrol.wait`, and
-  lets the kernel after it launch early, `griddepcontrol.launch_dependents`: `kernels.numerics`, "Dependent launch");
-  needs the Triton element-wise kernels. The interpreter runs them as ordinary launches.
 * `weight_format` (`bf16`): GEMM weight storage (`engine.weights.Weight`; FP8 later).
 * `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
 
@@ -58,7 +54,6 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
     "graphs": (False, True),
-    "dependent_launch": (False, True),
     "weight_format": ("bf16",),
 }
 
@@ -87,9 +82,6 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     "with fp32 partials reduced in residual_rmsnorm)",
     ("graphs", False): "eager launches",
     ("graphs", True): "each batch padded to a bucket and replayed as one pre-captured CUDA graph",
-    ("dependent_launch", False): "the Triton kernels as ordinary launches",
-    ("dependent_launch", True): "the Triton kernels as programmatic dependent launches: each waits on the device for "
-    "the kernel before it and lets the next one launch while it runs",
     ("weight_format", "bf16"): "bf16 GEMM weights",
 }
 
@@ -116,7 +108,6 @@ class EngineConfig:
     gdn_mode: str = "cost"
     gemm: str = "cublas"
     graphs: bool = False
-    dependent_launch: bool = False
     weight_format: str = "bf16"
     max_batch_rows: int = 8192
 
@@ -145,11 +136,6 @@ class EngineConfig:
                     "gdn_core='chunk_fused' takes q/k L2-normalised by the Triton prep kernel: it needs "
                     "elementwise='triton'"
                 )
-        if self.dependent_launch and (self.backbone != "engine" or self.elementwise != "triton"):
-            raise ValueError(
-                "dependent_launch=True makes the Triton kernels of kernels/ dependent launches: it needs the engine "
-                f"backbone and elementwise='triton', got backbone={self.backbone!r} elementwise={self.elementwise!r}"
-            )
         if self.graphs:
             needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton", "attention": "varlen"}
             wrong = {name: getattr(self, name) for name, value in needs.items() if getattr(self, name) != value}

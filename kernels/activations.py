@@ -32,7 +32,6 @@ import triton.language as tl
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    dependent_options,
     ieee_quiet,
     kernel_mode,
     output_tensor,
@@ -42,7 +41,6 @@ from kernels.numerics import (
     tile_elements,
     to_bf16,
     to_f32,
-    wait_for_inputs,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -59,9 +57,7 @@ def _silu_mul_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     mask = (row < rows)[:, None] & (col < INTER)[None, :]
@@ -72,7 +68,7 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row[:, None] * INTER + col[None, :], to_bf16(activated * up), mask=mask)  # · up: bf16↓
 
 
-def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, dependent_launch: bool = False) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU middle from the merged gate|up projection: [R, 2I] bf16 -> [R, I] bf16 = bf16↓(bf16↓(silu(g)) · u).
 
     gate_up may be a row slice of a larger buffer (any row stride, unit column stride). `out` (contiguous [R, I] bf16)
@@ -99,7 +95,6 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None, dependen
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return out
 
@@ -123,9 +118,7 @@ def _attention_gate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] over H·D
     head, dim = col // HEAD_DIM, col % HEAD_DIM
@@ -137,9 +130,7 @@ def _attention_gate_kernel(
     tl.store(out_ptr + row[:, None] * (HEADS * HEAD_DIM) + col[None, :], out, mask=mask)
 
 
-def attention_gate(
-    attn: torch.Tensor, gate: torch.Tensor, *, out: torch.Tensor | None = None, dependent_launch: bool = False
-) -> torch.Tensor:
+def attention_gate(attn: torch.Tensor, gate: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output gate: out [R, H·D] bf16 = bf16↓( attn · bf16↓(sigmoid(gate)) ).
 
     attn and gate are [R, H, D] (or [R, N], read as H = 1) bf16 with any row and head strides and unit stride in D:
@@ -178,7 +169,6 @@ def attention_gate(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return out
 

@@ -50,7 +50,6 @@ from kernels.norms import inverse_count, rms_inverse
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    dependent_options,
     ieee_quiet,
     kernel_mode,
     output_tensor,
@@ -58,7 +57,6 @@ from kernels.numerics import (
     tile_elements,
     to_bf16,
     to_f32,
-    wait_for_inputs,
 )
 
 LAYOUTS = ("thd", "htd")
@@ -94,9 +92,7 @@ def _attn_prep_kernel(
     BLOCK_D: tl.constexpr,
     HAS_KEY_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     # one program per (row block, head slot): the query slots' blocks over the T rows first, then the key and value
     # slots' blocks over the K key rows (T without key rows), so no program is launched past its slot's rows
     program = tl.program_id(0)
@@ -163,7 +159,6 @@ def attn_prep(
     layout: str = "thd",
     key_rows: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k RMSNorm(1 + w) + partial RoPE + layout for attention, from the merged attention projection.
 
@@ -247,7 +242,6 @@ def attn_prep(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return q, k, v
 

@@ -35,7 +35,6 @@ import collections
 import contextlib
 import itertools
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -51,15 +50,7 @@ SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary se
 SLOTS_SEQUENCE_COUNTS = (3, 17, 255)  # gdn_prep's output slots (the tree's packed rows): 2, 5 and 8 search steps
 SASS_OPCODES_SHOWN = 8  # `--sass`: the most common opcodes listed per kernel
 SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
-OPTION_NAMES = (
-    "num_warps",
-    "num_stages",
-    "num_ctas",
-    "maxnreg",
-    "enable_fp_fusion",
-    "enable_reflect_ftz",
-    "launch_pdl",
-)
+OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "enable_reflect_ftz")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16", torch.int32: "i32",
           torch.int64: "i64"}  # fmt: skip
 
@@ -184,51 +175,6 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
             )  # fmt: skip
 
         launches.append((f"gdn_chunk {sequences} seqs {mode}", chunk_call))
-    # stage `pdl`: every kernel of the engine's forward as a programmatic dependent launch
-    walk, slot_rows = _meta(18, 8, dtype=torch.int64), _meta(keys, dtype=torch.int64)
-    taps = _meta(rows, s.linear_conv_kernel_dim, dtype=torch.int64)
-    dependent = {"dependent_launch": True}
-    launches += [
-        ("dependent silu_mul", lambda: kernels.silu_mul(_meta(rows, 2 * s.intermediate_size), **dependent)),
-        ("dependent residual_rmsnorm", lambda: kernels.residual_rmsnorm(hidden, hidden, weight, eps, **dependent)),
-        (
-            "dependent residual_rmsnorm_splitk",
-            lambda: kernels.residual_rmsnorm_splitk(
-                hidden, _meta(2, rows, s.hidden_size, dtype=torch.float32), weight, eps, **dependent
-            ),
-        ),
-        ("dependent gated_rmsnorm", lambda: kernels.gated_rmsnorm(o, z, _meta(dv), eps, o_rows=o_rows, **dependent)),
-        (
-            "dependent attn_prep",
-            lambda: kernels.attn_prep(attn_proj, *head_weights, *cos_sin, eps, key_rows=key_rows, **attn, **dependent),
-        ),
-        (
-            "dependent attention_gate",
-            lambda: kernels.attention_gate(
-                _meta(rows, s.num_attention_heads, s.head_dim),
-                kernels.attention_gate_view(attn_proj, num_heads=s.num_attention_heads, head_dim=s.head_dim),
-                **dependent,
-            ),
-        ),
-        (
-            "dependent gdn_prep taps",
-            lambda: kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=taps, **gdn, **dependent),
-        ),
-        (
-            "dependent gdn_chunk walk rows",
-            lambda: gdn_chunk_forward(
-                chunk_qk,
-                chunk_qk,
-                chunk_v,
-                *chunk_gates,
-                _meta(19, dtype=torch.int64),
-                chunk_indices=_meta(26, 2, dtype=torch.int64),
-                walk=walk,
-                rows=slot_rows,
-                **dependent,
-            ),  # fmt: skip
-        ),
-    ]
     for sequences in SEQUENCE_COUNTS:
         cu_seqlens = _meta(sequences + 1, dtype=torch.int32)
         ways = ((False, False), (True, False)) + (((True, True),) if sequences in SLOTS_SEQUENCE_COUNTS else ())
@@ -284,22 +230,6 @@ def compile_launch(launch: Launch, *, aligned: bool, capability: int = SM90):
             raise TypeError(f"compile_check: {kernel.__name__}.{param.name} = {value!r} has no Triton type here")
     source = ASTSource(kernel, signature, constants, attributes)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
-
-
-def dependent_launch_fault(launch: Launch, compiled) -> str | None:
-    """None when the compiled kernel's PTX matches its launch: a programmatic dependent launch (`launch_pdl`) executes
-    `griddepcontrol.wait` before its first global memory access (load, store, atomic, async copy) and then
-    `griddepcontrol.launch_dependents`; any other launch has no `griddepcontrol` at all. Otherwise what is wrong."""
-    ptx = compiled.asm["ptx"]
-    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    if not launch.options.get("launch_pdl"):
-        return None if "griddepcontrol" not in ptx else "griddepcontrol in a launch that is not a dependent launch"
-    access = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", ptx)
-    if wait < 0 or release < wait:
-        return "a dependent launch without griddepcontrol.wait then griddepcontrol.launch_dependents"
-    if access is not None and access.start() < wait:
-        return f"a dependent launch accesses global memory ({access.group(0)}) before griddepcontrol.wait"
-    return None
 
 
 def ptxas_usage(compiled, capability: int = SM90) -> str:
@@ -367,7 +297,7 @@ def check(
             note = None
             try:
                 compiled = compile_launch(launch, aligned=aligned, capability=capability)
-                error = dependent_launch_fault(launch, compiled)
+                error = None
             except Exception as failure:  # CompilationError, RuntimeError from the pass manager: report either
                 error = (str(failure).strip().splitlines() or [repr(failure)])[-1]
             if error is None and aligned:

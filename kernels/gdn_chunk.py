@@ -197,16 +197,7 @@ from kernels.gdn_chunk_body import (
     _opaque_zero,
     _rounded_operand,
 )
-from kernels.numerics import (
-    check_tensor,
-    dependent_options,
-    ieee_quiet,
-    kernel_mode,
-    output_tensor,
-    to_bf16,
-    to_f32,
-    wait_for_inputs,
-)
+from kernels.numerics import check_tensor, ieee_quiet, kernel_mode, output_tensor, to_bf16, to_f32
 
 CHUNK = 64  # rows per chunk: FLA's chunk size, so a chunk boundary is where FLA's is
 VALUE_BLOCK = 64  # the walk's BV (capped at V)
@@ -291,7 +282,6 @@ def _gdn_chunk_solve_kernel(
     SOLVE_PRECISION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one (chunk, value head) into `solved` [T, Hv, 64]: row r of the chunk holds T's row r (rows of
     the chunk's sequence only). With TREE, chunks the walk does not compute are skipped (`_solve_chunk`); with
@@ -299,7 +289,6 @@ def _gdn_chunk_solve_kernel(
     the programs zero the walk's `num_flags` int32 flags (its ticket counter first) in blocks of 128, block b by
     program b, b + programs, ... (the walk, the next launch, reads them). With HAS_ROWS, k, g and beta are read at row
     slot_rows[slot] of each slot."""
-    wait_for_inputs(DEPENDENT)
     BT: tl.constexpr = 64
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -454,14 +443,12 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
     group of Hv · NV tickets runs sequence walk[k, 0] where k < walk[0, 7] (the sequences that run; the later groups,
     the dummy paths', end after their ticket: module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g and beta
     are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
-    wait_for_inputs(DEPENDENT)
     NV: tl.constexpr = VALUE_DIM // BV
     if TREE:
         runs = tl.load(walk + WALK_RUNS)  # the walk's non-dummy sequences (beside the ticket: it does not depend on it)
@@ -560,7 +547,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -640,7 +626,7 @@ def gdn_chunk_forward(
         flags = torch.empty(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)  # the solve zeroes
     solved = gdn_chunk_solve(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
-        solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps, dependent_launch=dependent_launch,
+        solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
@@ -676,7 +662,6 @@ def gdn_chunk_forward(
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return o, final
 
@@ -696,7 +681,6 @@ def gdn_chunk_solve(
     solve: str = SOLVE,
     solve_precision: str = "tf32",
     num_warps: int | None = None,
-    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """The solve launch of `gdn_chunk_forward`: T = (I + A)⁻¹ of every (chunk, value head), one program each over
     `chunk_indices` [chunks, 2] (FLA's varlen layout; from `chunk_indices_of(cu_seqlens)` when None, a host sync),
@@ -750,7 +734,6 @@ def gdn_chunk_solve(
                 DOT_PRECISION="tf32" if bf16_points else "ieee",
                 TORCH_CPU=torch_cpu,
                 num_warps=num_warps,
-                **dependent_options(torch_cpu, dependent_launch),
             )
     elif flags is not None:
         flags.zero_()

@@ -79,7 +79,6 @@ import triton.language as tl
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    dependent_options,
     exp_f32,
     ieee_quiet,
     kernel_mode,
@@ -92,7 +91,6 @@ from kernels.numerics import (
     tile_elements,
     to_bf16,
     to_f32,
-    wait_for_inputs,
 )
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus default: x itself above it (constexpr: a jit global)
@@ -167,9 +165,7 @@ def _gdn_prep_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     slot = tl.program_id(1)
     token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]: output row
     token_ok = token < tokens
@@ -243,7 +239,6 @@ def gdn_prep(
     slots: torch.Tensor | None = None,
     taps: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
-    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
 
@@ -375,7 +370,6 @@ def gdn_prep(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return q, k, v, g, beta
 
@@ -400,9 +394,7 @@ def _gather_slots_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,  # divides KEY_WIDTH and VALUE_WIDTH
     BLOCK_HV: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     part = tl.program_id(1)  # column block of q | k | v, then one for the gates
     slot = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     slot_ok = slot < slots
@@ -427,7 +419,7 @@ def _gather_slots_kernel(
 
 
 def gather_slots(
-    prepared: tuple[torch.Tensor, ...], rows: torch.Tensor, *, dependent_launch: bool = False
+    prepared: tuple[torch.Tensor, ...], rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gdn_prep`'s five outputs of N rows laid out at L slots, slot s holding row rows[s]: one launch that moves the
     bits (int16 / int32 views), equal to `t.index_select(1, rows)` for each (tests/test_kernels.py). How each packed
@@ -471,6 +463,5 @@ def gather_slots(
         BLOCK_HV=triton.next_power_of_2(heads_v),
         num_warps=4,
         **LAUNCH_OPTIONS,
-        **dependent_options(torch_cpu, dependent_launch),
     )
     return out

@@ -74,7 +74,6 @@ import triton.language as tl
 from kernels.numerics import (
     LAUNCH_OPTIONS,
     check_tensor,
-    dependent_options,
     ieee_quiet,
     kernel_mode,
     output_tensor,
@@ -84,7 +83,6 @@ from kernels.numerics import (
     tile_elements,
     to_bf16,
     to_f32,
-    wait_for_inputs,
 )
 
 
@@ -128,9 +126,7 @@ def _residual_rmsnorm_kernel(
     HAS_DELTA: tl.constexpr,
     SPLITS: tl.constexpr,  # 0: delta is bf16; S >= 1: delta is the sum of S fp32 split-K partials
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     col = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = col < HIDDEN
@@ -162,7 +158,6 @@ def residual_rmsnorm(
     *,
     out_residual: torch.Tensor | None = None,
     out_normed: torch.Tensor | None = None,
-    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then zero-centred RMSNorm: returns (new_residual, normed), both [R, H] bf16.
 
@@ -178,7 +173,7 @@ def residual_rmsnorm(
         check_tensor(f"{name}: delta", delta, dtype=torch.bfloat16, shape=(rows, hidden), device=residual.device)
     elif out_residual is not None:
         raise ValueError(f"{name}: out_residual given but delta is None (the residual does not change)")
-    return _launch_residual_rmsnorm(name, residual, delta, 0, weight, eps, out_residual, out_normed, dependent_launch)
+    return _launch_residual_rmsnorm(name, residual, delta, 0, weight, eps, out_residual, out_normed)
 
 
 def residual_rmsnorm_splitk(
@@ -189,7 +184,6 @@ def residual_rmsnorm_splitk(
     *,
     out_residual: torch.Tensor | None = None,
     out_normed: torch.Tensor | None = None,
-    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual_rmsnorm` whose delta is a split-K GEMM's reduction: returns (new_residual, normed), [R, H] bf16.
 
@@ -206,9 +200,7 @@ def residual_rmsnorm_splitk(
         raise ValueError(f"{name}: partials must be [S, R, H] with S >= 1, got {tuple(partials.shape)}")
     check_tensor(f"{name}: partials", partials, dtype=torch.float32, shape=(None, rows, hidden), device=residual.device)
     splits = partials.shape[0]
-    return _launch_residual_rmsnorm(
-        name, residual, partials, splits, weight, eps, out_residual, out_normed, dependent_launch
-    )
+    return _launch_residual_rmsnorm(name, residual, partials, splits, weight, eps, out_residual, out_normed)
 
 
 def _check_residual_and_weight(name: str, residual: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
@@ -231,7 +223,6 @@ def _launch_residual_rmsnorm(
     eps: float,
     out_residual: torch.Tensor | None,
     out_normed: torch.Tensor | None,
-    dependent_launch: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one launch of both wrappers, on checked inputs: delta None, bf16 [R, H] (splits 0) or the fp32 partials
     [splits, R, H]."""
@@ -268,7 +259,6 @@ def _launch_residual_rmsnorm(
             TORCH_CPU=torch_cpu,
             num_warps=max(4, min(16, block_h // 512)),
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return new_residual, normed
 
@@ -300,9 +290,7 @@ def _gated_rmsnorm_kernel(
     W_BF16: tl.constexpr,
     HAS_O_ROWS: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    wait_for_inputs(DEPENDENT)
     head_row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (row, head) pairs
     dim = tl.arange(0, BLOCK_D)
     dim_ok = dim < HEAD_DIM
@@ -332,7 +320,6 @@ def gated_rmsnorm(
     *,
     o_rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """GDN output norm gated by silu(z), per value head: returns [R, Hv·V] bf16, ready for out_proj.
 
@@ -389,6 +376,5 @@ def gated_rmsnorm(
             TORCH_CPU=torch_cpu,
             num_warps=4,
             **LAUNCH_OPTIONS,
-            **dependent_options(torch_cpu, dependent_launch),
         )
     return out

@@ -31,15 +31,6 @@ How torch's numerics are reproduced:
   negative x, or the untaken side of a `tl.where`); launches there run under `ieee_quiet`. No `tl.dot` anywhere (the
   interpreter computes bf16 dots wrongly).
 
-Dependent launch (stage `pdl`, engine/stages/pdl.md). Every kernel of the package takes a `DEPENDENT` constexpr and
-starts with `wait_for_inputs(DEPENDENT)`; every wrapper takes `dependent_launch`. With it (on CUDA) the launch is a
-programmatic dependent launch (Triton's `launch_pdl`: Hopper's programmatic stream serialisation, kept as a
-programmatic edge in a CUDA graph): its CTAs may be dispatched while the kernel before it still runs, and the kernel's
-first instructions are `griddepcontrol.wait` (until the kernel before it has completed and its writes are visible),
-then `griddepcontrol.launch_dependents` (the next dependent launch may be dispatched). Nothing is read or written
-before the wait (`kernels.compile_check` checks the PTX), so the bits are those of an ordinary launch. The interpreter
-has no such launch: `dependent_options` gives it an ordinary one.
-
 Versions (history: engine/stages/fused.md, "Kernel history"):
 * v2 (this file): compiled roundings through the hardware conversion (same bits but for NaN payloads).
 * v1: the helpers above, moved out of `kernels/activations.py` unchanged.
@@ -54,18 +45,9 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Compile options for every kernel of the package (see module docstring). The interpreter accepts and ignores them.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
-
-
-def dependent_options(torch_cpu: bool, dependent: bool) -> dict:
-    """A launch's `DEPENDENT` constexpr and, with it, Triton's `launch_pdl` option: with `dependent` (on CUDA only) the
-    kernel is launched as a programmatic dependent launch and starts with `wait_for_inputs` (module docstring,
-    "Dependent launch"). Every kernel of the package takes `DEPENDENT`."""
-    dependent = dependent and not torch_cpu
-    return {"DEPENDENT": True, "launch_pdl": True} if dependent else {"DEPENDENT": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -180,16 +162,6 @@ def sigmoid_f32(x, TORCH_CPU: tl.constexpr):
 def silu_f32(x, TORCH_CPU: tl.constexpr):
     """torch's silu in fp32 opmath: x / (1 + exp(-x)), IEEE division."""
     return tl.math.div_rn(x, 1.0 + exp_f32(-x, TORCH_CPU))
-
-
-@triton.jit
-def wait_for_inputs(DEPENDENT: tl.constexpr):
-    """A dependent launch's first statement: wait until the kernel before it in the stream has finished and its writes
-    are visible (`griddepcontrol.wait`), then let the kernel after it launch (`griddepcontrol.launch_dependents`: it
-    may start once every program of this one has passed here). Nothing without DEPENDENT."""
-    if DEPENDENT:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

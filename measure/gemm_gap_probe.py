@@ -13,10 +13,7 @@ engine's Triton norms and activation):
     out GEMM -> residual_rmsnorm -> gate_up GEMM -> silu_mul -> down GEMM -> residual_rmsnorm       (x `--layers`)
 
 with each GEMM from the table or from `F.linear` (`VARIANTS`), every layer on its own weights (no L2 reuse across
-layers), the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone), and the table's and `F.linear`'s
-halves with the norms and the activation as programmatic dependent launches (`-dependent`, stage `pdl`: each waits on
-the device for the kernel before it and lets the next one launch, so a cuBLASLt kernel launched with programmatic
-dependent launch may start while the norm runs). Each variant is one CUDA graph
+layers), and the tuner's context (`norm-gate_up`: residual_rmsnorm -> gate_up alone). Each variant is one CUDA graph
 replayed `--calls` times under torch.profiler; the record has, per layer, the GPU-busy and idle time, the kernel pairs
 with the most idle time between them (`ablations.timing.kernel_gaps`), and every GPU activity that is not a kernel
 (memsets, copies) by name, so an idle gap that hides a memset node shows as one. Synthetic weights and inputs: timings
@@ -31,15 +28,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.linear); "norm-gate_up": tuner context;
-    # "-dependent": the Triton kernels as dependent launches
+VARIANTS = {  # name -> the GEMMs that run the table's choice (the others run F.linear); "norm-gate_up": tuner context
     "table": ("out", "gate_up", "down"),
     "gate_up-f_linear": ("out", "down"),
     "out-down-f_linear": ("gate_up",),
     "f_linear": (),
     "norm-gate_up": ("gate_up",),
-    "table-dependent": ("out", "gate_up", "down"),
-    "f_linear-dependent": (),
 }
 
 
@@ -88,33 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     residual, norm_weight = randn(rows, hidden), randn(hidden, scale=0.1)
 
     class Norms:  # the engine's Triton norms, as `GemmDispatch.residual_rmsnorm` calls them
-        def __init__(self, dependent: bool):
-            self.launch = {"dependent_launch": dependent}
-
-        def residual_rmsnorm(self, r, d, w):
-            return kernels.residual_rmsnorm(r, d, w, 1e-6, **self.launch)
-
-        def residual_rmsnorm_splitk(self, r, p, w):
-            return kernels.residual_rmsnorm_splitk(r, p, w, 1e-6, **self.launch)
+        residual_rmsnorm = staticmethod(lambda r, d, w: kernels.residual_rmsnorm(r, d, w, 1e-6))
+        residual_rmsnorm_splitk = staticmethod(lambda r, p, w: kernels.residual_rmsnorm_splitk(r, p, w, 1e-6))
 
     def weight(shape: str, layer: int) -> Weight:
         return Weight(weights[shape][layer])
 
-    def mlp_half(tabled: tuple[str, ...], dependent: bool) -> Any:
+    def mlp_half(tabled: tuple[str, ...]) -> Any:
         def by(shape: str) -> gemm.GemmDispatch:
             return tuned if shape in tabled else plain
-
-        norms = Norms(dependent)
 
         def run() -> None:
             res = residual
             for layer in range(args.layers):
                 delta = by("out").project(o, weight("out", layer), "out")
-                res, normed = by("out").residual_rmsnorm(norms, res, delta, norm_weight)
-                gate_up = by("gate_up").linear(normed, weight("gate_up", layer), "gate_up")
-                act = kernels.silu_mul(gate_up, **norms.launch)
+                res, normed = by("out").residual_rmsnorm(Norms, res, delta, norm_weight)
+                act = kernels.silu_mul(by("gate_up").linear(normed, weight("gate_up", layer), "gate_up"))
                 down = by("down").project(act, weight("down", layer), "down")
-                res, _ = by("down").residual_rmsnorm(norms, res, down, norm_weight)
+                res, _ = by("down").residual_rmsnorm(Norms, res, down, norm_weight)
 
         return run
 
@@ -128,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": {s: str(tuned.kernel(s, rows)) for s in shapes}, "variants": {},
     }  # fmt: skip
     for name, tabled in VARIANTS.items():
-        fn = norm_gate_up if name == "norm-gate_up" else mlp_half(tabled, dependent=name.endswith("-dependent"))
+        fn = norm_gate_up if name == "norm-gate_up" else mlp_half(tabled)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -144,7 +144,7 @@ def test_split_k_projection_is_the_reference_reduction(fused):
     `reference.ops.splitk_delta` composed with the ops' own `residual_rmsnorm`."""
     from engine.backbone import _FusedOps, _ReferenceOps
 
-    norms = _FusedOps(TINY, "torch", dependent_launch=False) if fused else _ReferenceOps(TINY)
+    norms = _FusedOps(TINY, "torch") if fused else _ReferenceOps(TINY)
     gen = torch.Generator().manual_seed(29)
     rows, k, n, split = 37, 384, TINY.hidden_size, 3
     x = torch.randn(rows, k, generator=gen).bfloat16()

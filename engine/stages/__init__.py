@@ -230,15 +230,6 @@ STAGE_LIST: tuple[Stage, ...] = (
         status="kept",  # H200 ladder record 20261204T205232Z: gates green, the fastest rung on its four workloads
         # (drone 37.55 against graphs' 40.02 ms, customer_service 105.0 against 120.7: engine/stages/core.md)
     ),
-    Stage(
-        name="pdl",
-        builds_on="core",
-        delta={"dependent_launch": True},
-        exactness=Exactness("bitwise", against="core"),  # no arithmetic changes: engine/stages/pdl.md
-        gate="tests/test_pdl_stage.py::test_pdl_stage_matches_core_bitwise",
-        gpu_gate="tests/test_gpu_pdl_stage.py::test_pdl_stage_matches_core_bitwise",
-        status="unmeasured",
-    ),
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in STAGE_LIST}
