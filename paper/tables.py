@@ -238,12 +238,17 @@ def followups(record: dict, root: Path) -> list[tuple[Path, dict]]:
 
 
 def later_stage_ladders(record: dict, later: list[tuple[Path, dict]], root: Path) -> list[dict]:
-    """Stages the record did not time that a later run of the plan did (newest run first, each stage once): per such
-    run its record path, the stages it adds and its own ladder table (ratios within that run, against its baseline)."""
+    """Stages of the registry that the record did not time and a later run of the plan did (newest run first, each
+    stage once; a stage since dropped from the registry is history, kept in the attempts record): per such run its
+    record path, the stages it adds and its own ladder table (ratios within that run, against its baseline)."""
+    from engine.stages import STAGES
+
     timed = {s["name"] for s in record["stages"] if s["status"] == "ok"}
     out = []
     for path, other in sorted(later, key=lambda f: f[1]["env"]["utc"], reverse=True):
-        new = [s["name"] for s in other["stages"] if s["status"] == "ok" and s["name"] not in timed]
+        new = [
+            s["name"] for s in other["stages"] if s["status"] == "ok" and s["name"] in STAGES and s["name"] not in timed
+        ]
         if new:
             out.append({"record": relative_path(path, root), "stages": new, "table": ladder_table(other)})
             timed.update(new)

@@ -315,6 +315,17 @@ def test_graphs_targets_are_measured_on_the_newest_run_that_timed_graphs():
     assert rows["graphs_padding_cost"]["outcome"] == "met" and rows["graphs_padding_cost"]["value"] == 40.0 / 37.0
 
 
+def test_later_ladders_show_registry_stages_only():
+    """A later run's stage that the registry holds is shown as a later ladder; one since dropped from the registry (its
+    record kept as an attempt's evidence) is not."""
+    ladder = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians={"hf_fla": 100.0, "tree": 40.0})
+    later = fake_record("gpu-27b", "2026-12-01T10:00:00Z", gpu=True, medians={"hf_fla": 100.0, "graphs": 38.0})
+    dropped = fake_record("gpu-27b", "2026-12-02T10:00:00Z", gpu=True, medians={"hf_fla": 100.0, "core": 35.0})
+    tables.stage_by_name(dropped, "core")["name"] = "pdl"  # a stage name the registry no longer has
+    shown = tables.later_stage_ladders(ladder, [(Path("runs/a.json"), later), (Path("runs/b.json"), dropped)], Path())
+    assert [entry["stages"] for entry in shown] == [["graphs"]]
+
+
 def test_targets_met_missed_and_not_measured():
     medians = {"hf_torch": 160.0, "hf_fla": 100.0, "merged": 80.0, "fused": 60.0, "tree": 40.0}
     record = fake_record("gpu-27b", "2026-11-30T10:00:00Z", gpu=True, medians=medians)
