@@ -88,7 +88,10 @@ walk compiles at BV = 32 with 36 bytes of spills at 255 registers and 312 at a 1
 instead of two), and at BV = 16 without spills (254 registers, 1,968 SASS instructions against BV = 64's 2,824; on 2
 warps every value block spills kilobytes), which tests/test_gpu_gdn_chunk.py (`KERNELS`) and the probe check on the
 GPU before the refusal goes: at v3.4 both were still wrong on an H100 (sm_90, Triton 3.6: relative error 0.905 against
-the oracle, runs differ, an illegal address in the probe; attempt `gdn-chunk-value-block-32-and-16-v3.4`). The
+the oracle, runs differ, an illegal address in the probe; attempt `gdn-chunk-value-block-32-and-16-v3.4`). The fault
+is Triton 3.6's sm_90 warpgroup-MMA (wgmma) code at those widths: with DISABLE_MMA_V3=1 (mma.sync instead) BV 32 and 16
+pass every bound, invariance and tree-walk test and give the stage's error figures to four digits, but the walk is
+then slower at every BV, and slower at 32 and 16 than at 64 (attempt `gdn-chunk-value-block-below-64-mma-sync`). The
 interpreter runs any BV. Loading each chunk's `rows` one chunk ahead (so that its gate and key loads do not wait for
 that load first) gave the same bits and was slower on an H100: +4.7 / +1.9 / +7.9 us a layer on drone /
 easy-intent-00 / customer_service (attempt `gdn-chunk-walk-prefetch-rows`, code at commit 450783f).
@@ -595,8 +598,9 @@ def gdn_chunk_forward(
         )
     if value_block < 64 and device.type == "cuda" and not unverified_value_block:
         raise ValueError(
-            f"gdn_chunk_forward: value block {value_block} < 64 gave wrong outputs on sm_90 under Triton 3.6 in v1 and "
-            "is not verified since (module docstring, 'Tiles'); unverified_value_block=True runs it anyway"
+            f"gdn_chunk_forward: value block {value_block} < 64 gives wrong outputs on sm_90 under Triton 3.6 (its "
+            "wgmma code; right but slower with DISABLE_MMA_V3=1: module docstring, 'Tiles'); "
+            "unverified_value_block=True runs it anyway"
         )
     if solve_precision not in SOLVE_PRECISIONS:
         raise ValueError(f"gdn_chunk_forward: solve_precision {solve_precision!r} is not one of {SOLVE_PRECISIONS}")
