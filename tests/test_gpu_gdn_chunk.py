@@ -181,6 +181,93 @@ def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
         assert torch.equal(captured[read], plain[read])
 
 
+def flat_walk(walk: torch.Tensor) -> torch.Tensor:
+    """The walk array with no sharing: every running sequence from its first chunk and the zero state, nothing
+    published (kernels/gdn_chunk.py, "The tree walk"); dummy paths stay dummies."""
+    flat = walk.clone()
+    running = flat[:, 1] >= 0
+    flat[running, 1] = 0
+    flat[:, 2] = -1
+    flat[:, 3:7] = 0
+    return flat
+
+
+@pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
+def test_cuda_walk_within_the_bound_and_bitwise_invariant_27b(workload):
+    """`walk_kernel="cuda"` (kernels/gdn_walk.cu) on the bucketed replicated call with the plan's tree walk, reading
+    the packed rows (what stage `core` runs): where the engine reads (each real packed row at its representative slot)
+    within the bf16 bound of the fp32 oracle (`tests.cases.gdn_chunk_bounds`, as the Triton walk) and within twice it
+    of the Triton walk; the tree walk bit-equal to the same kernel walking every path from its first chunk
+    (`flat_walk`); five walks identical; the dummy paths' rows zeros; three CUDA-graph replays into NaN-poisoned
+    outputs equal to the eager walk."""
+    from engine.graphs import GridIndex, default_grid
+    from engine.plan import plan_tree, tree_layout
+    from reference import ops
+
+    candidates, groups = request_candidates(get_workload(workload).request)
+    layout = tree_layout(candidates, groups)
+    plan = plan_tree(candidates, groups, bucket=GridIndex(default_grid()).smallest(layout))
+    call = plan.gdn["replicated"].calls[0]
+    rows = call.rows.to(DEVICE)
+    packed = engine_gdn_inputs(plan.num_rows, 31, "cuda")
+    cu, chunk_indices, walk = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk))
+    options = {"chunk_indices": chunk_indices, "walk_kernel": "cuda"}
+    walks = [gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)[0] for _ in range(5)]
+    flat, _ = gdn_chunk_forward(*packed, cu, walk=flat_walk(walk), rows=rows, **options)
+    triton, _ = gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, chunk_indices=chunk_indices)
+    real = (call.out_rows < layout.rows).to(DEVICE)
+    read, dummy = call.out_slots.to(DEVICE)[real], call.out_slots.to(DEVICE)[~real]
+    q, k, v, g, beta = (t[rows] for t in packed)
+    bounds = call.cu_seqlens_cpu.tolist()
+    oracle = torch.zeros(walks[0].shape, dtype=torch.float32, device=DEVICE)
+    running = int(call.walk[0, 7])
+    for s, e in zip(bounds[:running], bounds[1 : running + 1]):  # the running sequences are the first (plan order)
+        oracle[s:e] = ops.gdn_recurrent(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e])[0]
+    chunks = max(-(-(e - s) // 64) for s, e in zip(bounds[:running], bounds[1 : running + 1]))
+    bound = gdn_chunk_bounds(DIMS[2], chunks)["bf16"]
+    mine = walks[0][read]
+    figures = {
+        "vs oracle": rel_rmse(mine.float(), oracle[read]),
+        "triton vs oracle": rel_rmse(triton[read].float(), oracle[read]),
+        "vs triton": rel_rmse(mine.float(), triton[read].float()),
+        "bit-equal to triton": float((mine.view(torch.int16) == triton[read].view(torch.int16)).double().mean()),
+    }
+    print(f"cuda walk {workload} bound {bound:.3g}", {name: f"{value:.3e}" for name, value in figures.items()})
+    assert torch.isfinite(mine).all()
+    assert figures["vs oracle"] <= bound and figures["vs triton"] <= 2 * bound, (figures, bound)
+    for tree in walks:
+        assert torch.equal(tree[read], flat[read]) and (tree[dummy] == 0).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[read], walks[0][read])
+
+
+def test_cuda_walk_sequence_bits_do_not_depend_on_the_batch_27b():
+    """A sequence's outputs from the CUDA walk alone equal its outputs inside a batch of other sequences (one CTA per
+    sequence and head, nothing reduced across CTAs): drone's bucketed paths, each from the zero state (no sharing)."""
+    q, k, v, g, beta, cu, _ = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=23, device=DEVICE)
+    n = len(DRONE_PATHS)
+    walk = torch.zeros((n, 8), dtype=torch.int64, device=DEVICE)
+    walk[:, 0] = torch.arange(n)
+    walk[:, 2] = -1
+    walk[:, 7] = n
+    batch, _ = gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, walk_kernel="cuda")
+    bounds = cu.tolist()
+    for i in (0, 3, 7):
+        s, e = bounds[i], bounds[i + 1]
+        alone_walk = torch.tensor([[0, 0, -1, 0, 0, 0, 0, 1]], dtype=torch.int64, device=DEVICE)
+        alone, _ = gdn_chunk_forward(
+            q[s:e].contiguous(), k[s:e].contiguous(), v[s:e].contiguous(), g[s:e].contiguous(),
+            beta[s:e].contiguous(), torch.tensor([0, e - s], device=DEVICE), walk=alone_walk, walk_kernel="cuda",
+        )  # fmt: skip
+        assert torch.equal(alone, batch[s:e]), i
+
+
 # ---------------------------------------------------------------------------------------------------------- the stage
 
 
