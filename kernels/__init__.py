@@ -17,9 +17,6 @@
   slots at their packed rows (stage `core`).
   Bounded against the fp32 oracle `reference.ops.gdn_recurrent`; bitwise batch-, padding- and prefix-invariant, and
   the tree walk bitwise the plain walk where the engine reads.
-* `gdn_walk_cuda.gdn_walk_cuda` (`gdn_walk.cu`, CUDA C++ through CuPy's NVRTC): the tree walk of `gdn_chunk` with one
-  CTA per (sequence, value head) on mma.sync, `gdn_chunk_forward(..., walk_kernel="cuda")`, the stage's walk on CUDA.
-  Bounded against the same oracle; bitwise batch-invariant and the tree walk bitwise the same kernel without sharing.
 * `attn_prep.attn_prep`: q/gate split, q/k norm, partial RoPE, attention layout. v bitwise; q/k bitwise except the
   sum-of-squares order. `attn_prep.attention_gate_view` is the gate half of the q projection as a view.
 

@@ -186,7 +186,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gdn_walk_cuda
 from kernels.gdn_chunk_body import (
     RCP_LN2,
     _chunk_output,
@@ -211,8 +210,6 @@ SOLVES = ("doubling", "fla-blocks", "blocks-doubling")
 SOLVE = "blocks-doubling"  # the stage's since gdn_chunk v3.5 (core.md, "The solve's diagonal blocks by doubling")
 SOLVE_NUM_WARPS = {"doubling": 4, "fla-blocks": 1, "blocks-doubling": 1}  # the first two swept (c2ff2ee); the third not
 SOLVE_PRECISIONS = ("tf32", "tf32x3", "ieee")
-WALK_KERNELS = ("triton", "cuda")  # the walk launch: `_gdn_chunk_fwd_kernel` or `kernels.gdn_walk_cuda`
-TREE_WALK_KERNEL = "triton"  # the stage's walk for calls with a tree walk on CUDA (`GdnChunkCore`)
 WALK_FIELDS = (
     "sequence",
     "start",
@@ -553,7 +550,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    walk_kernel: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -570,9 +566,6 @@ def gdn_chunk_forward(
     when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
-    `walk_kernel`: "triton" (`_gdn_chunk_fwd_kernel`) or "cuda" (`kernels.gdn_walk_cuda`: the tree walk only, one CTA
-    per (sequence, value head) on mma.sync; CUDA, K = V = 128, bf16 rounding points, int64 indices; the value-block,
-    warp, stage and register options are the Triton walk's and not used by it).
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -622,14 +615,6 @@ def gdn_chunk_forward(
                      device=device, contiguous=True)  # fmt: skip
         if initial_state is not None or output_final_state:
             raise ValueError("gdn_chunk_forward: the tree walk takes no initial state and gives no final state")
-    if walk_kernel not in WALK_KERNELS:
-        raise ValueError(f"gdn_chunk_forward: walk_kernel {walk_kernel!r} is not one of {WALK_KERNELS}")
-    if walk_kernel == "cuda":
-        why = None if walk is not None and bf16_points else "it runs the tree walk with bf16 rounding points only"
-        why = why or gdn_walk_cuda.supports(q, v, k, g, beta, out)
-        if why:
-            raise ValueError(f"gdn_chunk_forward: walk_kernel 'cuda' cannot run this call: {why}")
-        value_block = value_dim  # one CTA per (sequence, value head): one flag per published state and head
     out_dtype = torch.bfloat16 if bf16_points else torch.float32
     o = output_tensor("gdn_chunk_forward: out", out, (tokens, value_heads, value_dim), out_dtype, device)
     final = None
@@ -647,11 +632,8 @@ def gdn_chunk_forward(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
         solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
     )  # fmt: skip
-    scale = key_dim**-0.5 if scale is None else scale
-    if walk_kernel == "cuda":
-        gdn_walk_cuda.gdn_walk_cuda(q, k, v, g, beta, o, solved, cu_seqlens, walk, bank, flags, rows, scale)
-        return o, final
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
+    scale = key_dim**-0.5 if scale is None else scale
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -778,14 +760,10 @@ class GdnChunkCore:
     (o [1, T, Hv, V] bf16, final state or None). q/k must come normalised (`use_qk_l2norm_in_kernel=False`); FLA's
     `chunk_indices` layout goes to the solve launch, `walk` (the plan's tree walk of a replicated call) and `rows`
     (each slot's packed row: q, k, v, g, beta then hold the packed rows) to both; `chunk_offsets` and
-    `cu_seqlens_cpu` are accepted and not needed. `walk_kernel` is the walk launch of a call with a tree walk on a
-    CUDA device (default `TREE_WALK_KERNEL`); every other call runs the Triton walk. `options` go to every
-    `gdn_chunk_forward` call (value_block, num_warps, solve, ...)."""
+    `cu_seqlens_cpu` are accepted and not needed. `options` go to every `gdn_chunk_forward` call (value_block,
+    num_warps, solve, ...)."""
 
-    def __init__(self, *, walk_kernel: str = TREE_WALK_KERNEL, **options):
-        if walk_kernel not in WALK_KERNELS:
-            raise ValueError(f"GdnChunkCore: walk_kernel {walk_kernel!r} is not one of {WALK_KERNELS}")
-        self.walk_kernel = walk_kernel
+    def __init__(self, **options):
         self.options = options
 
     def __call__(
@@ -827,7 +805,6 @@ class GdnChunkCore:
             chunk_indices=chunk_indices,
             walk=walk,
             rows=rows,
-            walk_kernel=self.walk_kernel if walk is not None and q.device.type == "cuda" else "triton",
             **self.options,
         )
         return o[None], final

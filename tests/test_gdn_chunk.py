@@ -333,25 +333,3 @@ def test_bad_inputs_are_refused():
         gdn_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, walk=walk)
     with pytest.raises(ValueError, match="walk: shape"):
         gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk[:, :6].contiguous())
-
-
-def test_the_cuda_walk_is_refused_where_it_cannot_run():
-    """`walk_kernel="cuda"` (kernels/gdn_walk.cu) runs the tree walk on CUDA only, with bf16 rounding points and
-    K = V = 128: every other call is refused with the reason; `GdnChunkCore`'s default walk kernel applies to CUDA
-    calls with a walk only, so on the CPU it runs the Triton walk (the bits of `walk_kernel="triton"`)."""
-    from kernels import gdn_walk_cuda
-
-    dims = DIMS["gva-1-2-k16-v32"]
-    q, k, v, g, beta, cu, _ = gdn_chunk_inputs((5, 70), dims, seed=12)
-    walk = torch.tensor([[0, 0, -1, 0, 0, 0, 0, 2], [1, 0, -1, 0, 0, 0, 0, 2]])
-    with pytest.raises(ValueError, match="walk_kernel 'gpu' is not one of"):
-        gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, walk_kernel="gpu")
-    with pytest.raises(ValueError, match="tree walk with bf16 rounding points only"):
-        gdn_chunk_forward(q, k, v, g, beta, cu, walk_kernel="cuda")
-    with pytest.raises(ValueError, match="runs on CUDA devices only"):
-        gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, walk_kernel="cuda")
-    with pytest.raises(ValueError, match="walk_kernel 'gpu'"):
-        GdnChunkCore(walk_kernel="gpu")
-    o, _ = GdnChunkCore()(*(t[None] for t in (q, k, v, g, beta)), cu_seqlens=cu, walk=walk)
-    assert torch.equal(o[0], gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, walk_kernel="triton")[0])
-    assert gdn_walk_cuda.shared_bytes(128, 128) <= 227 * 1024  # sm_90's largest dynamic shared memory of a CTA
