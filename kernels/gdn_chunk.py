@@ -446,7 +446,6 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    RELAXED_SPIN: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
@@ -466,13 +465,13 @@ def _gdn_chunk_fwd_kernel(
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, RELAXED_SPIN,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
             q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, RELAXED_SPIN,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
@@ -482,7 +481,7 @@ def _walk_sequence(
     publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr, RELAXED_SPIN: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
@@ -506,15 +505,9 @@ def _walk_sequence(
     if TREE:
         if source >= 0:  # start from the state another program publishes at this sequence's start chunk
             flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
-            if RELAXED_SPIN:  # poll without ordering (no L1 invalidation a poll), then one acquire of the set flag
-                ready = tl.atomic_add(flag, 0, sem="relaxed", scope="gpu")
-                while ready == 0:
-                    ready = tl.atomic_add(flag, 0, sem="relaxed", scope="gpu")
+            ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            while ready == 0:
                 ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-            else:
-                ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-                while ready == 0:
-                    ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
             source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
             state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
@@ -557,7 +550,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    relaxed_spin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -671,7 +663,6 @@ def gdn_chunk_forward(
             HAS_ROWS=rows is not None,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
-            RELAXED_SPIN=relaxed_spin,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),
