@@ -182,8 +182,6 @@ engine/stages/core.md):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -358,7 +356,6 @@ def _walk_chunk(
     q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
-    w_ws, u_ws, h_ws, i_n, CHAIN_ONLY: tl.constexpr,
 ):  # fmt: skip
     """Chunk i_t of the walk's sequence from the chunk-start state: its output rows stored; returns the state after
     the chunk."""
@@ -368,48 +365,33 @@ def _walk_chunk(
     )
     k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
     v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
-    if CHAIN_ONLY:  # timing experiment: w and u read at the chunk's slots, only the state carried (see the option)
-        k_op = _loaded_operand(tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND,
-                               TORCH_CPU)  # fmt: skip
-        w_op = _loaded_operand(tl.load(w_ws + ((token * VALUE_HEADS + i_hv) * KEY_DIM)[:, None] + o_k[None, :],
-                                       mask=valid[:, None], other=0.0), ROUND, TORCH_CPU)  # fmt: skip
-        b_u = to_f32(tl.load(u_ws + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :],
-                             mask=valid[:, None], other=0.0))  # fmt: skip
-        state_op = _rounded_operand(state, ROUND, TORCH_CPU)
-        v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
-        h_index = (bos // BT + i_n + i_t).to(tl.int64)  # distinct for every chunk of every sequence
-        h_ptrs = h_ws + ((h_index * VALUE_HEADS + i_hv) * KEY_DIM * VALUE_DIM + o_k[:, None] * VALUE_DIM + o_v[None, :])
-        tl.store(h_ptrs, to_bf16(state))
-        tl.store(o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :], to_bf16(v_new),
-                 mask=valid[:, None])  # fmt: skip
+    # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ are
+    # exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used and kept in
+    # bf16 (the dot operands on CUDA), to keep the registers for the state.
+    k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
+    k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
+    t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
+                  other=0.0)  # fmt: skip
+    t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
+
+    # w = T (K beta 2^γ), u = T (V beta)
+    w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
+    b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
+
+    # v' = u - w Sb; output from the chunk-start state; then the state update
+    state_op = _rounded_operand(state, ROUND, TORCH_CPU)
+    v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
+    q_op = _loaded_operand(
+        tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
+    )
+    qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
+    b_o = _chunk_output(state_op, v_new, q_op, qk_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
+    o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
+    if ROUND:
+        tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
     else:
-        # Rows past the sequence end load k = q = v = beta = g = T = 0, so their rows and columns of u, w, v' and Q Kᵀ
-        # are exact zeros and no mask beyond the triangles is needed. Tiles are loaded where they are first used and
-        # kept in bf16 (the dot operands on CUDA), to keep the registers for the state.
-        k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
-        k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
-        t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
-                      other=0.0)  # fmt: skip
-        t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
-
-        # w = T (K beta 2^γ), u = T (V beta)
-        w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-        b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-        b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
-
-        # v' = u - w Sb; output from the chunk-start state; then the state update
-        state_op = _rounded_operand(state, ROUND, TORCH_CPU)
-        v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
-        q_op = _loaded_operand(
-            tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-        )
-        qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-        b_o = _chunk_output(state_op, v_new, q_op, qk_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
-        o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
-        if ROUND:
-            tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
-        else:
-            tl.store(o_ptrs, b_o, mask=valid[:, None])
+        tl.store(o_ptrs, b_o, mask=valid[:, None])
     last = tl.minimum(seq_len - i_t * BT, BT) - 1
     g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
     return _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
@@ -464,7 +446,6 @@ def _gdn_chunk_fwd_kernel(
     HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
-    CHAIN_ONLY: tl.constexpr,
 ):
     """The walk: one program per (sequence, value head, value block) through the sequence's chunks in order, the state
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
@@ -484,13 +465,13 @@ def _gdn_chunk_fwd_kernel(
                 (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, CHAIN_ONLY,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
             q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
             tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
-            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU, CHAIN_ONLY,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
@@ -500,7 +481,7 @@ def _walk_sequence(
     publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr, CHAIN_ONLY: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
@@ -533,8 +514,7 @@ def _walk_sequence(
     for i_t in range(start, num_chunks):
         state = _walk_chunk(
             q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
-            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU, h0, solved, ht, i_n,
-            CHAIN_ONLY,
+            KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
         if TREE:
             if i_t + 1 == publish_chunks:
@@ -543,12 +523,6 @@ def _walk_sequence(
                 _publish(state, bank, flags, publish2_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
     if STORE_HT:
         tl.store(ht + state_offsets + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), state)
-
-
-@functools.cache
-def _timing_zeros(tokens: int, heads: int, dim: int, device: torch.device) -> torch.Tensor:
-    """chain_only_timing's w and u: zeros made once per shape (no fill kernel in the timed calls)."""
-    return torch.zeros((tokens, heads, dim), dtype=torch.bfloat16, device=device)
 
 
 def gdn_chunk_forward(
@@ -576,7 +550,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    chain_only_timing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -661,14 +634,6 @@ def gdn_chunk_forward(
     )  # fmt: skip
     torch_cpu = kernel_mode(_gdn_chunk_fwd_kernel, device)
     scale = key_dim**-0.5 if scale is None else scale
-    h0_arg, ht_arg = o if initial_state is None else initial_state, o if final is None else final
-    if chain_only_timing:  # a timing experiment, not the GDN: w = u = 0 at the slots, v' into o, Sb per chunk stored
-        if walk is None or not bf16_points:
-            raise ValueError("gdn_chunk_forward: chain_only_timing needs the tree walk and bf16 rounding points")
-        h0_arg = _timing_zeros(tokens, value_heads, key_dim, device)  # w
-        solved = _timing_zeros(tokens, value_heads, value_dim, device)  # u
-        ht_arg = torch.empty((tokens // 64 + num_seqs + 1, value_heads, key_dim, value_dim), dtype=torch.bfloat16,
-                             device=device)  # fmt: skip
     with ieee_quiet(torch_cpu):
         _gdn_chunk_fwd_kernel[grid](
             q,
@@ -677,8 +642,8 @@ def gdn_chunk_forward(
             g,
             beta,
             o,
-            h0_arg,  # not read without HAS_H0 (chain_only_timing: w)
-            ht_arg,  # not written without STORE_HT (chain_only_timing: the chunk states)
+            o if initial_state is None else initial_state,  # not read without HAS_H0
+            o if final is None else final,  # not written without STORE_HT
             solved,
             cu_seqlens,
             cu_seqlens if walk is None else walk,  # not read without TREE
@@ -698,7 +663,6 @@ def gdn_chunk_forward(
             HAS_ROWS=rows is not None,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
-            CHAIN_ONLY=chain_only_timing,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if max_registers is None else {"maxnreg": max_registers}),

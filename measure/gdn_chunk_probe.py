@@ -59,7 +59,6 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("drone", "jevbench/easy-intent-00", "customer_service")
 VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows); "stage" is what stage `core` runs
     "stage": ({}, True, True),
-    "chain-only-timing": ({"chain_only_timing": True}, True, True),
     "stage-gathered": ({}, True, False),
     "stage-no-walk": ({}, False, False),
     "doubling": ({"solve": "doubling"}, True, True),
