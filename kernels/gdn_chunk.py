@@ -107,6 +107,12 @@ engine/stages/core.md):
   walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
   customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
   interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
+* relaxed polls (e83eeeb, dropped): a tree walk's reader polled its flag with relaxed loads and acquired once it was
+  set, instead of an acquire (a CCTL.IVALL, an L1 invalidation) each poll beside the root's programs. The same bits; on
+  an H100 no effect: 74.43 / 74.37, 45.27 / 45.32, 140.39 / 140.25 us a layer. Attempt `gdn-chunk-walk-relaxed-spin`.
+* chain only (e1195c2, timing only): the walk reading w and u, storing v' and the chunk states, computing nothing else,
+  to bound a walk split into three launches: 1.50 / 1.68 / 1.56x faster than the whole walk on an H100 (the walk
+  launch 63.3 -> 42.3 us on drone), short of the 2.2x the done-when asks. Attempt `gdn-chunk-walk-chain-only`.
 * late wait (58f9ceb, dropped): a tree walk's reader ran its first chunk apart from the loop and acquired its starting
   state after that chunk's w and u instead of before the chunk, so the first wave of readers worked while candidate 0
   walked the root's chunk (inside the loop the conditional acquire doubled its spills). The same bits; on an H100
