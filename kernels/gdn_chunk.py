@@ -107,12 +107,6 @@ engine/stages/core.md):
   walk was wrong on the GPU at every stage count (relative RMSE against the fp32 oracle 6.7e-3 / 8.6e-3 on drone /
   customer_service where FLA's is 3e-3; easy-intent-00, which publishes nothing, kept its figures), though the
   interpreter's tests passed. Attempt `gdn-chunk-walk-segments-pipelined`.
-* relaxed polls (e83eeeb, dropped): a tree walk's reader polled its flag with relaxed loads and acquired once it was
-  set, instead of an acquire (a CCTL.IVALL, an L1 invalidation) each poll beside the root's programs. The same bits; on
-  an H100 no effect: 74.43 / 74.37, 45.27 / 45.32, 140.39 / 140.25 us a layer. Attempt `gdn-chunk-walk-relaxed-spin`.
-* chain only (e1195c2, timing only): the walk reading w and u, storing v' and the chunk states, computing nothing else,
-  to bound a walk split into three launches: 1.50 / 1.68 / 1.56x faster than the whole walk on an H100 (the walk
-  launch 63.3 -> 42.3 us on drone), short of the 2.2x the done-when asks. Attempt `gdn-chunk-walk-chain-only`.
 * late wait (58f9ceb, dropped): a tree walk's reader ran its first chunk apart from the loop and acquired its starting
   state after that chunk's w and u instead of before the chunk, so the first wave of readers worked while candidate 0
   walked the root's chunk (inside the loop the conditional acquire doubled its spills). The same bits; on an H100
@@ -124,6 +118,12 @@ engine/stages/core.md):
   against 2,808, the new launch 1,384 at 178 registers). The same bits under the interpreter; on an H100 (probe of
   9a6886e, one process) slower on all three workloads: 82.2 / 49.7 / 152.0 us a layer on drone / easy-intent-00 /
   customer_service against the stage's 75.2 / 45.2 / 142.6. Attempt `gdn-chunk-walk-stored-operands`.
+* relaxed polls (e83eeeb, dropped): a tree walk's reader polled its flag with relaxed loads and acquired once it was
+  set, instead of an acquire (a CCTL.IVALL, an L1 invalidation) each poll beside the root's programs. The same bits; on
+  an H100 no effect: 74.43 / 74.37, 45.27 / 45.32, 140.39 / 140.25 us a layer. Attempt `gdn-chunk-walk-relaxed-spin`.
+* chain only (e1195c2, timing only): the walk reading w and u, storing v' and the chunk states, computing nothing else,
+  to bound a walk split into three launches: 1.50 / 1.68 / 1.56x faster than the whole walk on an H100 (the walk
+  launch 63.3 -> 42.3 us on drone), short of the 2.2x the done-when asks. Attempt `gdn-chunk-walk-chain-only`.
 * v3.7 (this file): v3.5 with the walk's tickets and flags zeroed by the solve launch's programs (`ZERO_FLAGS`, a
   grid-stride loop of 128-flag stores) instead of a torch fill kernel in front of it: one launch and one graph node
   fewer a GDN layer (48 fills a forward, 1.09 us each on drone in the H100 record of 1143e81, plus the node's gap).
