@@ -110,3 +110,75 @@ def test_the_record_with_the_gpu_parts_stubbed(monkeypatch, tmp_path):
     assert drone["kernel_padding_ms"][0]["padding_ms"] == pytest.approx(0.08)  # 400 us over 5 profiled calls
     assert drone["grid_profile"]["gpu_busy_ms"] == pytest.approx(0.888) and "stats" not in drone["grid_profile"]
     assert long["skipped"] and "grid_bucket" not in long
+
+
+def test_interleaved_timing_alternates_the_order_every_round(monkeypatch):
+    """One call of each function a round, the order reversed every other round (the clock's drift falls on both)."""
+    import measure.graph_padding as tool
+
+    calls: list[str] = []
+    clock = iter(range(1000))
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = 0
+
+        def record(self):
+            self.t = next(clock)
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(tool.torch.cuda, "Event", Event)
+    monkeypatch.setattr(tool.torch.cuda, "synchronize", lambda: None)
+    samples = tool.interleaved_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=4)
+    assert calls[:6] == ["a"] * 3 + ["b"] * 3  # warm-up
+    assert calls[6:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert samples == {"a": [1.0] * 4, "b": [1.0] * 4}
+
+
+def test_the_memsets_record_with_the_gpu_parts_stubbed(monkeypatch, tmp_path):
+    """`--memsets`: the grid bucket captured with the memsets replaced and kept (the flag reaches `capture_forward`),
+    both bit-compared with the exact plan, their interleaved medians, and no other bucket."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    import measure.graph_padding as tool
+
+    class Engine:
+        device = torch.device("cpu")
+        graphs = SimpleNamespace(capture_on_miss=False)
+
+        def exact_graph(self, cands, groups):
+            return lambda: torch.ones(len(cands), 4)
+
+        def _forward_plan(self, plan):
+            return torch.ones(7, 4)
+
+    captured = []
+
+    def capture(fn, arena, device, memset_kernels):
+        captured.append(memset_kernels)
+        return SimpleNamespace(replay=lambda: None), fn() * (1 if memset_kernels else 2)  # kept: other bits
+
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool, "prepare_process", lambda stages, device: {})
+    monkeypatch.setattr(tool, "synthetic_weights", lambda *a, **k: None)
+    monkeypatch.setattr(tool.MergedWeights, "from_decision_weights", staticmethod(lambda weights: None))
+    monkeypatch.setattr(tool, "build_engine", lambda merged, stage: Engine())
+    monkeypatch.setattr(tool, "plan_tree", lambda cands, groups, device, bucket: SimpleNamespace(arena=None))
+    monkeypatch.setattr(tool, "capture_forward", capture)
+    monkeypatch.setattr(tool, "timed", lambda fn: (fn(), 2.5)[1])
+    monkeypatch.setattr(tool, "interleaved_ms", lambda fns: {name: [3.0, 1.0, 2.0] for name in fns})
+    monkeypatch.setattr(tool.envinfo, "collect", lambda device: {"utc": "2026-12-06T00:00:00Z", "gpu": None,
+                                                                 "git_commit": "0000000"})  # fmt: skip
+    out = tmp_path / "memsets.json"
+    assert main(["--stage", "core", "--workloads", "drone", "--memsets", "--out", str(out)]) == 0
+    (drone,) = json.loads(out.read_text())["workloads"]
+    assert captured == [True, False]
+    assert drone["memsets"]["bucket"] == "r352-s1074-c8"
+    assert drone["memsets"]["bitwise_vs_exact"] == {"memset_kernels": True, "memsets_kept": False}
+    assert drone["memsets"]["median_ms"] == {"memset_kernels": 2.0, "memsets_kept": 2.0}
+    assert "grid" not in drone and "served" not in drone and "profiles" not in drone["memsets"]
