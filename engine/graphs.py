@@ -80,7 +80,6 @@ from operator import attrgetter
 
 import torch
 
-from engine.graph_memsets import memsets_as_kernels
 from engine.plan import Bucket, PlanShape, TreeLayout, TreePlan, bucket_padding, plan_tree
 
 ROWS_GRID = (*range(64, 257, 16), *range(288, 513, 32), *range(576, 1281, 64))
@@ -177,22 +176,14 @@ def placeholder_request() -> tuple[list[list[int]], list[int]]:
 
 
 def capture_forward(
-    forward: Callable[[], torch.Tensor],
-    arena,
-    device: torch.device,
-    *,
-    pool=None,
-    warmup_runs: int = 2,
-    memset_kernels: bool = True,
+    forward: Callable[[], torch.Tensor], arena, device: torch.device, *, pool=None, warmup_runs: int = 2
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `forward()` (one plan's forward over `arena`, an `engine.plan.PlanArena`) as a CUDA graph: warm-up runs
     on a side stream first (compiles, autotunes, lazily created handles and buffers), then the capture, whose first
-    kernels recompute the arena's int32 copies so that a replay needs only the int64 buffer copied in; before it is
-    instantiated, cuBLASLt's memset nodes become fill kernels over the same bytes (`engine.graph_memsets`: the same
-    bits; `memset_kernels=False` keeps them, for `measure.graph_padding --memsets` only). Returns the graph and its
-    static output. The caller must keep the arena (its plan) alive as long as the graph: the graph reads its
-    addresses, and freed memory would be handed to other tensors (an exact-plan graph whose plan was dropped read
-    garbage indices in the H200 run of 0557e88: an index_select out of bounds)."""
+    kernels recompute the arena's int32 copies so that a replay needs only the int64 buffer copied in. Returns the
+    graph and its static output. The caller must keep the arena (its plan) alive as long as the graph: the graph
+    reads its addresses, and freed memory would be handed to other tensors (an exact-plan graph whose plan was
+    dropped read garbage indices in the H200 run of 0557e88: an index_select out of bounds)."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
@@ -200,13 +191,10 @@ def capture_forward(
         for _ in range(warmup_runs):
             forward()
     current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         arena.refresh_int32()
         output = forward()
-    if memset_kernels:
-        memsets_as_kernels(graph.raw_cuda_graph(), device)  # cuBLASLt's memsets as fill kernels (the same bits)
-    graph.instantiate()
     torch.cuda.synchronize(device)
     return graph, output
 

@@ -16,12 +16,6 @@ just what the request and one dummy node need) and `one_dummy_row_minimal_rest` 
 the pinned staging buffer, the replay, the output copied out). Each replay's output is compared bit for bit with the
 exact-plan graph's.
 
-`--memsets`: instead of the buckets above, the `grid` bucket captured twice, with cuBLASLt's memset nodes replaced by
-fill kernels (as the engine captures: `engine.graph_memsets`) and kept (`capture_forward(memset_kernels=False)`),
-both bit-compared with the exact plan and timed interleaved (`interleaved_ms`: one replay of each in turn, the order
-swapped every round, so that the card's clock drift falls on both); with `--kernels` each is profiled too (busy and
-idle time). Writes results/graphs/<stem>-memsets-<stage>.json.
-
 `--kernels`: the exact-plan graph and the `grid` bucket's graph also run under torch.profiler (`--profile-calls`
 replays each, `ablations.timing.profile_kernels`), and the record holds each one's GPU-busy time, kernel families and
 per-kernel time, and per kernel name the bucket's time less the exact plan's (`kernel_padding_ms`, largest first):
@@ -37,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 from functools import partial
 from pathlib import Path
 
@@ -62,56 +55,6 @@ REPO = Path(__file__).resolve().parents[1]
 def timed(fn) -> float:
     """Median ms of 30 CUDA-event timings of one call each, after 3 warm-up calls."""
     return cuda_time_ms(fn, inner=1, rounds=30)
-
-
-def interleaved_ms(fns: dict, rounds: int = 40) -> dict[str, list[float]]:
-    """CUDA-event ms of one call of each of `fns` per round, in turn, the order reversed every other round (after 3
-    warm-up calls each): {name: [ms per round]}."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            samples[name].append(start.elapsed_time(end))
-    return samples
-
-
-def memsets_ab(engine, cands, groups, bucket, exact, profile_calls: int | None) -> dict:
-    """The `--memsets` comparison of one request at `bucket` (module docstring)."""
-    count, fns, same = len(cands), {}, {}
-    plans = []  # the graphs read their plans' arenas: keep them alive
-    for name, replace in (("memset_kernels", True), ("memsets_kept", False)):
-        plan = plan_tree(cands, groups, device="cuda", bucket=bucket)
-        graph, output = capture_forward(
-            partial(engine._forward_plan, plan), plan.arena, engine.device, memset_kernels=replace
-        )
-        plans.append(plan)
-
-        def run(graph=graph, output=output):
-            graph.replay()
-            return output[:count].clone()
-
-        fns[name], same[name] = run, torch.equal(run(), exact()[:count])
-    samples = interleaved_ms(fns)
-    row = {
-        "bucket": bucket.name,
-        "bitwise_vs_exact": same,
-        "median_ms": {name: statistics.median(ms) for name, ms in samples.items()},
-        "samples_ms": samples,
-    }
-    if profile_calls:
-        row["profiles"] = {
-            name: profile_summary(profile_kernels(fn, profile_calls, top=1000)) for name, fn in fns.items()
-        }
-    return row
 
 
 def minimal(lay, rows):
@@ -173,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", default="graphs", help="a stage with CUDA graphs (default: graphs)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--kernels", action="store_true", help="profile the exact plan and the grid bucket per kernel")
-    parser.add_argument("--memsets", action="store_true", help="the grid bucket with memsets replaced against kept")
     parser.add_argument("--profile-calls", type=int, default=5, help="replays under the profiler (default: 5)")
     parser.add_argument("--out", type=Path, help="the JSON (default: results/graphs/<stem>-padding-<stage>.json)")
     args = parser.parse_args(argv)
@@ -203,13 +145,6 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"id": wid, "rows": lay.rows, "skipped": "no grid bucket or no single-batch exact plan"})
             continue
         row = {"id": wid, "rows": lay.rows, "grid_bucket": grid.name, "exact_ms": timed(exact)}
-        if args.memsets:
-            row["memsets"] = memsets_ab(
-                engine, cands, groups, grid, exact, args.profile_calls if args.kernels else None
-            )
-            results.append(row)
-            print(json.dumps({k: row["memsets"][k] for k in ("bucket", "bitwise_vs_exact", "median_ms")}))
-            continue
         row["previous_grid_bucket"] = None if previous is None else previous.name
         variants = {
             "grid": grid,
@@ -261,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{kernel['name'][:90]}")  # fmt: skip
     env = envinfo.collect("cuda")
     record = {"stage": args.stage, "env": env, "workloads": results}
-    kind = "memsets" if args.memsets else "padding"
-    out = args.out or REPO / "results" / "graphs" / f"{envinfo.record_stem(env)}-{kind}-{args.stage}.json"
+    out = args.out or REPO / "results" / "graphs" / f"{envinfo.record_stem(env)}-padding-{args.stage}.json"
     envinfo.write_json(record, out)
     print(f"record: {out}")
     return 0
