@@ -22,8 +22,10 @@ kept):
 * "cudnn": `torch.ops.aten._cudnn_attention_forward` with the same cumulative sequence lengths (int32), causal.
 Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
 the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
-calls give the same bits. A way at the reference's error level has FlashAttention's semantics (bottom-right causal
-alignment); a top-left alignment shows as an error of order one on the nodes with fewer queries than keys.
+calls give the same bits; and whether each real sequence's output is bit-equal when the sequence runs alone (its own
+lengths as the maxima: what batching, bucketing and the flat-against-tree law ask of the stage). A way at the
+reference's error level has FlashAttention's semantics (bottom-right causal alignment); a top-left alignment shows as
+an error of order one on the nodes with fewer queries than keys.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def eager_time_us(fn, calls: int, rounds: int) -> float:
 
 
 def attention_ways(nodes, scale: float) -> dict:
-    """name -> f(q, k, v) of each attention core probed."""
+    """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
+    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k)."""
     import torch
 
     from engine.tree import flash_node_core
@@ -71,6 +74,31 @@ def attention_ways(nodes, scale: float) -> dict:
         )[0]  # fmt: skip
 
     return {"flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale), "cudnn": cudnn}
+
+
+def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
+    """Whether every sequence with real rows gets the bits of `out` (the whole launch) when it runs alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cq, ck = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist()
+    for i in range(len(cq) - 1):
+        nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if nq == 0 or cq[i] >= real_rows:
+            continue
+        alone = SimpleNamespace(
+            cu_seqlens_q=torch.tensor([0, nq], dtype=torch.int32, device=q.device),
+            cu_seqlens_k=torch.tensor([0, nk], dtype=torch.int32, device=q.device),
+            max_q=nq,
+            max_k=nk,
+        )
+        way = attention_ways(alone, scale)[name]
+        if not torch.equal(
+            way(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]), out[cq[i] : cq[i + 1]]
+        ):
+            return False
+    return True
 
 
 def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
@@ -120,6 +148,10 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
         figures["max_abs_diff_vs_fp32"] = float(diff.abs().max())
         figures["rel_rmse_vs_fp32"] = float(diff.pow(2).mean().sqrt() / reference.pow(2).mean().sqrt())
         figures["repeatable"] = bool(torch.equal(out, again))
+        try:
+            figures["alone_bitwise"] = alone_bitwise(name, q, k, v, out, nodes, layout.rows, scale)
+        except Exception as error:
+            figures["alone_bitwise"] = f"{type(error).__name__}: {error}"[:2000]
         outputs[name] = mine
 
         def call(way=way):
@@ -136,7 +168,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
         result["ways"][name] = figures
         print(f"{workload_id:<24} {name:<6} {figures['us']:8.1f} us ({figures['timed']}), max |diff| vs fp32 "
               f"{figures['max_abs_diff_vs_fp32']:.3e}, rel RMSE {figures['rel_rmse_vs_fp32']:.3e}, repeatable "
-              f"{figures['repeatable']}", flush=True)  # fmt: skip
+              f"{figures['repeatable']}, alone bitwise {figures['alone_bitwise']}", flush=True)  # fmt: skip
     if "flash" in outputs:
         for name, mine in outputs.items():
             result["ways"][name]["bit_equal_share_vs_flash"] = float((mine == outputs["flash"]).float().mean())
