@@ -1,0 +1,228 @@
+"""Stage `core`'s attention core on a bucketed tree plan: FlashAttention-2's varlen forward against FlashAttention-4's.
+
+    python -m measure.attention_core_probe        # writes results/attention-core/<utc>-<gpu>-<commit>.json
+    python -m measure.attention_core_probe --workloads drone --calls 10 --rounds 20
+
+Why. In `core` on the H200 (results/runs/20261206T083908Z-nvidia-h200-8edfe66.json) FlashAttention-2's varlen kernel
+takes 2.00 ms of customer_service's forward (125 us a layer over 16 layers) and 0.46 ms of drone's, at head dim 256,
+where torch's build runs FlashAttention-2's 64 x 64 tiles on mma.sync: about 90 TFLOP/s on customer_service's 11
+GFLOP a layer, on a card whose dense bf16 rate the runner measures at 767. cuDNN's ragged attention failed (attempt
+`attention-core-cudnn-ragged`). FlashAttention-4 (`flash-attn-4`, kernels in CUTLASS's Python DSL, compiled on first
+call) has warpgroup-MMA (wgmma) forward kernels for sm_90 up to head dim 256 and the Blackwell kernels of the design
+target. This probe asks, before any engine change, whether it runs these shapes (head dim 256, 24 query and 4
+key/value heads, varlen causal with fewer queries than keys, aligned at the bottom right as FlashAttention-2),
+inside CUDA graphs, with what error and how fast. The device image lacks the package: a campaign carries its wheels.
+
+What is timed, per workload, on the plan the `graphs` stage replays (`engine.plan.plan_tree(..., bucket=...)`, the
+bucket `engine.graphs.default_grid` picks) at the 27B shapes, with seeded random projections (synthetic: timings and
+numerics only): `kernels.attn_prep` with the plan's key rows (what stage `core` runs), then each attention core on the
+same q, k, v, captured in one CUDA graph of `--calls` back-to-back calls (a forward's attention layers), the per-call
+time the median over `--rounds` replays (a way whose capture fails is timed eagerly over the same calls and the error
+kept):
+* "flash": `engine.tree.flash_node_core` (FlashAttention-2's varlen forward, the stage's);
+* "fa4", "fa4-pack-gqa", "fa4-no-pack": FlashAttention-4's `flash_attn_varlen_func` with the same cumulative lengths
+  and maxima, causal, one split (`num_splits=1`), GQA packing left to its heuristic, forced on, forced off.
+Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
+the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
+calls give the same bits; and whether each real sequence's output is bit-equal when the sequence runs alone (its own
+lengths as the maxima: what batching, bucketing and the flat-against-tree law ask of the stage). A one-row node alone
+takes another kernel path in FlashAttention-2 (attempt `attention-core-cudnn-ragged`), so "flash" fails that check on
+drone and customer_service by construction.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us, layer_probe_parser
+from measure.prep_probe import attn_prep_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def eager_time_us(fn, calls: int, rounds: int) -> float:
+    """Median per-call time of `calls` back-to-back eager calls (CUDA events, launch gaps included)."""
+    import statistics
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000.0 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def attention_ways(nodes, scale: float) -> dict:
+    """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
+    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k)."""
+    from engine.tree import flash_node_core
+
+    def fa4(pack_gqa):
+        def run(q, k, v):
+            from flash_attn.cute.interface import flash_attn_varlen_func
+
+            out = flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=nodes.cu_seqlens_q, cu_seqlens_k=nodes.cu_seqlens_k, max_seqlen_q=nodes.max_q,
+                max_seqlen_k=nodes.max_k, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=pack_gqa,
+            )  # fmt: skip
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+
+    ways = {"flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale)}
+    return ways | {"fa4": fa4(None), "fa4-pack-gqa": fa4(True), "fa4-no-pack": fa4(False)}
+
+
+def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
+    """Whether every sequence with real rows gets the bits of `out` (the whole launch) when it runs alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cq, ck = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist()
+    for i in range(len(cq) - 1):
+        nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if nq == 0 or cq[i] >= real_rows:
+            continue
+        alone = SimpleNamespace(
+            cu_seqlens_q=torch.tensor([0, nq], dtype=torch.int32, device=q.device),
+            cu_seqlens_k=torch.tensor([0, nk], dtype=torch.int32, device=q.device),
+            max_q=nq,
+            max_k=nk,
+        )
+        way = attention_ways(alone, scale)[name]
+        if not torch.equal(
+            way(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]), out[cq[i] : cq[i + 1]]
+        ):
+            return False
+    return True
+
+
+def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
+    import torch
+
+    import kernels
+    from engine.tree import blockwise_node_core
+    from reference.shapes import QWEN38_27B as s
+
+    host, layout = bucketed_plan(workload_id)
+    plan = host.to("cuda")
+    nodes, scale = plan.attention, s.head_dim**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * std).bfloat16()
+
+    attn_args, attn_dims = attn_prep_inputs(plan, s, normal)
+    q, k, v = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
+    real = slice(0, layout.rows)
+    reference = blockwise_node_core(q.float(), k.float(), v.float(), nodes, scale)[real]
+    result = {
+        "workload": workload_id,
+        "bucket": plan.bucket.name,
+        "rows": plan.num_rows,
+        "real_rows": layout.rows,
+        "keys": nodes.num_keys,
+        "sequences": len(nodes.cu_seqlens_q_cpu) - 1,
+        "max_q": nodes.max_q,
+        "max_k": nodes.max_k,
+        "ways": {},
+    }
+    outputs = {}
+    for name, way in attention_ways(nodes, scale).items():
+        figures: dict = {}
+        try:
+            out = way(q, k, v)
+            again = way(q, k, v)
+            torch.cuda.synchronize()
+        except Exception as error:  # a way that does not run these shapes is a finding, recorded
+            figures["error"] = f"{type(error).__name__}: {error}"[:2000]
+            result["ways"][name] = figures
+            print(f"{workload_id:<24} {name:<12} does not run: {figures['error'][:300]}", flush=True)
+            continue
+        mine = out[real].float()
+        diff = mine - reference
+        figures["max_abs_diff_vs_fp32"] = float(diff.abs().max())
+        figures["rel_rmse_vs_fp32"] = float(diff.pow(2).mean().sqrt() / reference.pow(2).mean().sqrt())
+        figures["repeatable"] = bool(torch.equal(out, again))
+        outputs[name] = mine
+
+        def call(way=way):
+            return way(q, k, v)
+
+        try:
+            figures["us"] = graph_time_us(call, calls, rounds)
+            figures["timed"] = "cuda-graph"
+        except Exception as error:
+            figures["graph_error"] = f"{type(error).__name__}: {error}"[:2000]
+            torch.cuda.synchronize()
+            figures["us"] = eager_time_us(call, calls, rounds)
+            figures["timed"] = "eager"
+        result["ways"][name] = figures
+        print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us ({figures['timed']}), max |diff| vs fp32 "
+              f"{figures['max_abs_diff_vs_fp32']:.3e}, rel RMSE {figures['rel_rmse_vs_fp32']:.3e}, repeatable "
+              f"{figures['repeatable']}", flush=True)  # fmt: skip
+    for name, way in attention_ways(nodes, scale).items():  # last: alone, a way may compile other specialisations
+        if name not in outputs:
+            continue
+        try:
+            alone = alone_bitwise(name, q, k, v, way(q, k, v), nodes, layout.rows, scale)
+        except Exception as error:
+            alone = f"{type(error).__name__}: {error}"[:2000]
+        result["ways"][name]["alone_bitwise"] = alone
+        print(f"{workload_id:<24} {name:<12} each real node alone bit-equal: {alone}", flush=True)
+    if "flash" in outputs:
+        for name, mine in outputs.items():
+            result["ways"][name]["bit_equal_share_vs_flash"] = float((mine == outputs["flash"]).float().mean())
+    return result
+
+
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = layer_probe_parser("measure.attention_core_probe", __doc__).parse_args(argv)
+    if not cuda_or_refuse("attention_core_probe"):
+        return 2
+    import torch
+
+    from ablations.envinfo import collect, record_stem, write_json
+
+    env = collect("cuda")
+    record = {
+        "probe": "attention_core",
+        "env": env,
+        "flash_attn_4": _version("flash-attn-4"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl-libs-base"),
+        "calls": args.calls,
+        "rounds": args.rounds,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workloads": [],
+    }
+    print(f"flash-attn-4 {record['flash_attn_4']}, CUTLASS DSL {record['cutlass_dsl']}", flush=True)
+    path = REPO / "results" / "attention-core" / f"{record_stem(env)}.json"
+    for workload_id in args.workloads.split(","):
+        with torch.no_grad():
+            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds))
+        write_json(record, path)  # after each workload: a step cut short keeps what it measured
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
