@@ -24,10 +24,11 @@ kept):
   and maxima, causal, one split (`num_splits=1`), GQA packing left to its heuristic, forced on, forced off.
 Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
 the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
-calls give the same bits; and whether each real sequence's output is bit-equal when the sequence runs alone (its own
-lengths as the maxima: what batching, bucketing and the flat-against-tree law ask of the stage). A one-row node alone
-takes another kernel path in FlashAttention-2 (attempt `attention-core-cudnn-ragged`), so "flash" fails that check on
-drone and customer_service by construction.
+calls give the same bits; whether each real leaf's rows are bit-equal to one launch over the flat plan's sequences
+(each leaf's whole path as queries and keys: the tree-against-flat law of the stage); and whether each real sequence's
+output is bit-equal when the sequence runs alone (its own lengths as the maxima: batching and bucketing). A one-row
+node alone takes another kernel path in FlashAttention-2 (attempt `attention-core-cudnn-ragged`), so "flash" fails
+that check on drone and customer_service by construction.
 """
 
 from __future__ import annotations
@@ -108,6 +109,31 @@ def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) 
     return True
 
 
+def flat_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
+    """Whether every real leaf's rows (a node with fewer queries than keys) get the bits of `out` (the tree launch)
+    in one launch over the flat plan's sequences: each leaf's whole path as queries and keys (the queries of the path
+    rows are their rows' q, gathered through the key rows), as stage `core` must for its tree-against-flat law."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cq, ck = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist()
+    leaves = [i for i in range(len(cq) - 1) if 0 < cq[i + 1] - cq[i] < ck[i + 1] - ck[i] and cq[i] < real_rows]
+    if not leaves:
+        return True
+    keys = torch.cat([torch.arange(ck[i], ck[i + 1]) for i in leaves]).to(q.device)
+    lens = [ck[i + 1] - ck[i] for i in leaves]
+    bounds = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    flat = SimpleNamespace(cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_q=max(lens), max_k=max(lens))
+    o_flat = attention_ways(flat, scale)[name](q[nodes.key_rows[keys]], k[keys], v[keys])
+    ends = bounds[1:].tolist()
+    for i, end in zip(leaves, ends):
+        nq = cq[i + 1] - cq[i]
+        if not torch.equal(o_flat[end - nq : end], out[cq[i] : cq[i + 1]]):
+            return False
+    return True
+
+
 def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
     import torch
 
@@ -175,12 +201,15 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
     for name, way in attention_ways(nodes, scale).items():  # last: alone, a way may compile other specialisations
         if name not in outputs:
             continue
-        try:
-            alone = alone_bitwise(name, q, k, v, way(q, k, v), nodes, layout.rows, scale)
-        except Exception as error:
-            alone = f"{type(error).__name__}: {error}"[:2000]
-        result["ways"][name]["alone_bitwise"] = alone
-        print(f"{workload_id:<24} {name:<12} each real node alone bit-equal: {alone}", flush=True)
+        checks = {}
+        for check, function in (("flat_bitwise", flat_bitwise), ("alone_bitwise", alone_bitwise)):
+            try:
+                checks[check] = function(name, q, k, v, way(q, k, v), nodes, layout.rows, scale)
+            except Exception as error:
+                checks[check] = f"{type(error).__name__}: {error}"[:2000]
+        result["ways"][name] |= checks
+        print(f"{workload_id:<24} {name:<12} leaves bit-equal to the flat plan: {checks['flat_bitwise']}; each real "
+              f"node alone: {checks['alone_bitwise']}", flush=True)  # fmt: skip
     if "flash" in outputs:
         for name, mine in outputs.items():
             result["ways"][name]["bit_equal_share_vs_flash"] = float((mine == outputs["flash"]).float().mean())
