@@ -1,7 +1,7 @@
 """Stage `core`'s attention core on a bucketed tree plan: FlashAttention-2's varlen forward against FlashAttention-4's.
 
     python -m measure.attention_core_probe        # writes results/attention-core/<utc>-<gpu>-<commit>.json
-    python -m measure.attention_core_probe --workloads drone --calls 10 --rounds 20
+    python -m measure.attention_core_probe --workloads drone --calls 10 --rounds 20 --ways fa4
 
 Why. In `core` on the H200 (results/runs/20261206T083908Z-nvidia-h200-8edfe66.json) FlashAttention-2's varlen kernel
 takes 2.00 ms of customer_service's forward (125 us a layer over 16 layers) and 0.46 ms of drone's, at head dim 256,
@@ -42,6 +42,7 @@ from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us
 from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
+FA4_WAYS = {"fa4": None, "fa4-pack-gqa": True, "fa4-no-pack": False}  # way -> pack_gqa (None: its heuristic)
 
 
 def eager_time_us(fn, calls: int, rounds: int) -> float:
@@ -82,7 +83,7 @@ def attention_ways(nodes, scale: float) -> dict:
         return run
 
     ways = {"flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale)}
-    return ways | {"fa4": fa4(None), "fa4-pack-gqa": fa4(True), "fa4-no-pack": fa4(False)}
+    return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items()}
 
 
 def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
@@ -135,7 +136,7 @@ def flat_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -
     return True
 
 
-def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) -> dict:
+def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], seed: int = 22) -> dict:
     import torch
 
     import kernels
@@ -166,7 +167,8 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
         "ways": {},
     }
     outputs = {}
-    for name, way in attention_ways(nodes, scale).items():
+    chosen = {name: way for name, way in attention_ways(nodes, scale).items() if name in ways}
+    for name, way in chosen.items():
         figures: dict = {}
         try:
             out = way(q, k, v)
@@ -199,7 +201,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, seed: int = 22) ->
         print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us ({figures['timed']}), max |diff| vs fp32 "
               f"{figures['max_abs_diff_vs_fp32']:.3e}, rel RMSE {figures['rel_rmse_vs_fp32']:.3e}, repeatable "
               f"{figures['repeatable']}", flush=True)  # fmt: skip
-    for name, way in attention_ways(nodes, scale).items():  # last: alone, a way may compile other specialisations
+    for name, way in chosen.items():  # last: flat and alone, a way may compile other specialisations
         if name not in outputs:
             continue
         checks = {}
@@ -228,7 +230,11 @@ def _version(distribution: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = layer_probe_parser("measure.attention_core_probe", __doc__).parse_args(argv)
+    parser = layer_probe_parser("measure.attention_core_probe", __doc__)
+    parser.add_argument("--ways", type=lambda s: s.split(","), default=list(FA4_WAYS), help="FlashAttention-4 ways")
+    args = parser.parse_args(argv)
+    if not set(args.ways) <= set(FA4_WAYS):
+        parser.error(f"--ways: each of {', '.join(FA4_WAYS)}")
     if not cuda_or_refuse("attention_core_probe"):
         return 2
     import torch
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     path = REPO / "results" / "attention-core" / f"{record_stem(env)}.json"
     for workload_id in args.workloads.split(","):
         with torch.no_grad():
-            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds))
+            record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds, ["flash", *args.ways]))
         write_json(record, path)  # after each workload: a step cut short keeps what it measured
     return 0
 
