@@ -38,31 +38,12 @@ import sys
 import time
 from pathlib import Path
 
+from ablations.probes import cuda_time_ms
 from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us, layer_probe_parser
 from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WAYS = {"fa4": None, "fa4-pack-gqa": True, "fa4-no-pack": False}  # way -> pack_gqa (None: its heuristic)
-
-
-def eager_time_us(fn, calls: int, rounds: int) -> float:
-    """Median per-call time of `calls` back-to-back eager calls (CUDA events, launch gaps included)."""
-    import statistics
-
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1000.0 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def attention_ways(nodes, scale: float) -> dict:
@@ -195,7 +176,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
         except Exception as error:
             figures["graph_error"] = f"{type(error).__name__}: {error}"[:2000]
             torch.cuda.synchronize()
-            figures["us"] = eager_time_us(call, calls, rounds)
+            figures["us"] = 1000.0 * cuda_time_ms(call, inner=calls, rounds=rounds)
             figures["timed"] = "eager"
         result["ways"][name] = figures
         print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us ({figures['timed']}), max |diff| vs fp32 "
