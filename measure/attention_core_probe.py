@@ -34,8 +34,8 @@ customer_service by construction.
 
 from __future__ import annotations
 
+import itertools
 import sys
-import time
 from pathlib import Path
 
 from ablations.probes import cuda_time_ms
@@ -67,10 +67,22 @@ def attention_ways(nodes, scale: float) -> dict:
     return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items()}
 
 
-def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
-    """Whether every sequence with real rows gets the bits of `out` (the whole launch) when it runs alone."""
+def sequences(q_lens: list[int], k_lens: list[int], device):
+    """A varlen layout (the `NodeAttention` fields the attention cores read) of sequences of these lengths."""
     from types import SimpleNamespace
 
+    import torch
+
+    def bounds(lens):
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+    return SimpleNamespace(
+        cu_seqlens_q=bounds(q_lens), cu_seqlens_k=bounds(k_lens), max_q=max(q_lens), max_k=max(k_lens)
+    )
+
+
+def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -> bool:
+    """Whether every sequence with real rows gets the bits of `out` (the whole launch) when it runs alone."""
     import torch
 
     cq, ck = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist()
@@ -78,13 +90,7 @@ def alone_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) 
         nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
         if nq == 0 or cq[i] >= real_rows:
             continue
-        alone = SimpleNamespace(
-            cu_seqlens_q=torch.tensor([0, nq], dtype=torch.int32, device=q.device),
-            cu_seqlens_k=torch.tensor([0, nk], dtype=torch.int32, device=q.device),
-            max_q=nq,
-            max_k=nk,
-        )
-        way = attention_ways(alone, scale)[name]
+        way = attention_ways(sequences([nq], [nk], q.device), scale)[name]
         if not torch.equal(
             way(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]), out[cq[i] : cq[i + 1]]
         ):
@@ -96,8 +102,6 @@ def flat_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -
     """Whether every real leaf's rows (a node with fewer queries than keys) get the bits of `out` (the tree launch)
     in one launch over the flat plan's sequences: each leaf's whole path as queries and keys (the queries of the path
     rows are their rows' q, gathered through the key rows), as stage `core` must for its tree-against-flat law."""
-    from types import SimpleNamespace
-
     import torch
 
     cq, ck = nodes.cu_seqlens_q_cpu.tolist(), nodes.cu_seqlens_k_cpu.tolist()
@@ -106,11 +110,8 @@ def flat_bitwise(name: str, q, k, v, out, nodes, real_rows: int, scale: float) -
         return True
     keys = torch.cat([torch.arange(ck[i], ck[i + 1]) for i in leaves]).to(q.device)
     lens = [ck[i + 1] - ck[i] for i in leaves]
-    bounds = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-    flat = SimpleNamespace(cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_q=max(lens), max_k=max(lens))
-    o_flat = attention_ways(flat, scale)[name](q[nodes.key_rows[keys]], k[keys], v[keys])
-    ends = bounds[1:].tolist()
-    for i, end in zip(leaves, ends):
+    o_flat = attention_ways(sequences(lens, lens, q.device), scale)[name](q[nodes.key_rows[keys]], k[keys], v[keys])
+    for i, end in zip(leaves, itertools.accumulate(lens)):
         nq = cq[i + 1] - cq[i]
         if not torch.equal(o_flat[end - nq : end], out[cq[i] : cq[i + 1]]):
             return False
@@ -147,7 +148,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
         "max_k": nodes.max_k,
         "ways": {},
     }
-    outputs = {}
+    outputs, whole = {}, {}  # per way: the real rows in fp32, and the whole output
     chosen = {name: way for name, way in attention_ways(nodes, scale).items() if name in ways}
     for name, way in chosen.items():
         figures: dict = {}
@@ -165,7 +166,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
         figures["max_abs_diff_vs_fp32"] = float(diff.abs().max())
         figures["rel_rmse_vs_fp32"] = float(diff.pow(2).mean().sqrt() / reference.pow(2).mean().sqrt())
         figures["repeatable"] = bool(torch.equal(out, again))
-        outputs[name] = mine
+        outputs[name], whole[name] = mine, out
 
         def call(way=way):
             return way(q, k, v)
@@ -182,14 +183,12 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
         print(f"{workload_id:<24} {name:<12} {figures['us']:8.1f} us ({figures['timed']}), max |diff| vs fp32 "
               f"{figures['max_abs_diff_vs_fp32']:.3e}, rel RMSE {figures['rel_rmse_vs_fp32']:.3e}, repeatable "
               f"{figures['repeatable']}", flush=True)  # fmt: skip
-    for name, way in chosen.items():  # last: flat and alone, a way may compile other specialisations
-        if name not in outputs:
-            continue
+    for name, out in whole.items():  # last: flat and alone, a way may compile other specialisations
         checks = {}
         alone = (("alone_bitwise", alone_bitwise),) if name == "flash" else ()  # FA4 compiles per length class
         for check, function in (("flat_bitwise", flat_bitwise), *alone):
             try:
-                checks[check] = function(name, q, k, v, way(q, k, v), nodes, layout.rows, scale)
+                checks[check] = function(name, q, k, v, out, nodes, layout.rows, scale)
             except Exception as error:
                 checks[check] = f"{type(error).__name__}: {error}"[:2000]
         result["ways"][name] |= checks
@@ -230,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
         "cutlass_dsl": _version("nvidia-cutlass-dsl-libs-base"),
         "calls": args.calls,
         "rounds": args.rounds,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workloads": [],
     }
     print(f"flash-attn-4 {record['flash_attn_4']}, CUTLASS DSL {record['cutlass_dsl']}", flush=True)
