@@ -66,6 +66,9 @@ Attention (`attention`):
   CUDA: FlashAttention-2's varlen forward (`engine.tree.flash_node_core`);
   CPU: `engine.tree.blockwise_node_core` (fp32, fixed 64-key blocks). Both are prefix-invariant (a row's result
   depends only on its path up to itself), which is what makes `tree` bitwise against `fused`.
+* `"varlen_fa4"` (stage `core`): the same call with FlashAttention-4's varlen forward on CUDA
+  (`engine.tree.flash4_node_core`: warpgroup MMA, one split, packed query heads; prefix-invariant on sm_90, measured),
+  the blockwise core on the CPU.
 * `"mask"` (default of `merged`): one `scaled_dot_product_attention` call over all rows of a batch with an additive
   bf16 mask (0 where the plan lets a row see a key, -inf elsewhere; block-diagonal causal for a flat plan; built once by
   the planner, rows 16-byte aligned) and k/v repeated to the query heads, as HF's `repeat_kv` does when it passes a
@@ -113,12 +116,12 @@ from torch import Tensor
 
 import kernels
 from engine import gemm
-from engine.config import EngineConfig
+from engine.config import VARLEN_ATTENTION, EngineConfig
 from engine.gemm_table import GemmTable
 from engine.graphs import GraphCache, capture_forward
 from engine.plan import ConvInput, TreePlan
 from engine.planner import EngineRows, Planner, RowBatch
-from engine.tree import default_node_core, torch_chunk_core, tree_gdn_core
+from engine.tree import node_core, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_chunk import GdnChunkCore
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
@@ -379,7 +382,7 @@ class EngineBackbone:
         }[self.gdn_core]()
         fused = config.elementwise == "triton"
         self._ops = _FusedOps(self.shapes, self.gdn_core) if fused else _ReferenceOps(self.shapes)
-        self._node_core = default_node_core(self.device)
+        self._node_core = node_core(config.attention, self.device) if config.attention in VARLEN_ATTENTION else None
         self._range = _Ranges(nvtx_ranges)
         # RoPE inverse frequencies on the device once: the tables are computed inside the forward (capturable)
         self._inv_freq = ops.rope_inv_freq(self.shapes.rotary_dim, self.shapes.rope_theta).to(self.device)
@@ -393,7 +396,7 @@ class EngineBackbone:
         # beside it. Varlen attention and every other op are row- and prefix-invariant; the GEMMs are row-count
         # invariant on the CPU and, on CUDA, only without a cuBLAS workspace. The masked SDPA (`merged`) is not
         # claimed (its kernel tiles all N keys). Tested on the CPU: tests/test_batching.py.
-        self.batch_invariant = config.attention == "varlen" and (
+        self.batch_invariant = config.attention in VARLEN_ATTENTION and (
             self.device.type == "cpu" or gemm.needs_row_invariant(config)
         )
 
@@ -638,7 +641,7 @@ class EngineBackbone:
 
     def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope) -> Tensor:
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
-        varlen = self.attention == "varlen"
+        varlen = self.attention in VARLEN_ATTENTION
         key_rows = None if not varlen or nodes.keys_are_rows else nodes.key_rows
         with rng("attn_prep"):
             q, k, v, gate = self._ops.attn_prep(proj, layer, rope[0], rope[1], key_rows, not varlen)

@@ -12,8 +12,10 @@ Fields (values; what each picks):
   (`engine/plan.py`).
 * `elementwise` (`torch`, `triton`): element-wise ops as torch compositions at HF's rounding points
   (`reference/ops.py`), or the fused Triton kernels of `kernels/`.
-* `attention` (`sdpa_padded`, `mask`, `varlen`): HF's SDPA per padded batch; one SDPA call with an additive mask over
-  the packed rows; one varlen causal call over the plan's nodes (FlashAttention-2 on CUDA, blockwise fp32 on the CPU).
+* `attention` (`sdpa_padded`, `mask`, `varlen`, `varlen_fa4`): HF's SDPA per padded batch; one SDPA call with an
+  additive mask over the packed rows; one varlen causal call over the plan's nodes with FlashAttention-2 (torch's
+  build) or FlashAttention-4 (`flash-attn-4`, the `gpu` dependency group) on CUDA, blockwise fp32 on the CPU for
+  both (`engine.tree.node_core`).
 * `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
   `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
   gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
@@ -35,8 +37,10 @@ Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter com
 reference-math.md §6), so an engine config's FLA core becomes `torch` there (`chunk_fused` stays: it hands the
 interpreter its bf16 operands as fp32) (a `graphs` config keeps its bucketed
 plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
-(stage `hf_fla`) has no CPU form and is refused. Illegal combinations are refused in `__post_init__`, where a config
-is built, with the reason; tests/test_stages.py tries every one.
+(stage `hf_fla`) has no CPU form and is refused. Both varlen attentions run `engine.tree.blockwise_node_core` on the
+CPU (the config keeps its value: FlashAttention has no CPU form and the blockwise core stands in for either). Illegal
+combinations are refused in `__post_init__`, where a config is built, with the reason; tests/test_stages.py tries
+every one.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "backbone": ("hf", "engine"),
     "layout": ("padded", "flat", "tree"),
     "elementwise": ("torch", "triton"),
-    "attention": ("sdpa_padded", "mask", "varlen"),
+    "attention": ("sdpa_padded", "mask", "varlen", "varlen_fa4"),
     "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
@@ -68,6 +72,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("attention", "sdpa_padded"): "SDPA per padded batch",
     ("attention", "mask"): "one masked SDPA call over the packed rows",
     ("attention", "varlen"): "one varlen causal call per layer over the plan's nodes (FlashAttention-2 on CUDA)",
+    ("attention", "varlen_fa4"): "one varlen causal call per layer over the plan's nodes (FlashAttention-4 on CUDA: "
+    "warpgroup MMA, one split, query heads packed per key/value head)",
     ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
     ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
@@ -85,6 +91,7 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("weight_format", "bf16"): "bf16 GEMM weights",
 }
 
+VARLEN_ATTENTION = ("varlen", "varlen_fa4")  # the node-wise cores: prefix-invariant, batch-invariant (engine/tree.py)
 CPU_GDN_CORE = "torch"
 CPU_RUNNABLE_GDN_CORES = (CPU_GDN_CORE, "chunk_fused")  # the cores that run on the CPU as they are
 
@@ -130,19 +137,23 @@ class EngineConfig:
                 )
         else:
             if self.layout == "padded" or self.attention == "sdpa_padded":
-                raise ValueError("the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or 'varlen'")
+                raise ValueError(
+                    "the engine runs packed rows: layout 'flat' or 'tree', attention 'mask', 'varlen' or 'varlen_fa4'"
+                )
             if self.gdn_core == "chunk_fused" and self.elementwise != "triton":
                 raise ValueError(
                     "gdn_core='chunk_fused' takes q/k L2-normalised by the Triton prep kernel: it needs "
                     "elementwise='triton'"
                 )
         if self.graphs:
-            needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton", "attention": "varlen"}
+            needs = {"backbone": "engine", "layout": "tree", "elementwise": "triton"}
             wrong = {name: getattr(self, name) for name, value in needs.items() if getattr(self, name) != value}
+            if self.attention not in VARLEN_ATTENTION:
+                wrong["attention"] = self.attention
             if wrong or self.gdn_core == "fla":
                 raise ValueError(
-                    f"graphs=True replays bucketed tree plans: it needs {needs} and gdn_core 'fla_forward' (or its CPU "
-                    f"form), got {wrong or {'gdn_core': self.gdn_core}}"
+                    f"graphs=True replays bucketed tree plans: it needs {needs}, attention one of {VARLEN_ATTENTION} "
+                    f"and gdn_core 'fla_forward' (or its CPU form), got {wrong or {'gdn_core': self.gdn_core}}"
                 )
 
     def replace(self, **changes: Any) -> EngineConfig:

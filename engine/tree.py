@@ -9,7 +9,8 @@ Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run onc
   path) or `handoff` (root once to its last 64-token boundary, fp32 state handed to the branches, the straddling chunk
   recomputed per branch). `core` is any varlen GDN function with FLA's `chunk_gated_delta_rule` signature.
 * attention: one varlen sequence per node whose queries are the node's rows and whose keys are its path
-  (`plan.attention`), with the cores `flash_node_core` on CUDA and `blockwise_node_core` anywhere. The other ways of
+  (`plan.attention`), with the cores `flash_node_core` (FlashAttention-2) and `flash4_node_core` (FlashAttention-4)
+  on CUDA and `blockwise_node_core` anywhere (`node_core` picks one for a config's `attention`). The other ways of
   running attention over a tree (masked SDPA, FlexAttention, gathered paths) are references, in `reference/tree.py`.
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
@@ -21,9 +22,9 @@ later rows or its neighbours in the batch.
   of 64 reproduces the one-pass run (both measured for HF's torch chunk function on the CPU, fp32 and bf16,
   tests/test_tree.py; FLA on the H200: tests/test_gpu_tree.py).
 * attention: `paths` and `nodes` modes are bitwise when their core is prefix-invariant (`blockwise_causal_attention`
-  is, by construction, also with queries at the end of their keys; FlashAttention-2's varlen forward is by its
-  schedule, checked on the H200; per-sequence SDPA on the CPU is not, measured); `mask` mode is bounded (a row's keys
-  sit at other offsets of a longer key axis, so the reduction order changes).
+  is, by construction, also with queries at the end of their keys; FlashAttention-2's and -4's varlen forwards are by
+  their schedules, checked on the GPU; per-sequence SDPA on the CPU is not, measured); `mask` mode is bounded (a row's
+  keys sit at other offsets of a longer key axis, so the reduction order changes).
 * GEMMs are not here: their results can depend on the number of rows M, which the tree changes (measured in the
   tests: bf16 CPU GEMMs were row-count invariant on the tiny twin; on the H200 see tests/test_gpu_tree.py).
 """
@@ -250,6 +251,47 @@ def flash_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: N
     return out[0]
 
 
-def default_node_core(device: torch.device) -> Callable:
-    """The node-wise attention core of a device: FlashAttention-2 varlen on CUDA, `blockwise_node_core` elsewhere."""
-    return flash_node_core if torch.device(device).type == "cuda" else blockwise_node_core
+def flash4_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: NodeAttention, scale: float):
+    """Node-wise varlen causal attention with FlashAttention-4's varlen forward (`flash-attn-4` 4.0.0b40, CUDA, bf16).
+
+    Same arguments as `blockwise_node_core`. One launch for all sequences, causal aligned at the bottom right, GQA
+    read natively. Pinned, so that nothing about a row's arithmetic depends on the lengths beside it: one split
+    (`num_splits=1`: no split-KV combine) and the query heads of a key/value head packed into one tile
+    (`pack_gqa=True`, the package's own choice at head dim 256 on sm_90). On sm_90 at head dim 256 the package then
+    picks one kernel whatever the lengths (128 query rows x 80 keys, warpgroup MMA, key blocks from the sequence
+    start, visited last to first): a row's result depends only on its keys up to itself, so the core is
+    prefix-invariant and a sequence's bits do not depend on what shares its launch; checked on the GPU
+    (measure/attention_core_probe.py, tests/test_gpu_tree.py). Blackwell's kernels choose tiles and 2-CTA pairs from
+    the lengths: nothing is claimed there until measured. The kernel compiles on its first call (CUTLASS's Python
+    DSL); the output rows after the last sequence are not written.
+    """
+    out = flash4_varlen_function()(
+        q, k, v, cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k, max_seqlen_q=layout.max_q,
+        max_seqlen_k=layout.max_k, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True,
+    )  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
+
+
+def flash4_varlen_function() -> Callable:
+    """FlashAttention-4's `flash_attn_varlen_func`, or a RuntimeError that says how to install it."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except ImportError as error:
+        raise RuntimeError(
+            "attention='varlen_fa4' needs FlashAttention-4 on CUDA (`pip install 'flash-attn-4[cu13]==4.0.0b40'`, in "
+            f"jevlab's `gpu` dependency group): {error}"
+        ) from error
+    return flash_attn_varlen_func
+
+
+def node_core(attention: str, device: torch.device) -> Callable:
+    """The node-wise attention core of a config's varlen `attention` on a device: FlashAttention-2 (`"varlen"`) or
+    FlashAttention-4 (`"varlen_fa4"`) on CUDA, `blockwise_node_core` on any other device for both."""
+    cores = {"varlen": flash_node_core, "varlen_fa4": flash4_node_core}
+    if attention not in cores:
+        raise ValueError(f"attention {attention!r} has no node-wise core; the varlen ones are {list(cores)}")
+    if torch.device(device).type != "cuda":
+        return blockwise_node_core
+    if attention == "varlen_fa4":
+        flash4_varlen_function()  # refuse at build time, not at the first forward
+    return cores[attention]

@@ -20,16 +20,17 @@ same q, k, v, captured in one CUDA graph of `--calls` back-to-back calls (a forw
 time the median over `--rounds` replays (a way whose capture fails is timed eagerly over the same calls and the error
 kept):
 * "flash": `engine.tree.flash_node_core` (FlashAttention-2's varlen forward, the stage's);
-* "fa4", "fa4-pack-gqa", "fa4-no-pack": FlashAttention-4's `flash_attn_varlen_func` with the same cumulative lengths
-  and maxima, causal, one split (`num_splits=1`), GQA packing left to its heuristic, forced on, forced off.
+* "flash4": `engine.tree.flash4_node_core` (stage `core`'s: FlashAttention-4's `flash_attn_varlen_func` with the same
+  cumulative lengths and maxima, causal, one split, query heads packed per key/value head);
+* "fa4", "fa4-no-pack": the same call with GQA packing left to the package's heuristic, and forced off.
 Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
 the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
 calls give the same bits; whether each real leaf's rows are bit-equal to one launch over the flat plan's sequences
 (each leaf's whole path as queries and keys: the tree-against-flat law of the stage); and whether each real sequence's
-output is bit-equal when the sequence runs alone (its own lengths as the maxima: batching and bucketing; "flash" only,
-since FlashAttention-4 compiles a kernel per class of lengths on first use). A one-row node alone takes another kernel
-path in FlashAttention-2 (attempt `attention-core-cudnn-ragged`), so "flash" fails that check on drone and
-customer_service by construction.
+output is bit-equal when the sequence runs alone (its own lengths as the maxima: batching and bucketing; on sm_90 at
+head dim 256 FlashAttention-4 picks its kernel without looking at the lengths, so the alone launches reuse the compiled
+kernel). A one-row node alone takes another kernel path in FlashAttention-2 (attempt `attention-core-cudnn-ragged`), so
+"flash" fails that check on drone and customer_service by construction.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ from measure.gdn_chunk_probe import bucketed_plan, cuda_or_refuse, graph_time_us
 from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-FA4_WAYS = {"fa4": None, "fa4-pack-gqa": True, "fa4-no-pack": False}  # way -> pack_gqa (None: its heuristic)
+FA4_WAYS = {"flash4": True, "fa4": None, "fa4-no-pack": False}  # way -> pack_gqa (None: its heuristic)
 
 
 def attention_ways(nodes, scale: float) -> dict:
     """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
     `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k)."""
-    from engine.tree import flash_node_core
+    from engine.tree import flash4_node_core, flash_node_core
 
     def fa4(pack_gqa):
         def run(q, k, v):
@@ -63,8 +64,11 @@ def attention_ways(nodes, scale: float) -> dict:
 
         return run
 
-    ways = {"flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale)}
-    return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items()}
+    ways = {
+        "flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale),
+        "flash4": lambda q, k, v: flash4_node_core(q, k, v, nodes, scale),
+    }
+    return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items() if name not in ways}
 
 
 def sequences(q_lens: list[int], k_lens: list[int], device):
@@ -185,15 +189,14 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
               f"{figures['repeatable']}", flush=True)  # fmt: skip
     for name, out in whole.items():  # last: flat and alone, a way may compile other specialisations
         checks = {}
-        alone = (("alone_bitwise", alone_bitwise),) if name == "flash" else ()  # FA4 compiles per length class
-        for check, function in (("flat_bitwise", flat_bitwise), *alone):
+        for check, function in (("flat_bitwise", flat_bitwise), ("alone_bitwise", alone_bitwise)):
             try:
                 checks[check] = function(name, q, k, v, out, nodes, layout.rows, scale)
             except Exception as error:
                 checks[check] = f"{type(error).__name__}: {error}"[:2000]
         result["ways"][name] |= checks
         print(f"{workload_id:<24} {name:<12} leaves bit-equal to the flat plan: {checks['flat_bitwise']}; each real "
-              f"node alone: {checks.get('alone_bitwise', 'not run')}", flush=True)  # fmt: skip
+              f"node alone: {checks['alone_bitwise']}", flush=True)  # fmt: skip
     if "flash" in outputs:
         for name, mine in outputs.items():
             result["ways"][name]["bit_equal_share_vs_flash"] = float((mine == outputs["flash"]).float().mean())

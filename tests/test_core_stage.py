@@ -1,7 +1,9 @@
-"""CPU tests of stage `core` (`EngineConfig.gdn_core="chunk_fused"`, kernels/gdn_chunk.py) on the tiny twin's first four
-layers, every kernel under the Triton interpreter: the gate (close to `graphs` within the registry's bound), tree vs
-flat within the stage, the `handoff` schedule vs the `replicated` one, and the bucketed (`graphs`) forward vs the
-unpadded one, each bit for bit. Synthetic weights: the figures are fidelity between code paths, never accuracy.
+"""CPU tests of stage `core` (`EngineConfig.gdn_core="chunk_fused"`, kernels/gdn_chunk.py; its FlashAttention-4
+attention, `attention="varlen_fa4"`, runs the blockwise core on the CPU as `graphs`' FlashAttention-2 does) on the
+tiny twin's first four layers, every kernel under the Triton interpreter: the gate (close to `graphs` within the
+registry's bound), tree vs flat within the stage, the `handoff` schedule vs the `replicated` one, and the bucketed
+(`graphs`) forward vs the unpadded one, each bit for bit. Synthetic weights: the figures are fidelity between code
+paths, never accuracy.
 
 On the CPU `graphs` runs HF's torch chunk rule (fp32 throughout, q/k normalised in fp32) where `core` runs the kernel
 with FLA's bf16 rounding points: the same kind of GDN-core-only swap as hf_torch against hf_fla, the swap whose H200
@@ -56,9 +58,10 @@ def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_core_stage_is_registered_kept_on_gemm():
     stage = get_stage("core")
-    assert (stage.builds_on, stage.delta, stage.status) == ("gemm", {"gdn_core": "chunk_fused"}, "kept")
+    delta = {"gdn_core": "chunk_fused", "attention": "varlen_fa4"}
+    assert (stage.builds_on, stage.delta, stage.status) == ("gemm", delta, "kept")
     assert stage.exactness.describe() == "bounded: hidden_rel_rmse <= 0.031 vs graphs"
-    assert config_of("core") == config_of("gemm").replace(gdn_core="chunk_fused")
+    assert config_of("core") == config_of("gemm").replace(**delta)
     assert config_of("core").on("cpu") == config_of("core")  # the kernel runs in the interpreter as it is
     assert stage.notes.is_file() and "core" in STAGES
     assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages

@@ -14,7 +14,9 @@ Declared and checked:
   at a multiple of 64 vs one pass, two runs; a CUDA-graph replay of the launches vs the eager launches; the tree walk
   vs the plain walk at every representative slot of three bucketed calls (five walks, three graph replays);
 * the stage (its GPU gate): `core` against `graphs` within the registry's bound (hidden_rel_rmse of the head's rows)
-  on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise on drone.
+  on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise (drone,
+  customer_service), graph replay vs the unpadded eager run bitwise, five replays identical (batching against alone:
+  tests/test_gpu_batching.py).
 Synthetic weights and random inputs: only bits and bounds are compared, never accuracy.
 """
 
@@ -193,6 +195,7 @@ def engines():
         "graphs": build_engine(merged, "graphs"),
         "core": build_engine(merged, "core"),
         "core flat": build_engine(merged, config_of("core", graphs=False, layout="flat")),
+        "core eager": build_engine(merged, config_of("core", graphs=False)),
     }
     for name in ("graphs", "core"):
         built[name].graphs.capture_on_miss = True
@@ -217,5 +220,22 @@ def test_core_stage_close_to_graphs(engines, workload):
     assert error <= get_stage("core").exactness.bound, (workload, error)
 
 
-def test_core_stage_tree_matches_flat_bitwise(engines):
-    assert torch.equal(answer(engines["core"], "drone"), answer(engines["core flat"], "drone"))
+@pytest.mark.parametrize("workload", ["drone", "customer_service"])
+def test_core_stage_tree_matches_flat_bitwise(engines, workload):
+    assert torch.equal(answer(engines["core"], workload), answer(engines["core flat"], workload))
+
+
+@pytest.mark.parametrize("workload", ["drone", "customer_service", "jevbench/easy-intent-00"])
+def test_core_stage_replay_matches_the_unpadded_eager_run(engines, workload):
+    """Graph replay of the bucketed plan (padding rows, dummy and empty sequences in every launch, FlashAttention-4's
+    included) == the unpadded plan run eagerly, bit for bit."""
+    candidates, groups = request_candidates(get_workload(workload).request)
+    prepared = engines["core"].prepare(candidates, groups)
+    got = engines["core"].forward(prepared).clone()
+    assert all(batch.graph_hit for batch in prepared.batches), engines["core"].graph_metadata(prepared)
+    assert torch.equal(got, answer(engines["core eager"], workload))
+
+
+def test_core_stage_five_replays_are_identical(engines):
+    outs = [answer(engines["core"], "drone") for _ in range(5)]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])

@@ -48,7 +48,7 @@ from engine.plan import SolveWorkspace, TreePlan, plan_flat, plan_tree
 from engine.plan_arrays import CONV_WIDTH
 from engine.planner import choose_gdn_mode, gdn_mode_costs
 from engine.stages import build_engine
-from engine.tree import flash_node_core, tree_gdn_core
+from engine.tree import flash4_node_core, flash_node_core, tree_gdn_core
 from engine.weights import MergedWeights
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
 from reference.shapes import QWEN38_27B as S
@@ -211,14 +211,16 @@ def test_gpu_attention_tree(workload):
     assert err["mask vs fp32"] <= max(2 * err["flat vs fp32"], 2**-8)
 
 
+@pytest.mark.parametrize("node_core", [flash_node_core, flash4_node_core], ids=["flash2", "flash4"])
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_gpu_attention_nodes_flash(workload):
-    """The engine's attention: FlashAttention-2 varlen over the tree's nodes == over the flat candidates, bitwise
-    (prefix-invariance of the varlen kernel); against an fp32 reference bounded like per-candidate SDPA."""
+def test_gpu_attention_nodes_flash(workload, node_core):
+    """The engine's attention: FlashAttention-2's (`tree` to `gemm`) and -4's (`core`) varlen forward over the tree's
+    nodes == over the flat candidates, bitwise (prefix-invariance of the varlen kernel); against an fp32 reference
+    bounded like per-candidate SDPA."""
     tree, flat = plans(workload)
     q, k, v, scale, per_path = random_attention_inputs(tree, seed=8)
-    o_tree = gather_paths(tree_attention(q, k, v, tree, scale, mode="nodes", core=flash_node_core), tree)
-    o_flat = tree_attention(*per_path, flat, scale, mode="nodes", core=flash_node_core)
+    o_tree = gather_paths(tree_attention(q, k, v, tree, scale, mode="nodes", core=node_core), tree)
+    o_flat = tree_attention(*per_path, flat, scale, mode="nodes", core=node_core)
     o_sdpa = sdpa_varlen_causal(*per_path, flat.path_cu_seqlens_cpu, scale)
     o_exact = sdpa_varlen_causal(*(t.float() for t in per_path), flat.path_cu_seqlens_cpu, scale)
     err = {

@@ -236,9 +236,10 @@ def test_everything_but_sets_a_stages_delta_back_on_the_top_stage():
     top = top_stage().config
     assert top_stage().name == "core"
     assert everything_but("core") == config_of("gemm")
-    assert everything_but("gemm") == config_of("graphs").replace(gdn_core="chunk_fused")
+    core = {"gdn_core": "chunk_fused", "attention": "varlen_fa4"}
+    assert everything_but("gemm") == config_of("graphs").replace(**core)
     assert everything_but("gemm").delta(top) == {"gemm": "cublas_row_invariant"}
-    assert everything_but("graphs") == config_of("tree").replace(gemm="tuned", gdn_core="chunk_fused")
+    assert everything_but("graphs") == config_of("tree").replace(gemm="tuned", **core)
     assert everything_but("graphs").delta(top) == {"graphs": False}
     for name in ("tree", "fused"):  # the graphs replay bucketed tree plans over the fused kernels only
         with pytest.raises(ValueError, match="graphs=True replays bucketed tree plans"):
@@ -295,7 +296,7 @@ def test_one_builder_builds_every_cpu_stage():
         assert built[name].name == name
     assert built["graphs"].grid and built["graphs"].graphs is None  # bucketed plans, run eagerly on the CPU
     assert build_backbone(everything_but("core"), ctx).name == "gemm"
-    assert build_backbone(everything_but("gemm"), ctx).name == "graphs[gdn_core=chunk_fused]"  # the nearest stage,
+    assert build_backbone(everything_but("gemm"), ctx).name == "core[gemm=cublas_row_invariant]"  # the nearest stage,
     assert build_backbone(everything_but("graphs"), ctx).name == "core[graphs=False]"  # and its delta
     nearest = build_backbone(config_of("merged", layout="tree"), ctx)
     assert nearest.name == "merged[layout=tree]"  # the nearest stage, and what differs

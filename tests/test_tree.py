@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from engine.plan import CHUNK_SIZE, TreePlan, plan_flat, plan_tree
 from engine.plan_arrays import CONV_WIDTH
 from engine.planner import choose_gdn_mode, gdn_mode_costs
-from engine.tree import blockwise_causal_attention, blockwise_node_core, torch_chunk_core, tree_gdn_core
+from engine.tree import blockwise_causal_attention, blockwise_node_core, node_core, torch_chunk_core, tree_gdn_core
 from reference import ops
 from reference.shapes import TINY
 from reference.tree import (
@@ -516,6 +516,21 @@ def test_attention_nodes_mode_bitwise(dtype, request_tokens, seed):
     assert o_tree.shape == q.shape
     assert torch.equal(gather_paths(o_tree, tree), o_flat)
     assert torch.equal(o_flat, blockwise_causal_attention(*per_path, flat.path_cu_seqlens_cpu, scale))
+
+
+def test_node_core_per_attention_and_device():
+    """Both varlen attentions run the blockwise core on the CPU; on CUDA FlashAttention-4's core refuses at build time,
+    with the install line, where `flash-attn-4` is missing (as on every CPU machine); other attentions have none."""
+    assert (
+        node_core("varlen", torch.device("cpu")) is node_core("varlen_fa4", torch.device("cpu")) is blockwise_node_core
+    )
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match=r"flash-attn-4\[cu13\]==4\.0\.0b40"):
+            node_core("varlen_fa4", torch.device("cuda"))
+    with pytest.raises(ValueError, match="no node-wise core"):
+        node_core("mask", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

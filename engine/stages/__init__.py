@@ -221,7 +221,7 @@ STAGE_LIST: tuple[Stage, ...] = (
     Stage(
         name="core",
         builds_on="gemm",
-        delta={"gdn_core": "chunk_fused"},
+        delta={"gdn_core": "chunk_fused", "attention": "varlen_fa4"},
         # the bound: the one GDN-core-only swap of the H200 record e0c0b5d (hf_torch against hf_fla), its largest
         # hidden_rel_rmse over 17 workloads, 0.0308 (engine/stages/core.md, "Exactness")
         exactness=Exactness("bounded", against="graphs", metric="hidden_rel_rmse", bound=0.031),
