@@ -22,7 +22,12 @@ kept):
 * "flash": `engine.tree.flash_node_core` (FlashAttention-2's varlen forward, the stage's);
 * "flash4": `engine.tree.flash4_node_core` (stage `core`'s: FlashAttention-4's `flash_attn_varlen_func` with the same
   cumulative lengths and maxima, causal, one split, query heads packed per key/value head);
-* "fa4", "fa4-no-pack": the same call with GQA packing left to the package's heuristic, and forced off.
+* "fa4", "fa4-no-pack": the same call with GQA packing left to the package's heuristic, and forced off;
+* "flash4-paged" (issue 22, item 2: attention without replicated prefixes): `attn_prep` writes k and v once per packed
+  row (no key layout), and FlashAttention-4 reads each node's path through a page table of one-row pages (its cp.async
+  paged path: `page_table` [sequences, max keys] = the plan's key rows, `seqused_k` = the path lengths), with the
+  stage's pins. Its output is compared bit for bit with "flash4"'s (the flat and alone checks, which build other
+  layouts, are not run for it), and the prep is timed in both layouts (`prep_us`: with the key rows, and rows only).
 Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
 the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
 calls give the same bits; whether each real leaf's rows are bit-equal to one launch over the flat plan's sequences
@@ -45,11 +50,13 @@ from measure.prep_probe import attn_prep_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WAYS = {"flash4": True, "fa4": None, "fa4-no-pack": False}  # way -> pack_gqa (None: its heuristic)
+PAGED = "flash4-paged"  # FlashAttention-4 reading each node's keys from the packed rows through a page table
 
 
-def attention_ways(nodes, scale: float) -> dict:
+def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
     """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
-    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k)."""
+    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k); with `paged` (k, v [rows, 1, Hkv, D], the
+    page table and seqused_k of `page_table`) also PAGED, which reads those instead of its k and v."""
     from engine.tree import flash4_node_core, flash_node_core
 
     def fa4(pack_gqa):
@@ -64,11 +71,36 @@ def attention_ways(nodes, scale: float) -> dict:
 
         return run
 
+    def fa4_paged(q, k, v):
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q, paged["k"], paged["v"], cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q,
+            max_seqlen_k=nodes.max_k, seqused_k=paged["seqused_k"], page_table=paged["page_table"],
+            softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
     ways = {
         "flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale),
         "flash4": lambda q, k, v: flash4_node_core(q, k, v, nodes, scale),
     }
+    if paged:
+        ways[PAGED] = fa4_paged
     return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items() if name not in ways}
+
+
+def page_table(nodes) -> dict:
+    """One-row pages of `nodes`' key rows: page_table [sequences, max_k] int32 (row i: sequence i's key rows, then
+    zeros; max_k is the bucket's, at least every path's length) and seqused_k [sequences] int32 (its key count), on the key rows' device."""
+    import torch
+
+    bounds = nodes.cu_seqlens_k_cpu.tolist()
+    lens = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    table = torch.zeros(len(lens), max(1, nodes.max_k, *lens), dtype=torch.int32, device=nodes.key_rows.device)
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        table[i, : end - start] = nodes.key_rows[start:end]
+    return {"page_table": table, "seqused_k": torch.tensor(lens, dtype=torch.int32, device=table.device)}
 
 
 def sequences(q_lens: list[int], k_lens: list[int], device):
@@ -139,6 +171,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
 
     attn_args, attn_dims = attn_prep_inputs(plan, s, normal)
     q, k, v = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
+    paged = {}  # PAGED's inputs: k and v once per packed row, the page table and the path lengths
+    if PAGED in ways:
+        q_rows, k_rows, v_rows = kernels.attn_prep(*attn_args, **attn_dims)
+        assert torch.equal(q_rows, q), "the prep's q does not depend on the key layout"
+        paged = {"k": k_rows.unsqueeze(1), "v": v_rows.unsqueeze(1)} | page_table(nodes)
     real = slice(0, layout.rows)
     reference = blockwise_node_core(q.float(), k.float(), v.float(), nodes, scale)[real]
     result = {
@@ -152,8 +189,17 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
         "max_k": nodes.max_k,
         "ways": {},
     }
+    if PAGED in ways:
+
+        def prep(key_rows):
+            return lambda: kernels.attn_prep(*attn_args, key_rows=key_rows, **attn_dims)
+
+        layouts = {"key rows": nodes.key_rows, "rows only": None}
+        result["prep_us"] = {layout: graph_time_us(prep(rows), calls, rounds) for layout, rows in layouts.items()}
+        print(f"{workload_id:<24} attn_prep {result['prep_us']['key rows']:.1f} us with the key rows, "
+              f"{result['prep_us']['rows only']:.1f} us rows only", flush=True)  # fmt: skip
     outputs, whole = {}, {}  # per way: the real rows in fp32, and the whole output
-    chosen = {name: way for name, way in attention_ways(nodes, scale).items() if name in ways}
+    chosen = {name: way for name, way in attention_ways(nodes, scale, paged).items() if name in ways}
     for name, way in chosen.items():
         figures: dict = {}
         try:
@@ -188,6 +234,12 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
               f"{figures['max_abs_diff_vs_fp32']:.3e}, rel RMSE {figures['rel_rmse_vs_fp32']:.3e}, repeatable "
               f"{figures['repeatable']}", flush=True)  # fmt: skip
     for name, out in whole.items():  # last: flat and alone, a way may compile other specialisations
+        if name == PAGED:
+            if "flash4" in whole:
+                result["ways"][name]["bitwise_vs_flash4"] = bool(torch.equal(out[real], whole["flash4"][real]))
+                print(f"{workload_id:<24} {name:<12} bit-equal to flash4 on the real rows: "
+                      f"{result['ways'][name]['bitwise_vs_flash4']}", flush=True)  # fmt: skip
+            continue
         checks = {}
         for check, function in (("flat_bitwise", flat_bitwise), ("alone_bitwise", alone_bitwise)):
             try:
@@ -216,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = layer_probe_parser("measure.attention_core_probe", __doc__)
     parser.add_argument("--ways", type=lambda s: s.split(","), default=list(FA4_WAYS), help="FlashAttention-4 ways")
     args = parser.parse_args(argv)
-    if not set(args.ways) <= set(FA4_WAYS):
-        parser.error(f"--ways: each of {', '.join(FA4_WAYS)}")
+    if not set(args.ways) <= {*FA4_WAYS, PAGED}:
+        parser.error(f"--ways: each of {', '.join([*FA4_WAYS, PAGED])}")
     if not cuda_or_refuse("attention_core_probe"):
         return 2
     import torch
