@@ -92,7 +92,8 @@ def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
 
 def page_table(nodes) -> dict:
     """One-row pages of `nodes`' key rows: page_table [sequences, max_k] int32 (row i: sequence i's key rows, then
-    zeros; max_k is the bucket's, at least every path's length) and seqused_k [sequences] int32 (its key count), on the key rows' device."""
+    zeros; max_k is the bucket's, at least every path's length) and seqused_k [sequences] int32 (its key count), on
+    the key rows' device."""
     import torch
 
     bounds = nodes.cu_seqlens_k_cpu.tolist()
