@@ -77,6 +77,11 @@ def test_kernel_gaps_merge_overlaps_and_rank_the_pairs():
         ("recompute_w_u_fwd_kernel", "gdn_core"),
         ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 128, 64, 4>>", "attention_core"),
         ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention_core"),
+        (  # FlashAttention-4 (CUTLASS's Python DSL: "cutlass" as the GEMMs' names, "flash" first)
+            "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__tensorptrbf16gmem"
+            "align16o6i64div8i64div81i64div48_tensor000o111012_tensor000o111012_tensorptrbf16_gm_0",
+            "attention_core",
+        ),
         ("_attention_gate_kernel", "ours"),
         ("_residual_rmsnorm_kernel", "ours"),
         ("_gdn_prep_kernel", "ours"),
