@@ -31,6 +31,7 @@ later rows or its neighbours in the batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -272,8 +273,10 @@ def flash4_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return out[0] if isinstance(out, tuple) else out
 
 
+@functools.cache
 def flash4_varlen_function() -> Callable:
-    """FlashAttention-4's `flash_attn_varlen_func`, or a RuntimeError that says how to install it."""
+    """FlashAttention-4's `flash_attn_varlen_func` (imported once per process: every eager call asks for it), or a
+    RuntimeError that says how to install it."""
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
     except ImportError as error:

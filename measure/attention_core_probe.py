@@ -57,13 +57,11 @@ def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
     """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
     `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k); with `paged` (k, v [rows, 1, Hkv, D], the
     page table and seqused_k of `page_table`) also PAGED, which reads those instead of its k and v."""
-    from engine.tree import flash4_node_core, flash_node_core
+    from engine.tree import flash4_node_core, flash4_varlen_function, flash_node_core
 
     def fa4(pack_gqa):
         def run(q, k, v):
-            from flash_attn.cute.interface import flash_attn_varlen_func
-
-            out = flash_attn_varlen_func(
+            out = flash4_varlen_function()(
                 q, k, v, cu_seqlens_q=nodes.cu_seqlens_q, cu_seqlens_k=nodes.cu_seqlens_k, max_seqlen_q=nodes.max_q,
                 max_seqlen_k=nodes.max_k, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=pack_gqa,
             )  # fmt: skip
@@ -72,9 +70,7 @@ def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
         return run
 
     def fa4_paged(q, k, v):
-        from flash_attn.cute.interface import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
+        out = flash4_varlen_function()(
             q, paged["k"], paged["v"], cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q,
             max_seqlen_k=nodes.max_k, seqused_k=paged["seqused_k"], page_table=paged["page_table"],
             softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True,

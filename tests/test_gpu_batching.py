@@ -8,8 +8,8 @@ family of each tier) is answered alone, request by request, and then in consecut
 `answer_many`: every response must equal its alone response, bit for bit on every probability, timing and the
 forward-describing metadata (`prefix_cache`, `graph`, `batch`) aside. On `graphs` the batches are padded to larger
 buckets than the requests alone and replayed through captured graphs (captured on a miss here); `core` adds its own
-GDN kernels and FlashAttention-4 to that. The CPU twin of this
-test is tests/test_batching.py; the server's worker is tested in tests/test_server_batching.py.
+GDN kernels and FlashAttention-4 to that. The CPU twin of this test is tests/test_batching.py; the server's worker is
+tested in tests/test_server_batching.py.
 Synthetic weights: the bits are what is compared; no probability here means anything for accuracy.
 """
 
