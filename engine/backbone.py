@@ -69,6 +69,9 @@ Attention (`attention`):
 * `"varlen_fa4"` (stage `core`): the same call with FlashAttention-4's varlen forward on CUDA
   (`engine.tree.flash4_node_core`: warpgroup MMA, one split, packed query heads; prefix-invariant on sm_90, measured),
   the blockwise core on the CPU.
+* `"paged_fa4"` (stage `paged`): the prep writes k and v once per packed row (no key layout), and FlashAttention-4
+  reads each node's path through a page table of one-row pages (`engine.tree.page_keys`, built on the device once per
+  forward; `flash4_paged_node_core`); on the CPU the key rows are gathered for the blockwise core.
 * `"mask"` (default of `merged`): one `scaled_dot_product_attention` call over all rows of a batch with an additive
   bf16 mask (0 where the plan lets a row see a key, -inf elsewhere; block-diagonal causal for a flat plan; built once by
   the planner, rows 16-byte aligned) and k/v repeated to the query heads, as HF's `repeat_kv` does when it passes a
@@ -121,7 +124,7 @@ from engine.gemm_table import GemmTable
 from engine.graphs import GraphCache, capture_forward
 from engine.plan import ConvInput, TreePlan
 from engine.planner import EngineRows, Planner, RowBatch
-from engine.tree import node_core, torch_chunk_core, tree_gdn_core
+from engine.tree import node_core, page_keys, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_chunk import GdnChunkCore
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
@@ -568,6 +571,11 @@ class EngineBackbone:
             rope = ops.rope_cos_sin(
                 batch.plan.positions, self.shapes.rotary_dim, self.shapes.rope_theta, inv_freq=self._inv_freq
             )
+        if self.attention == "paged_fa4":
+            with rng("page_keys"):
+                keys = page_keys(batch.plan.attention)  # the attention layers' page table, once per forward
+        else:
+            keys = batch.plan.attention
         with rng("embedding"):
             x = F.embedding(batch.plan.token_ids, w.embed)  # [N, H]
         with rng("norm"):
@@ -580,7 +588,9 @@ class EngineBackbone:
                 with rng("in_proj"):
                     proj = gemm_.linear(normed, layer.w_in, "gdn_in" if gdn else "attn_in")  # [N, in width]
                 mixed = (
-                    self._gdn(proj, layer, batch, core_options) if gdn else self._attention(proj, layer, batch, rope)
+                    self._gdn(proj, layer, batch, core_options)
+                    if gdn
+                    else self._attention(proj, layer, batch, rope, keys)
                 )  # the out projection: [N, H] bf16, or split-K's [S, N, H] fp32 partials
                 with rng("norm"):
                     residual, normed = gemm_.residual_rmsnorm(ops_, residual, mixed, layer.post_norm)
@@ -639,15 +649,18 @@ class EngineBackbone:
         with rng("out_proj"):
             return self._gemm.project(y, layer.w_out, "out")  # [N, H] bf16, or split-K's [S, N, H] fp32
 
-    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope) -> Tensor:
+    def _attention(self, proj: Tensor, layer: AttentionLayerWeights, batch: RowBatch, rope, keys) -> Tensor:
+        """`keys`: the plan's `NodeAttention`, or its `PagedKeys` for `paged_fa4` (k and v then stay at the rows)."""
         rng, scale, nodes = self._range, self.shapes.head_dim**-0.5, batch.plan.attention
         varlen = self.attention in VARLEN_ATTENTION
-        key_rows = None if not varlen or nodes.keys_are_rows else nodes.key_rows
+        at_rows = not varlen or nodes.keys_are_rows or self.attention == "paged_fa4"
         with rng("attn_prep"):
-            q, k, v, gate = self._ops.attn_prep(proj, layer, rope[0], rope[1], key_rows, not varlen)
+            q, k, v, gate = self._ops.attn_prep(
+                proj, layer, rope[0], rope[1], None if at_rows else nodes.key_rows, not varlen
+            )
         with rng("attention"):
             if varlen:
-                attn = self._node_core(q, k, v, nodes, scale)  # [N, Hq, D]
+                attn = self._node_core(q, k, v, keys, scale)  # [N, Hq, D]
             else:
                 attn = _masked_sdpa(q, k, v, batch.attn_mask, scale)
         with rng("attn_gate"):

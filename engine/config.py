@@ -12,10 +12,11 @@ Fields (values; what each picks):
   (`engine/plan.py`).
 * `elementwise` (`torch`, `triton`): element-wise ops as torch compositions at HF's rounding points
   (`reference/ops.py`), or the fused Triton kernels of `kernels/`.
-* `attention` (`sdpa_padded`, `mask`, `varlen`, `varlen_fa4`): HF's SDPA per padded batch; one SDPA call with an
-  additive mask over the packed rows; one varlen causal call over the plan's nodes with FlashAttention-2 (torch's
-  build) or FlashAttention-4 (`flash-attn-4`, the `gpu` dependency group) on CUDA, blockwise fp32 on the CPU for
-  both (`engine.tree.node_core`).
+* `attention` (`sdpa_padded`, `mask`, `varlen`, `varlen_fa4`, `paged_fa4`): HF's SDPA per padded batch; one SDPA call
+  with an additive mask over the packed rows; one varlen causal call over the plan's nodes with FlashAttention-2
+  (torch's build) or FlashAttention-4 (`flash-attn-4`, the `gpu` dependency group) on CUDA over keys laid out per
+  node, or FlashAttention-4 reading each node's path from the packed rows through a page table of one-row pages (k and
+  v prepared once per row); blockwise fp32 on the CPU for all three (`engine.tree.node_core`).
 * `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
   `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
   gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
@@ -37,7 +38,7 @@ Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter com
 reference-math.md §6), so an engine config's FLA core becomes `torch` there (`chunk_fused` stays: it hands the
 interpreter its bf16 operands as fp32) (a `graphs` config keeps its bucketed
 plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
-(stage `hf_fla`) has no CPU form and is refused. Both varlen attentions run `engine.tree.blockwise_node_core` on the
+(stage `hf_fla`) has no CPU form and is refused. The varlen attentions run `engine.tree.blockwise_node_core` on the
 CPU (the config keeps its value: FlashAttention has no CPU form and the blockwise core stands in for either). Illegal
 combinations are refused in `__post_init__`, where a config is built, with the reason; tests/test_stages.py tries
 every one.
@@ -53,7 +54,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "backbone": ("hf", "engine"),
     "layout": ("padded", "flat", "tree"),
     "elementwise": ("torch", "triton"),
-    "attention": ("sdpa_padded", "mask", "varlen", "varlen_fa4"),
+    "attention": ("sdpa_padded", "mask", "varlen", "varlen_fa4", "paged_fa4"),
     "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
@@ -74,6 +75,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("attention", "varlen"): "one varlen causal call per layer over the plan's nodes (FlashAttention-2 on CUDA)",
     ("attention", "varlen_fa4"): "one varlen causal call per layer over the plan's nodes (FlashAttention-4 on CUDA: "
     "warpgroup MMA, one split, query heads packed per key/value head)",
+    ("attention", "paged_fa4"): "the same FlashAttention-4 call reading each node's path from the packed rows through "
+    "a page table of one-row pages: k and v prepared once per row, no key layout",
     ("gdn_core", "torch"): "GDN core through transformers' torch chunk rule",
     ("gdn_core", "fla"): "GDN core through FLA 0.6.0 chunk_gated_delta_rule (backend dispatch off)",
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
@@ -91,7 +94,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("weight_format", "bf16"): "bf16 GEMM weights",
 }
 
-VARLEN_ATTENTION = ("varlen", "varlen_fa4")  # the node-wise cores: prefix-invariant, batch-invariant (engine/tree.py)
+# the node-wise cores: prefix-invariant, batch-invariant (engine/tree.py)
+VARLEN_ATTENTION = ("varlen", "varlen_fa4", "paged_fa4")
 CPU_GDN_CORE = "torch"
 CPU_RUNNABLE_GDN_CORES = (CPU_GDN_CORE, "chunk_fused")  # the cores that run on the CPU as they are
 
@@ -138,7 +142,8 @@ class EngineConfig:
         else:
             if self.layout == "padded" or self.attention == "sdpa_padded":
                 raise ValueError(
-                    "the engine runs packed rows: layout 'flat' or 'tree', attention 'mask', 'varlen' or 'varlen_fa4'"
+                    f"the engine runs packed rows: layout 'flat' or 'tree', attention 'mask' or one of "
+                    f"{VARLEN_ATTENTION}"
                 )
             if self.gdn_core == "chunk_fused" and self.elementwise != "triton":
                 raise ValueError(

@@ -10,7 +10,9 @@ Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run onc
   recomputed per branch). `core` is any varlen GDN function with FLA's `chunk_gated_delta_rule` signature.
 * attention: one varlen sequence per node whose queries are the node's rows and whose keys are its path
   (`plan.attention`), with the cores `flash_node_core` (FlashAttention-2) and `flash4_node_core` (FlashAttention-4)
-  on CUDA and `blockwise_node_core` anywhere (`node_core` picks one for a config's `attention`). The other ways of
+  over keys laid out per node, `flash4_paged_node_core` (FlashAttention-4 reading the packed rows through the page
+  table of `page_keys`) on CUDA, and `blockwise_node_core` / `blockwise_paged_node_core` anywhere (`node_core` picks
+  one for a config's `attention`). The other ways of
   running attention over a tree (masked SDPA, FlexAttention, gathered paths) are references, in `reference/tree.py`.
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -273,6 +276,54 @@ def flash4_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return out[0] if isinstance(out, tuple) else out
 
 
+@dataclass(frozen=True)
+class PagedKeys:
+    """A `NodeAttention` whose keys stay in the packed rows: each node's path as one-row pages (FlashAttention-4's
+    paged form of the key layout, `attention="paged_fa4"`).
+
+    page_table [S, max(1, max_k)] int32: row i holds sequence i's key rows (`nodes.key_rows[cu_seqlens_k[i]:
+    cu_seqlens_k[i+1]]`), then its last key row again (never read); seqused_k [S] int32: its key count. Built on the
+    device from the plan's arrays by `page_keys`, once per forward (inside the bucket's CUDA graph)."""
+
+    nodes: NodeAttention
+    page_table: torch.Tensor
+    seqused_k: torch.Tensor
+
+
+def page_keys(nodes: NodeAttention) -> PagedKeys:
+    """The page table of `nodes` on its device: a gather of its key rows, no host work (so a CUDA graph captures it)."""
+    bounds = nodes.cu_seqlens_k.long()
+    starts, ends = bounds[:-1], bounds[1:]
+    columns = torch.arange(max(1, nodes.max_k), device=bounds.device)
+    last = (ends - 1).clamp(min=0, max=max(0, nodes.num_keys - 1))  # an empty sequence's entries: some key, never read
+    entries = torch.minimum(starts[:, None] + columns[None, :], last[:, None])
+    table = nodes.key_rows.index_select(0, entries.flatten()).view(entries.shape).to(torch.int32)
+    return PagedKeys(nodes=nodes, page_table=table, seqused_k=(ends - starts).to(torch.int32))
+
+
+def blockwise_paged_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: PagedKeys, scale: float):
+    """`blockwise_node_core` over `keys`' nodes with k and v [N, Hkv, D] at the packed rows: the key rows gathered
+    (the CPU's core for `paged_fa4`; the prep writes a key row's values at its packed row bit for bit, so this is
+    `blockwise_node_core` on the key layout)."""
+    rows = keys.nodes.key_rows
+    return blockwise_node_core(q, k.index_select(0, rows), v.index_select(0, rows), keys.nodes, scale)
+
+
+def flash4_paged_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: PagedKeys, scale: float):
+    """`flash4_node_core` with k and v [N, Hkv, D] at the packed rows, read through `keys.page_table` as pages of one
+    row ([N, 1, Hkv, D]) and `keys.seqused_k` (issue 22, item 2: a shared prefix's k and v written once, not once per
+    node that sees it). The same pins (one split, packed query heads); the key blocks come through the package's
+    cp.async paged loads instead of TMA. Whether a row gets `flash4_node_core`'s bits is measured on the GPU
+    (measure/attention_core_probe.py "flash4-paged"; tests/test_gpu_gdn_chunk.py, stage `paged` against `core`)."""
+    nodes = keys.nodes
+    out = flash4_varlen_function()(
+        q, k.unsqueeze(1), v.unsqueeze(1), cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q,
+        max_seqlen_k=nodes.max_k, seqused_k=keys.seqused_k, page_table=keys.page_table, softmax_scale=scale,
+        causal=True, num_splits=1, pack_gqa=True,
+    )  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
+
+
 @functools.cache
 def flash4_varlen_function() -> Callable:
     """FlashAttention-4's `flash_attn_varlen_func` (imported once per process: every eager call asks for it), or a
@@ -281,20 +332,26 @@ def flash4_varlen_function() -> Callable:
         from flash_attn.cute.interface import flash_attn_varlen_func
     except ImportError as error:
         raise RuntimeError(
-            "attention='varlen_fa4' needs FlashAttention-4 on CUDA (`pip install 'flash-attn-4[cu13]==4.0.0b40'`, in "
-            f"jevlab's `gpu` dependency group): {error}"
+            "attention='varlen_fa4' and 'paged_fa4' need FlashAttention-4 on CUDA (`pip install "
+            f"'flash-attn-4[cu13]==4.0.0b40'`, in jevlab's `gpu` dependency group): {error}"
         ) from error
     return flash_attn_varlen_func
 
 
 def node_core(attention: str, device: torch.device) -> Callable:
-    """The node-wise attention core of a config's varlen `attention` on a device: FlashAttention-2 (`"varlen"`) or
-    FlashAttention-4 (`"varlen_fa4"`) on CUDA, `blockwise_node_core` on any other device for both."""
-    cores = {"varlen": flash_node_core, "varlen_fa4": flash4_node_core}
+    """The node-wise attention core of a config's varlen `attention` on a device: FlashAttention-2 (`"varlen"`),
+    FlashAttention-4 (`"varlen_fa4"`) or FlashAttention-4 through a page table (`"paged_fa4"`, which takes `PagedKeys`
+    and k, v at the packed rows) on CUDA; on any other device the blockwise core, of the same signature."""
+    cores = {
+        "varlen": (flash_node_core, blockwise_node_core),
+        "varlen_fa4": (flash4_node_core, blockwise_node_core),
+        "paged_fa4": (flash4_paged_node_core, blockwise_paged_node_core),
+    }
     if attention not in cores:
         raise ValueError(f"attention {attention!r} has no node-wise core; the varlen ones are {list(cores)}")
+    cuda_core, other_core = cores[attention]
     if torch.device(device).type != "cuda":
-        return blockwise_node_core
-    if attention == "varlen_fa4":
+        return other_core
+    if cuda_core is not flash_node_core:
         flash4_varlen_function()  # refuse at build time, not at the first forward
-    return cores[attention]
+    return cuda_core

@@ -23,10 +23,10 @@ kept):
 * "flash4": `engine.tree.flash4_node_core` (stage `core`'s: FlashAttention-4's `flash_attn_varlen_func` with the same
   cumulative lengths and maxima, causal, one split, query heads packed per key/value head);
 * "fa4", "fa4-no-pack": the same call with GQA packing left to the package's heuristic, and forced off;
-* "flash4-paged" (issue 22, item 2: attention without replicated prefixes): `attn_prep` writes k and v once per packed
-  row (no key layout), and FlashAttention-4 reads each node's path through a page table of one-row pages (its cp.async
-  paged path: `page_table` [sequences, max keys] = the plan's key rows, `seqused_k` = the path lengths), with the
-  stage's pins. Its output is compared bit for bit with "flash4"'s (the flat and alone checks, which build other
+* "flash4-paged" (stage `paged`, issue 22, item 2: attention without replicated prefixes): `attn_prep` writes k and v
+  once per packed row (no key layout), and FlashAttention-4 reads each node's path through a page table of one-row
+  pages (`engine.tree.flash4_paged_node_core` on `engine.tree.page_keys`: its cp.async paged path), with `core`'s
+  pins. Its output is compared bit for bit with "flash4"'s (the flat and alone checks, which build other
   layouts, are not run for it), and the prep is timed in both layouts (`prep_us`: with the key rows, and rows only).
 Errors over the real rows, against the fp32 node-wise reference (`engine.tree.blockwise_node_core` on fp32 copies of
 the same bf16 q, k, v): max |diff| and relative RMSE per way; the share of elements bit-equal to "flash"; whether two
@@ -55,9 +55,9 @@ PAGED = "flash4-paged"  # FlashAttention-4 reading each node's keys from the pac
 
 def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
     """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
-    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k); with `paged` (k, v [rows, 1, Hkv, D], the
-    page table and seqused_k of `page_table`) also PAGED, which reads those instead of its k and v."""
-    from engine.tree import flash4_node_core, flash4_varlen_function, flash_node_core
+    `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k); with `paged` (k and v [rows, Hkv, D] at the
+    packed rows and their `engine.tree.PagedKeys`) also PAGED, stage `paged`'s core, which reads those instead."""
+    from engine.tree import flash4_node_core, flash4_paged_node_core, flash4_varlen_function, flash_node_core
 
     def fa4(pack_gqa):
         def run(q, k, v):
@@ -69,35 +69,13 @@ def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
 
         return run
 
-    def fa4_paged(q, k, v):
-        out = flash4_varlen_function()(
-            q, paged["k"], paged["v"], cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q,
-            max_seqlen_k=nodes.max_k, seqused_k=paged["seqused_k"], page_table=paged["page_table"],
-            softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True,
-        )  # fmt: skip
-        return out[0] if isinstance(out, tuple) else out
-
     ways = {
         "flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale),
         "flash4": lambda q, k, v: flash4_node_core(q, k, v, nodes, scale),
     }
     if paged:
-        ways[PAGED] = fa4_paged
+        ways[PAGED] = lambda q, k, v: flash4_paged_node_core(q, paged["k"], paged["v"], paged["keys"], scale)
     return ways | {name: fa4(pack_gqa) for name, pack_gqa in FA4_WAYS.items() if name not in ways}
-
-
-def page_table(nodes) -> dict:
-    """One-row pages of `nodes`' key rows: page_table [sequences, max_k] int32 (row i: sequence i's key rows, then
-    zeros; max_k is the bucket's, at least every path's length) and seqused_k [sequences] int32 (its key count), on
-    the key rows' device."""
-    import torch
-
-    bounds = nodes.cu_seqlens_k_cpu.tolist()
-    lens = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    table = torch.zeros(len(lens), max(1, nodes.max_k, *lens), dtype=torch.int32, device=nodes.key_rows.device)
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        table[i, : end - start] = nodes.key_rows[start:end]
-    return {"page_table": table, "seqused_k": torch.tensor(lens, dtype=torch.int32, device=table.device)}
 
 
 def sequences(q_lens: list[int], k_lens: list[int], device):
@@ -155,7 +133,7 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
     import torch
 
     import kernels
-    from engine.tree import blockwise_node_core
+    from engine.tree import blockwise_node_core, page_keys
     from reference.shapes import QWEN38_27B as s
 
     host, layout = bucketed_plan(workload_id)
@@ -168,11 +146,11 @@ def probe_workload(workload_id: str, calls: int, rounds: int, ways: list[str], s
 
     attn_args, attn_dims = attn_prep_inputs(plan, s, normal)
     q, k, v = kernels.attn_prep(*attn_args, key_rows=nodes.key_rows, **attn_dims)
-    paged = {}  # PAGED's inputs: k and v once per packed row, the page table and the path lengths
+    paged = {}  # PAGED's inputs: k and v once per packed row, and the page table of stage `paged`
     if PAGED in ways:
         q_rows, k_rows, v_rows = kernels.attn_prep(*attn_args, **attn_dims)
         assert torch.equal(q_rows, q), "the prep's q does not depend on the key layout"
-        paged = {"k": k_rows.unsqueeze(1), "v": v_rows.unsqueeze(1)} | page_table(nodes)
+        paged = {"k": k_rows, "v": v_rows, "keys": page_keys(nodes)}
     real = slice(0, layout.rows)
     reference = blockwise_node_core(q.float(), k.float(), v.float(), nodes, scale)[real]
     result = {

@@ -7,7 +7,8 @@
 
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels (KERNELS) and their
-bytes per call at a bucket's N packed rows, L path slots and K attention keys are `ablations.kernel_bytes`'s.
+bytes per call at a bucket's N packed rows, L path slots and K attention keys are `ablations.kernel_bytes`'s (K = N
+for a stage whose attention pages the keys from the rows, `paged_fa4`).
 `per_row_floor_us` is the same model at L = K = N: the floor if the GDN core and the attention read packed rows
 instead of the replicated paths and keys (prefix-once attention, issue 22, item 2).
 
@@ -66,13 +67,17 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
     """One row per (workload served by a bucket, kernel of KERNELS): bytes, floor us, per-row floor us, measured us
     per call and the multiple (None where the kernel is not among the workload's top kernels)."""
     tbps = record["ceilings"]["copy_tbps"]
+    timed = timed_workload(record, stage)
+    attention = timed.get("registry", {}).get("config", {}).get("attention")
     rows = []
-    for workload in timed_workload(record, stage)["workloads"]:
+    for workload in timed["workloads"]:
         bucket = (workload.get("graph") or {}).get("bucket")
         if not isinstance(bucket, str):  # eager (None), or several batches (a list)
             continue
         size = bucket_sizes(bucket)
         n, slots, keys = size["rows"], size["slots"], size["keys"]
+        if attention == "paged_fa4":  # stage `paged`: the prep writes k and v at the rows, the attention pages them
+            keys = n
         measured = {k["name"]: k["ms_per_forward"] / k["calls_per_forward"] for k in workload.get("top_kernels", [])}
         per_row = call_bytes(n, n, n)
         for kernel, nbytes in call_bytes(n, slots, keys).items():

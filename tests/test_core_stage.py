@@ -112,3 +112,24 @@ def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
     prepared = bucketed.prepare(candidates, groups)
     assert prepared.batches[0].plan.bucket is not None
     assert torch.equal(bucketed.forward(prepared), unpadded.forward(unpadded.prepare(candidates, groups)))
+
+
+def test_paged_stage_is_registered_unmeasured_on_core():
+    stage = get_stage("paged")
+    assert (stage.builds_on, stage.delta, stage.status) == ("core", {"attention": "paged_fa4"}, "unmeasured")
+    assert stage.exactness.describe() == "bitwise vs core"
+    assert config_of("paged") == config_of("core").replace(attention="paged_fa4") and stage.notes.is_file()
+    assert "paged" not in load_plan("gpu-27b").stages
+
+
+@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
+def test_paged_stage_matches_core_bitwise(merged_weights):
+    """The stage's CPU gate: `paged` (attn_prep's k and v at the packed rows, the key rows gathered for the blockwise
+    core) gives `core`'s bits (k and v prepared straight into the key layout) on a bucketed request: the prep writes a
+    key row's values at its packed row bit for bit, whichever layout it writes."""
+    paged, core = build_engine(merged_weights, "paged"), build_engine(merged_weights, "core")
+    candidates, groups = request(5, root_len=70)
+    got, want = paged.prepare(candidates, groups), core.prepare(candidates, groups)
+    assert got.batches[0].plan.bucket is not None and not got.batches[0].plan.attention.keys_are_rows
+    out = paged.forward(got)
+    assert torch.isfinite(out).all() and torch.equal(out, core.forward(want))

@@ -2,14 +2,15 @@
 
     nox --no-venv -s gpu_tests -- tests/test_gpu_batching.py -s
 
-One `MergedWeights` (synthetic, seed 0) behind a `tree`, a `graphs` and a `core` `DecisionModel` (the process prepared
-as the runner prepares it: row-count-invariant cuBLAS, tests/conftest.py). The JevBench panel (the first task of each
-family of each tier) is answered alone, request by request, and then in consecutive batches of 2, 4 and 8 through
-`answer_many`: every response must equal its alone response, bit for bit on every probability, timing and the
+One `MergedWeights` (synthetic, seed 0) behind a `tree`, a `graphs`, a `core` and a `paged` `DecisionModel` (the process
+prepared as the runner prepares it: row-count-invariant cuBLAS, tests/conftest.py). The JevBench panel (the first task
+of each family of each tier) is answered alone, request by request, and then in consecutive batches of 2, 4 and 8
+through `answer_many`: every response must equal its alone response, bit for bit on every probability, timing and the
 forward-describing metadata (`prefix_cache`, `graph`, `batch`) aside. On `graphs` the batches are padded to larger
 buckets than the requests alone and replayed through captured graphs (captured on a miss here); `core` adds its own
-GDN kernels and FlashAttention-4 to that. The CPU twin of this test is tests/test_batching.py; the server's worker is
-tested in tests/test_server_batching.py.
+GDN kernels and FlashAttention-4 to that, `paged` FlashAttention-4 reading k and v at the packed rows through a page
+table. The CPU twin of this test is tests/test_batching.py; the server's worker is tested in
+tests/test_server_batching.py.
 Synthetic weights: the bits are what is compared; no probability here means anything for accuracy.
 """
 
@@ -37,13 +38,13 @@ FORWARD_DESCRIBING = ("inference_seconds", "prefix_cache", "graph", "batch")
 def models():
     weights = synthetic_weights(S, seed=0, device=DEVICE)
     merged = MergedWeights.from_decision_weights(weights)
-    tree, graphs, core = (build_engine(merged, name) for name in ("tree", "graphs", "core"))
-    graphs.graphs.capture_on_miss = core.graphs.capture_on_miss = True
+    tree, graphs, core, paged = (build_engine(merged, name) for name in ("tree", "graphs", "core", "paged"))
+    graphs.graphs.capture_on_miss = core.graphs.capture_on_miss = paged.graphs.capture_on_miss = True
     yield {
         name: DecisionModel(engine, weights, code_commit="test")
-        for name, engine in (("tree", tree), ("graphs", graphs), ("core", core))
+        for name, engine in (("tree", tree), ("graphs", graphs), ("core", core), ("paged", paged))
     }
-    del tree, graphs, core, merged, weights
+    del tree, graphs, core, paged, merged, weights
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -55,7 +56,7 @@ def own_part(response: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", ["tree", "graphs", "core"])
+@pytest.mark.parametrize("stage", ["tree", "graphs", "core", "paged"])
 @pytest.mark.parametrize("batch_size", [2, 4, 8])
 def test_batched_answers_equal_answers_alone_on_the_jevbench_panel(models, stage, batch_size):
     model = models[stage]

@@ -16,7 +16,8 @@ Declared and checked:
 * the stage (its GPU gate): `core` against `graphs` within the registry's bound (hidden_rel_rmse of the head's rows)
   on drone, customer_service, long-10k-choice-5 and the JevBench panel; `core` tree vs flat bitwise (drone,
   customer_service), graph replay vs the unpadded eager run bitwise, five replays identical (batching against alone:
-  tests/test_gpu_batching.py).
+  tests/test_gpu_batching.py);
+* stage `paged` (its GPU gate): its answers equal `core`'s bit for bit on the same workloads as `core`'s gate.
 Synthetic weights and random inputs: only bits and bounds are compared, never accuracy.
 """
 
@@ -196,8 +197,9 @@ def engines():
         "core": build_engine(merged, "core"),
         "core flat": build_engine(merged, config_of("core", graphs=False, layout="flat")),
         "core eager": build_engine(merged, config_of("core", graphs=False)),
+        "paged": build_engine(merged, "paged"),
     }
-    for name in ("graphs", "core"):
+    for name in ("graphs", "core", "paged"):
         built[name].graphs.capture_on_miss = True
     yield built
     del built, merged
@@ -239,3 +241,17 @@ def test_core_stage_replay_matches_the_unpadded_eager_run(engines, workload):
 def test_core_stage_five_replays_are_identical(engines):
     outs = [answer(engines["core"], "drone") for _ in range(5)]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.parametrize(
+    "workload", ["drone", "customer_service", "long-10k-choice-5"] + [w.id for w in jevbench_panel()]
+)
+def test_paged_stage_matches_core_bitwise(engines, workload):
+    """Stage `paged`'s GPU gate: FlashAttention-4 reading k and v at the packed rows through the page table gives
+    `core`'s answers (the same kernel over the key layout) bit for bit, each in its bucket's graph replay (long-10k:
+    eager, on the hand-off schedule)."""
+    candidates, groups = request_candidates(get_workload(workload).request)
+    prepared = engines["paged"].prepare(candidates, groups)
+    got = engines["paged"].forward(prepared).clone()
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, answer(engines["core"], workload))

@@ -56,6 +56,11 @@ def test_floors_of_a_record():
     gather = rows["_gather_slots_kernel"]
     assert gather["per_row_floor_us"] == pytest.approx(kernel_bytes.gather_slots_bytes(N, N) / 4e12 * 1e6)
     assert gather["per_row_floor_us"] < gather["floor_us"]
+    assert rows["_attn_prep_kernel"]["bytes"] == kernel_bytes.attn_prep_bytes(N, K)
+    record["stages"][0]["registry"] = {"config": {"attention": "paged_fa4"}}  # stage `paged`: k and v at the rows
+    paged = {row["kernel"]: row for row in kernel_floors.floors(record, "core")}
+    assert paged["_attn_prep_kernel"]["bytes"] == kernel_bytes.attn_prep_bytes(N, N)
+    assert paged["_gdn_prep_kernel"]["bytes"] == rows["_gdn_prep_kernel"]["bytes"]
 
 
 def test_the_gdn_core_budget_of_a_record():

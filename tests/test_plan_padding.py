@@ -45,6 +45,7 @@ from engine.plan import Bucket, PlanArena, bucket_padding, plan_flat, plan_tree,
 from engine.plan_arrays import PAD_TOKEN_ID  # noqa: E402
 from engine.planner import GDN_CALL_COST_CHUNKS, EngineRows, gdn_mode_costs, row_batch  # noqa: E402  # noqa: E402
 from engine.stages import build_engine, config_of  # noqa: E402
+from engine.tree import page_keys  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.service import request_candidates  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
@@ -227,6 +228,29 @@ def test_a_bucketed_plan_has_exactly_its_buckets_sizes(request_tokens):
     for bucket in set(small_grid()) - set(fitting):
         with pytest.raises(ValueError, match="does not fit"):
             plan_tree(candidates, groups, bucket=bucket)
+
+
+@settings(max_examples=15, deadline=None)
+@given(request_tokens=requests())
+def test_page_keys_lists_each_nodes_key_rows(request_tokens):
+    """`engine.tree.page_keys` (stage `paged`'s page table) on the flat, tree and every fitting bucketed plan: row i
+    holds node i's key rows and then only rows of the plan, seqused_k its key count, int32 as FlashAttention-4 reads
+    them; dummy and empty sequences included."""
+    candidates, groups = request_tokens
+    layout = tree_layout(candidates, groups)
+    buckets = [b for b in small_grid() if bucket_padding(layout, b) is not None][:3]
+    plans = [plan_flat(candidates, groups), plan_tree(candidates, groups)]
+    plans += [plan_tree(candidates, groups, bucket=bucket) for bucket in buckets]
+    for plan in plans:
+        nodes = plan.attention
+        keys = page_keys(nodes)
+        bounds = nodes.cu_seqlens_k_cpu.tolist()
+        assert keys.nodes is nodes and keys.page_table.dtype == keys.seqused_k.dtype == torch.int32
+        assert keys.page_table.shape == (len(bounds) - 1, max(1, nodes.max_k))
+        assert keys.seqused_k.tolist() == [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        assert 0 <= int(keys.page_table.min()) and int(keys.page_table.max()) < plan.num_rows
+        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            assert keys.page_table[i, : end - start].tolist() == nodes.key_rows[start:end].tolist()
 
 
 def test_equal_bucketed_shapes_launch_the_same_parameters():

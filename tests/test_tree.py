@@ -26,7 +26,15 @@ from hypothesis import strategies as st
 from engine.plan import CHUNK_SIZE, TreePlan, plan_flat, plan_tree
 from engine.plan_arrays import CONV_WIDTH
 from engine.planner import choose_gdn_mode, gdn_mode_costs
-from engine.tree import blockwise_causal_attention, blockwise_node_core, node_core, torch_chunk_core, tree_gdn_core
+from engine.tree import (
+    blockwise_causal_attention,
+    blockwise_node_core,
+    blockwise_paged_node_core,
+    node_core,
+    page_keys,
+    torch_chunk_core,
+    tree_gdn_core,
+)
 from reference import ops
 from reference.shapes import TINY
 from reference.tree import (
@@ -519,18 +527,36 @@ def test_attention_nodes_mode_bitwise(dtype, request_tokens, seed):
 
 
 def test_node_core_per_attention_and_device():
-    """Both varlen attentions run the blockwise core on the CPU; on CUDA FlashAttention-4's core refuses at build time,
-    with the install line, where `flash-attn-4` is missing (as on every CPU machine); other attentions have none."""
-    assert (
-        node_core("varlen", torch.device("cpu")) is node_core("varlen_fa4", torch.device("cpu")) is blockwise_node_core
-    )
+    """The varlen attentions run the blockwise core on the CPU (`paged_fa4` after gathering the key rows); on CUDA
+    FlashAttention-4's cores refuse at build time, with the install line, where `flash-attn-4` is missing (as on every
+    CPU machine); other attentions have none."""
+    cpu = torch.device("cpu")
+    assert node_core("varlen", cpu) is node_core("varlen_fa4", cpu) is blockwise_node_core
+    assert node_core("paged_fa4", cpu) is blockwise_paged_node_core
     try:
         import flash_attn.cute.interface  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match=r"flash-attn-4\[cu13\]==4\.0\.0b40"):
-            node_core("varlen_fa4", torch.device("cuda"))
+        for attention in ("varlen_fa4", "paged_fa4"):
+            with pytest.raises(RuntimeError, match=r"flash-attn-4\[cu13\]==4\.0\.0b40"):
+                node_core(attention, torch.device("cuda"))
     with pytest.raises(ValueError, match="no node-wise core"):
-        node_core("mask", torch.device("cpu"))
+        node_core("mask", cpu)
+
+
+def test_paged_core_on_the_rows_matches_the_flat_run_bitwise():
+    """`blockwise_paged_node_core` (stage `paged` on the CPU) on k and v at the tree's packed rows, through
+    `page_keys`, gives every candidate the bits of the flat run on its whole path (a shared root, two questions, odd
+    lengths)."""
+    candidates = [[7] * 37 + [1, 2, 3], [7] * 37 + [1, 4], [7] * 37 + [9] * 11 + [5], [7] * 37 + [9] * 11 + [6, 8]]
+    groups = [0, 0, 1, 1]
+    tree, flat = plan_tree(candidates, groups), plan_flat(candidates, groups)
+    q, k, v = attention_inputs(tree.num_rows, torch.bfloat16, seed=5)
+    scale = TINY.head_dim**-0.5
+    o_tree = blockwise_paged_node_core(q, k, v, page_keys(tree.attention), scale)
+    per_path = [gather_paths(t, tree) for t in (q, k, v)]
+    o_flat = tree_attention(*per_path, flat, scale, mode="nodes", core=blockwise_node_core)
+    assert o_tree.shape == q.shape and torch.isfinite(o_tree).all()
+    assert torch.equal(gather_paths(o_tree, tree), o_flat)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -230,6 +230,15 @@ STAGE_LIST: tuple[Stage, ...] = (
         status="kept",  # H200 ladder record 20261204T205232Z: gates green, the fastest rung on its four workloads
         # (drone 37.55 against graphs' 40.02 ms, customer_service 105.0 against 120.7: engine/stages/core.md)
     ),
+    Stage(
+        name="paged",
+        builds_on="core",
+        delta={"attention": "paged_fa4"},
+        exactness=Exactness("bitwise", against="core"),
+        gate="tests/test_core_stage.py::test_paged_stage_matches_core_bitwise",
+        gpu_gate="tests/test_gpu_gdn_chunk.py::test_paged_stage_matches_core_bitwise",
+        status="unmeasured",
+    ),
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in STAGE_LIST}
