@@ -17,12 +17,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # The process as the runner prepares it for every stage (engine.stages.prepare_process): Triton kernels through the
-# interpreter where no GPU is present (chosen before triton is imported), row-count-invariant cuBLAS with a GPU.
+# interpreter and row-count-invariant CPU GEMMs where no GPU is present (chosen before triton is imported),
+# row-count-invariant cuBLAS with a GPU.
+from engine.stages import STAGE_LIST, prepare_process  # noqa: E402
+
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    prepare_process([stage.name for stage in STAGE_LIST], "cpu")
 else:
     from engine.fla_configs import pin_fla_configs
-    from engine.stages import STAGE_LIST, prepare_process
 
     prepare_process([stage.name for stage in STAGE_LIST], "cuda")
     pin_fla_configs()  # the committed FLA configs of this GPU, before any test module imports fla

@@ -328,5 +328,19 @@ def test_gemm_state_cannot_be_set_after_cuda_started(monkeypatch):
 
 
 def test_prepare_process_on_the_cpu_switches_the_interpreter_on():
-    """The suite runs with TRITON_INTERPRET=1 (kernels interpreted): preparing a kernel stage keeps it and passes."""
+    """The suite runs with TRITON_INTERPRET=1 (kernels interpreted): preparing a kernel stage keeps it and passes; and
+    oneDNN is off (tests/conftest.py prepared the process so), which makes the CPU's bf16 GEMMs row-count invariant."""
     assert prepare_process(["tree"], "cpu") == {"TRITON_INTERPRET": "1"}
+    assert not torch.backends.mkldnn.enabled
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(128, 768), (384, 128), (128, 1024), (1024, 128)])
+def test_cpu_gemm_rows_do_not_depend_on_the_rows_beside_them(in_features, out_features):
+    """With `engine.gemm.cpu_row_invariant` in force, each row of a bf16 `F.linear` on the CPU has the same bits at
+    every row count (1 to 300 rows; the tiny twin's shapes, where oneDNN's bf16 GEMM departed at 9 of 172 pairs)."""
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(300, in_features, generator=gen).bfloat16()
+    whole = torch.nn.functional.linear(x, weight)
+    for rows in range(1, 300, 7):
+        assert torch.equal(torch.nn.functional.linear(x[:rows], weight), whole[:rows]), rows
