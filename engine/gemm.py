@@ -18,11 +18,11 @@ cuBLAS reads the variable once per process, when it first sizes a workspace, so 
 call argument: `prepare_process` sets it before the first CUDA GEMM for the configs a process will build (the runner,
 the server and the GPU tests' conftest call it), and `check_process` (called by `EngineBackbone` at build time) fails
 loudly when a config's GEMM choice does not match the process. On the CPU there is no cuBLAS; every choice but
-`cublaslt` is torch's CPU kernels, row-count invariant once oneDNN's bf16 matmul is off (`cpu_row_invariant`, which
-`engine.stages.prepare_process` calls for the CPU): on an AVX-512 CPU without native bf16 (seen 2026-12-07, torch
-2.13) oneDNN picks its blocking by the row count, so 9 of 172 (rows, shape) pairs of the tiny twin gave a row other
-bits in a call of more rows; torch's own CPU GEMM gave none (tests/test_engine_tree.py, tests/test_gemm_stage.py,
-tests/test_plan_padding.py).
+`cublaslt` is torch's CPU kernels, row-count invariant once oneDNN's bf16 matmul is off (`engine.stages.
+prepare_process` turns it off for the CPU): on an AVX-512 CPU without native bf16 (seen 2026-12-07, torch 2.13) oneDNN
+picks its blocking by the row count, so 9 of 172 (rows, shape) pairs of the tiny twin gave a row other bits in a call
+of more rows; torch's own CPU GEMM gave none (tests/test_stages.py, tests/test_engine_tree.py,
+tests/test_gemm_stage.py, tests/test_plan_padding.py).
 
 `GemmDispatch` (one per backbone, built from a table or None): `linear(x, weight, shape)` for the input and gate_up
 projections, `project(x, weight, shape)` for the out and down projections, whose result feeds `residual_rmsnorm`, and
@@ -106,13 +106,6 @@ def prepare_process(configs: Iterable[EngineConfig]) -> dict[str, str]:
                     )
                 os.environ[name] = value
     return {name: os.environ[name] for name in ROW_INVARIANT_CUBLAS if name in os.environ}
-
-
-def cpu_row_invariant() -> dict[str, str]:
-    """Turn oneDNN off for this process's CPU ops (`torch.backends.mkldnn.enabled = False`), so that a bf16 GEMM's
-    rows do not depend on how many rows share the call (module docstring); returns the setting. Idempotent."""
-    torch.backends.mkldnn.enabled = False
-    return {"torch.backends.mkldnn.enabled": "False"}
 
 
 def check_process(config: EngineConfig, device: torch.device) -> None:

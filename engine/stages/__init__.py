@@ -349,14 +349,13 @@ def prepare_process(stages: list[str | EngineConfig], device_type: str) -> dict[
 
     CPU: the Triton kernels run in the interpreter, which must be chosen before `kernels` is imported
     (TRITON_INTERPRET=1, set unless the user set it); a process that already compiled them raises here with the fix,
-    instead of answering every request with an error later; and the GEMMs row-count invariant
-    (`engine.gemm.cpu_row_invariant`). CUDA: the GEMM choices' cuBLAS state (`engine.gemm.prepare_process`). Returns
-    the settings in force."""
+    instead of answering every request with an error later; and oneDNN off (`torch.backends.mkldnn.enabled`), whose
+    bf16 matmul blocks by the row count on some CPUs, so that a GEMM row's bits do not depend on the rows beside it
+    (engine/gemm.py's docstring). CUDA: the GEMM choices' cuBLAS state (`engine.gemm.prepare_process`). Returns the
+    settings in force."""
     configs = [config_of(s) if isinstance(s, str) else s for s in stages]
     if device_type == "cpu":
-        from engine import gemm
-
-        gemm.cpu_row_invariant()
+        torch.backends.mkldnn.enabled = False
         if any(c.elementwise == "triton" for c in configs):
             os.environ.setdefault("TRITON_INTERPRET", "1")
             if os.environ["TRITON_INTERPRET"] != "1" or _kernels_compiled():
