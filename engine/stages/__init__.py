@@ -6,9 +6,9 @@ and bound, the pytest nodes that gate it, and its status:
 
 * `kept`: part of the ladder; `opt-in`: measured and available, off by default; `failed`: tried and rejected, kept
   here with the reason and the numbers that decided it (so the report's failed-attempts table can show it);
-  `unmeasured`: built and gated on the CPU but never run on a GPU: off by default, in no plan's stage list (the runner
-  times it only when asked by name), never a ladder rung; an H200 record promotes it to `kept` or `opt-in`, or
-  records it `failed`.
+  `unmeasured`: built and gated on the CPU, not yet timed on the H200 (a run on another card is in its notes): off by
+  default, in no plan's stage list (the runner times it only when asked by name), never a ladder rung; an H200 record
+  promotes it to `kept` or `opt-in`, or records it `failed`.
 
 Everything else is derived from the deltas, never written twice: a stage's config (`config_of`: its parent's config
 with its delta applied), its "switches" text (`switches`), the README's stage table (`readme_table`, written between
@@ -237,7 +237,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bitwise", against="core"),
         gate="tests/test_core_stage.py::test_paged_stage_matches_core_bitwise",
         gpu_gate="tests/test_gpu_gdn_chunk.py::test_paged_stage_matches_core_bitwise",
-        status="unmeasured",
+        status="unmeasured",  # H100 record 20261207T005156Z: gate green, core's bits; no H200 record yet (paged.md)
     ),
 )
 
