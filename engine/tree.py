@@ -12,8 +12,8 @@ Row-wise ops (GEMMs, norms, gates, MLP) need nothing from the tree: they run onc
   (`plan.attention`), with the cores `flash_node_core` (FlashAttention-2) and `flash4_node_core` (FlashAttention-4)
   over keys laid out per node, `flash4_paged_node_core` (FlashAttention-4 reading the packed rows through the page
   table of `page_keys`) on CUDA, and `blockwise_node_core` / `blockwise_paged_node_core` anywhere (`node_core` picks
-  one for a config's `attention`). The other ways of
-  running attention over a tree (masked SDPA, FlexAttention, gathered paths) are references, in `reference/tree.py`.
+  one for a config's `attention`). The other ways of running attention over a tree (masked SDPA, FlexAttention,
+  gathered paths) are references, in `reference/tree.py`.
 
 Exactness against the unshared run with the same kernels (a plan from `plan_flat`). A shared row has one value in
 the tree but one copy per candidate in the flat run, so "bitwise" needs every kernel of the flat run to be
@@ -28,7 +28,8 @@ later rows or its neighbours in the batch.
   their schedules, checked on the GPU; per-sequence SDPA on the CPU is not, measured); `mask` mode is bounded (a row's
   keys sit at other offsets of a longer key axis, so the reduction order changes).
 * GEMMs are not here: their results can depend on the number of rows M, which the tree changes (measured in the
-  tests: bf16 CPU GEMMs were row-count invariant on the tiny twin; on the H200 see tests/test_gpu_tree.py).
+  tests: bf16 CPU GEMMs are row-count invariant on the tiny twin with oneDNN off, as `engine.stages.prepare_process`
+  sets it, tests/test_stages.py; on the H200 see tests/test_gpu_tree.py).
 """
 
 from __future__ import annotations
@@ -269,11 +270,7 @@ def flash4_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     the lengths: nothing is claimed there until measured. The kernel compiles on its first call (CUTLASS's Python
     DSL); the output rows after the last sequence are not written.
     """
-    out = flash4_varlen_function()(
-        q, k, v, cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k, max_seqlen_q=layout.max_q,
-        max_seqlen_k=layout.max_k, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True,
-    )  # fmt: skip
-    return out[0] if isinstance(out, tuple) else out
+    return flash4_varlen(q, k, v, layout, scale)
 
 
 @dataclass(frozen=True)
@@ -313,13 +310,23 @@ def flash4_paged_node_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     """`flash4_node_core` with k and v [N, Hkv, D] at the packed rows, read through `keys.page_table` as pages of one
     row ([N, 1, Hkv, D]) and `keys.seqused_k` (issue 22, item 2: a shared prefix's k and v written once, not once per
     node that sees it). The same pins (one split, packed query heads); the key blocks come through the package's
-    cp.async paged loads instead of TMA. Whether a row gets `flash4_node_core`'s bits is measured on the GPU
-    (measure/attention_core_probe.py "flash4-paged"; tests/test_gpu_gdn_chunk.py, stage `paged` against `core`)."""
-    nodes = keys.nodes
+    cp.async paged loads instead of TMA. Every row got `flash4_node_core`'s bits on an H100 (campaign 70, 4b0a42c:
+    measure/attention_core_probe.py "flash4-paged"; tests/test_gpu_gdn_chunk.py, stage `paged` against `core`)."""
+    return flash4_varlen(q, k.unsqueeze(1), v.unsqueeze(1), keys.nodes, scale, keys=keys)
+
+
+def flash4_varlen(q, k, v, nodes: NodeAttention, scale: float, *, pack_gqa: bool | None = True, keys=None):
+    """One FlashAttention-4 varlen forward over `nodes`' sequences, causal, one split (`num_splits=1`), query heads
+    packed per key/value head as `pack_gqa` says (the engine's cores pin True; None leaves it to the package's
+    heuristic): k and v in the key layout (`cu_seqlens_k`), or with `keys` (`PagedKeys`) pages [P, page, Hkv, D] read
+    through its page table and `seqused_k`. Returns the output [Nq, Hq, D]."""
+    if keys is None:
+        key_layout = {"cu_seqlens_k": nodes.cu_seqlens_k}
+    else:
+        key_layout = {"seqused_k": keys.seqused_k, "page_table": keys.page_table}
     out = flash4_varlen_function()(
-        q, k.unsqueeze(1), v.unsqueeze(1), cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q,
-        max_seqlen_k=nodes.max_k, seqused_k=keys.seqused_k, page_table=keys.page_table, softmax_scale=scale,
-        causal=True, num_splits=1, pack_gqa=True,
+        q, k, v, cu_seqlens_q=nodes.cu_seqlens_q, max_seqlen_q=nodes.max_q, max_seqlen_k=nodes.max_k,
+        softmax_scale=scale, causal=True, num_splits=1, pack_gqa=pack_gqa, **key_layout,
     )  # fmt: skip
     return out[0] if isinstance(out, tuple) else out
 

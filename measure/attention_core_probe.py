@@ -57,17 +57,10 @@ def attention_ways(nodes, scale: float, paged: dict | None = None) -> dict:
     """name -> f(q, k, v) of each attention core probed, over the sequences of `nodes` (anything with the
     `NodeAttention` fields cu_seqlens_q, cu_seqlens_k, max_q, max_k); with `paged` (k and v [rows, Hkv, D] at the
     packed rows and their `engine.tree.PagedKeys`) also PAGED, stage `paged`'s core, which reads those instead."""
-    from engine.tree import flash4_node_core, flash4_paged_node_core, flash4_varlen_function, flash_node_core
+    from engine.tree import flash4_node_core, flash4_paged_node_core, flash4_varlen, flash_node_core
 
     def fa4(pack_gqa):
-        def run(q, k, v):
-            out = flash4_varlen_function()(
-                q, k, v, cu_seqlens_q=nodes.cu_seqlens_q, cu_seqlens_k=nodes.cu_seqlens_k, max_seqlen_q=nodes.max_q,
-                max_seqlen_k=nodes.max_k, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=pack_gqa,
-            )  # fmt: skip
-            return out[0] if isinstance(out, tuple) else out
-
-        return run
+        return lambda q, k, v: flash4_varlen(q, k, v, nodes, scale, pack_gqa=pack_gqa)
 
     ways = {
         "flash": lambda q, k, v: flash_node_core(q, k, v, nodes, scale),

@@ -543,6 +543,30 @@ def test_node_core_per_attention_and_device():
         node_core("mask", cpu)
 
 
+def test_flash4_cores_pass_the_pinned_call(monkeypatch):
+    """Both FlashAttention-4 cores make one call with the stage's pins (causal, one split, packed GQA) and the plan's
+    lengths: the key layout through cu_seqlens_k, the paged one through one-row pages, the page table and seqused_k
+    (the package itself runs on CUDA only: a recorder stands in for it here)."""
+    import engine.tree as tree_module
+
+    calls = []
+    monkeypatch.setattr(
+        tree_module, "flash4_varlen_function", lambda: lambda *a, **kw: calls.append((a, kw)) or (a[0],)
+    )
+    plan = plan_tree([[7] * 9 + [1, 2], [7] * 9 + [3]], [0, 0])
+    nodes, keys = plan.attention, page_keys(plan.attention)
+    q, k, v = attention_inputs(plan.num_rows, torch.bfloat16, seed=3)
+    pins = {"softmax_scale": 0.5, "causal": True, "num_splits": 1, "pack_gqa": True, "cu_seqlens_q": nodes.cu_seqlens_q,
+            "max_seqlen_q": nodes.max_q, "max_seqlen_k": nodes.max_k}  # fmt: skip
+    assert tree_module.flash4_node_core(q, k, v, nodes, 0.5) is q
+    assert tree_module.flash4_paged_node_core(q, k, v, keys, 0.5) is q
+    (args, laid_out), (paged_args, paged) = calls
+    assert args == (q, k, v) and laid_out == pins | {"cu_seqlens_k": nodes.cu_seqlens_k}
+    assert paged_args[0] is q and paged_args[1].shape == (plan.num_rows, 1, *k.shape[1:])
+    assert torch.equal(paged_args[1][:, 0], k) and torch.equal(paged_args[2][:, 0], v)
+    assert paged == pins | {"seqused_k": keys.seqused_k, "page_table": keys.page_table}
+
+
 def test_paged_core_on_the_rows_matches_the_flat_run_bitwise():
     """`blockwise_paged_node_core` (stage `paged` on the CPU) on k and v at the tree's packed rows, through
     `page_keys`, gives every candidate the bits of the flat run on its whole path (a shared root, two questions, odd
