@@ -6,6 +6,7 @@ machines (CI) that can only interpret the kernels.
     python -m kernels.compile_check --usage            # also each compile's registers and spills (ptxas -v)
     python -m kernels.compile_check --sass --only gdn_chunk   # SASS instructions and opcodes of the gdn_chunk launches
     python -m kernels.compile_check --only gdn_chunk --listings /tmp/sass   # and their SASS listings, one file each
+    python -m kernels.compile_check --gates            # the rounded gates' exact path against Triton's own PTX of it
 
 The installed Triton compiles (the lab's venv: 3.9); the H200 image runs 3.6, whose code differs (gdn_chunk's walk
 spills 344 bytes there against 224). To see the device's code, put that Triton first on the path, e.g.
@@ -19,8 +20,11 @@ launch is then compiled by `triton.compile` for one target (sm_90 by default; `C
 tests check: the H200's sm_90, Blackwell's sm_100 and sm_103), down to a cubin with Triton's bundled ptxas, twice: with
 every pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and
 with none (unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does.
-Nothing runs. `--usage` prints each compile's registers, spill stores and spill loads as the target's ptxas -v reports
-them (aligned only).
+Nothing runs. `--gates` compiles `numerics.silu_f32` and `sigmoid_f32` (torch's formulas) alone and compares the PTX of
+each with the exact path of `SILU_BF16_PTX` / `SIGMOID_BF16_PTX`, instruction by instruction after naming every register
+by the value it holds and putting each constant in place of its register: the inline assembly's exact path is then the
+code Triton compiles torch's formula to, whose bits the GPU tests have checked against torch. `--usage` prints each
+compile's registers, spill stores and spill loads as the target's ptxas -v reports them (aligned only).
 
 Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
 fail to compile on the GPU (gdn_prep v2 under Triton 3.6: engine/stages/fused.md, "Kernel history"); a failure that
@@ -42,6 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels import numerics
 
 SM90 = 90
 CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300, sm_103, is the design target)
@@ -316,6 +324,80 @@ def check(
     return results
 
 
+@triton.jit
+def _silu_reference_kernel(x_ptr, y_ptr):
+    """torch's silu formula (`numerics.silu_f32`) on 32 values, one a thread: its PTX is `--gates`' reference."""
+    offsets = tl.arange(0, 32)
+    tl.store(y_ptr + offsets, numerics.silu_f32(tl.load(x_ptr + offsets), False))
+
+
+@triton.jit
+def _sigmoid_reference_kernel(x_ptr, y_ptr):
+    """torch's sigmoid formula (`numerics.sigmoid_f32`) on 32 values, one a thread: `--gates`' reference."""
+    offsets = tl.arange(0, 32)
+    tl.store(y_ptr + offsets, numerics.sigmoid_f32(tl.load(x_ptr + offsets), False))
+
+
+def _ptx_values(lines: list[str], x: str, constants: dict[str, str]) -> list[tuple[str, tuple[str, ...]]]:
+    """PTX instructions as (opcode, sources): each register named by the instruction that wrote it (v0, v1, ...),
+    `x` named x, registers that hold a `mov.b32` constant replaced by it (those movs dropped)."""
+    constants, names, values = dict(constants), {x: "x"}, []
+    for line in lines:
+        opcode, _, operands = line.strip().rstrip(";").partition(" ")
+        registers = [operand.strip() for operand in operands.split(",")]
+        if opcode == "mov.b32" and registers[1].startswith("0f"):
+            constants[registers[0]] = registers[1]
+            continue
+        sources = tuple(constants.get(r) or names.get(r) or r for r in registers[1:])
+        names[registers[0]] = f"v{len(values)}"
+        values.append((opcode, sources))
+    return values
+
+
+def _as_negation(line: str, constants: dict[str, str]) -> str:
+    """A negation of an fp32 value as `neg.f32 r, x;`, however LLVM wrote it: `xor.b32 r, x, -2147483648;` (the sign
+    bit flipped: Triton 3.9) or `sub.rn.f32 r, zero, x;` (0 − x: Triton 3.6). Each gives −x's bits but for NaN
+    payloads and, for 0 − x, the sign of a zero, which exp(−x) does not see."""
+    opcode, _, operands = line.rstrip(";").partition(" ")
+    registers = [operand.strip() for operand in operands.split(",")]
+    if opcode == "xor.b32" and registers[-1] == "-2147483648":
+        return f"neg.f32 {registers[0]}, {registers[1]};"
+    if opcode == "sub.rn.f32" and constants.get(registers[1], registers[1]) == "0f00000000":
+        return f"neg.f32 {registers[0]}, {registers[2]};"
+    return line
+
+
+def gate_exact_paths(capability: int = SM90) -> list[str]:
+    """Where the exact path of `numerics.SILU_BF16_PTX` / `SIGMOID_BF16_PTX` differs from the PTX that Triton
+    compiles `silu_f32` / `sigmoid_f32` to (from the negation of x to the IEEE division, `_as_negation`): empty when
+    both equal."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    problems = []
+    cases = (("silu", _silu_reference_kernel, numerics.SILU_BF16_PTX), ("sigmoid", _sigmoid_reference_kernel,
+             numerics.SIGMOID_BF16_PTX))  # fmt: skip
+    for name, kernel, assembly in cases:
+        source = ASTSource(kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}, {})
+        options = dict(numerics.LAUNCH_OPTIONS, num_warps=1)
+        ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
+        lines = [line.split("//")[0].strip() for line in ptx.splitlines()]
+        lines = [line for line in lines if line and not line.startswith((".", "$", "{", "}"))]
+        constants = {line.split()[1].rstrip(","): line.split()[2].rstrip(";") for line in lines
+                     if line.startswith("mov.b32") and line.split()[2].startswith("0f")}  # fmt: skip
+        lines = [_as_negation(line, constants) for line in lines]
+        start = next(i for i, line in enumerate(lines) if line.startswith("neg.f32"))
+        end = next(i for i, line in enumerate(lines) if line.startswith("div.rn.f32"))
+        x = lines[start].rstrip(";").split(",")[1].strip()
+        want = _ptx_values(lines[start : end + 1], x, constants)
+        ours = [line.strip() for line in assembly.value.splitlines()]
+        ours = ours[ours.index("neg.f32 n, $1;") : next(i for i, line in enumerate(ours) if "div.rn.f32" in line) + 1]
+        got = _ptx_values(ours, "$1", {})
+        if got != want:
+            problems.append(f"{name}: the exact path {got} is not Triton's {want}")
+    return problems
+
+
 def ptxas_lacks(capability: int) -> str | None:
     """None where the ptxas that Triton uses for `capability` lists its arch (`sm_<capability>a`) among the GPU names
     it can target (`ptxas --help`); otherwise why the check cannot run for it."""
@@ -338,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sass", action="store_true", help="SASS instructions and opcodes per aligned compile")
     parser.add_argument("--only", default=None, help="only the launches whose label starts with this")
     parser.add_argument("--listings", default=None, help="a folder for each aligned compile's SASS listing")
+    parser.add_argument("--gates", action="store_true", help="only: the gates' exact path against Triton's PTX")
     args = parser.parse_args(argv)
     capability = args.capability
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -347,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     if lacking:
         print(f"compile_check: {lacking}", file=sys.stderr)
         return 2
+    if args.gates:
+        problems = gate_exact_paths(capability)
+        print("\n".join(problems) or "silu_bf16 and sigmoid_bf16: the exact path is Triton's PTX of torch's formula")
+        return 1 if problems else 0
     results = check(capability, usage=args.usage, sass=args.sass, only=args.only, listings=args.listings)
     print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")
     for label, name, aligned, error, note in results:

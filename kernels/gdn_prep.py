@@ -55,7 +55,7 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   tile sweep of 9be5aba), so the tree's replicated paths (drone 1,074 slots for 352 rows, customer_service 5,778
   for 1,152) are prepared once per packed row and laid out on the paths by `gather_slots`, one launch that moves
   the five outputs' bits (engine/stages/core.md, "Prep kernels").
-* v5 (this file): v4 plus `taps`, the proj rows of each output row's conv window (a plan's `conv_taps`): the
+* v5: v4 plus `taps`, the proj rows of each output row's conv window (a plan's `conv_taps`): the
   engine's call in every GDN mode, each packed row once, with no binary search in cu_seqlens for the row's sequence,
   no slot and row-index reads before the window's rows (two dependent loads in front of the conv instead of 5-9 on
   drone's bucket); and q/k and v in branches of their own (`_conv_silu` in each), so v, which has no L2 norm, gets
@@ -66,6 +66,10 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   stay as the tests' and the prep probe's reference. On an H100 (`measure.prep_probe` at 33f9910) the kernel took
   10.2 / 7.2 / 29.7 us on drone / easy-intent-00 / customer_service against v4's 11.9 / 8.5 / 34.1 at the slots
   (-13 to -15 %; predicted -20 %), bit-equal.
+* v6 (this file): v5 with the SiLU and beta's sigmoid through `numerics.silu_bf16` / `sigmoid_bf16` (approximate
+  exp2 and reciprocal, torch's exact path only near a bf16 rounding midpoint): v5's bits on every bf16 input
+  (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input); sm_90 (Triton 3.9) 72 registers against 80.
+  Timing: engine/stages/core.md, "The gates' fast path".
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ from kernels.numerics import (
     output_tensor,
     round_to_bf16,
     sequence_index,
-    sigmoid_f32,
-    silu_f32,
+    sigmoid_bf16,
+    silu_bf16,
     tile_elements,
     to_bf16,
     to_f32,
@@ -128,7 +132,7 @@ def _conv_silu(
         weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
         conv = conv + x * weight[None, :]
     conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
-    return round_to_bf16(silu_f32(conv, TORCH_CPU))  # F.silu: bf16↓
+    return silu_bf16(conv, TORCH_CPU)  # F.silu: bf16↓
 
 
 @triton.jit
@@ -210,7 +214,7 @@ def _gdn_prep_kernel(
         row_offset = proj_row[:, None] * proj_sr + head[None, :]
         b = to_f32(tl.load(proj_ptr + row_offset + b_column, mask=gate_mask, other=0.0))
         a = to_f32(tl.load(proj_ptr + row_offset + b_column + VALUE_HEADS, mask=gate_mask, other=0.0))
-        beta = sigmoid_f32(b, TORCH_CPU)  # b.sigmoid(): bf16↓ at the store
+        beta = sigmoid_bf16(b, TORCH_CPU)  # b.sigmoid(): bf16↓
         decay_rate = -exp_f32(to_f32(tl.load(a_log_ptr + head, mask=head_ok, other=0.0)), TORCH_CPU)
         softplus_in = a + to_f32(tl.load(dt_bias_ptr + head, mask=head_ok, other=0.0))[None, :]
         softplus = tl.where(

@@ -19,6 +19,9 @@ How torch's numerics are reproduced:
   tests/test_gpu_kernels.py::test_gpu_round_to_bf16_matches_torch (compiled, H200).
 * Launch options `enable_fp_fusion=False` (torch runs each op as its own kernel: no mul+add across ops may become
   an fma) and `enable_reflect_ftz=False` (libdevice must not flush subnormals; torch's nvcc build does not).
+* Gates rounded to bf16 at once (`silu_bf16`, `sigmoid_bf16`): compiled, a fast value (`ex2.approx`, `rcp.approx`)
+  decides the rounding wherever it lies more than `ROUNDING_MARGIN` fp32 ulps from a bf16 midpoint, and torch's
+  formula below (its PTX verbatim) runs for the rest: torch's bits, proved on every bf16 input on the GPU.
 * On CUDA: `libdevice.exp` (= `expf`, which torch's kernels call; Triton's `tl.exp` is `ex2.approx`),
   `libdevice.log1p`, `libdevice.rsqrt` (= `rsqrtf`, torch's `rsqrt`) and `tl.math.div_rn` (IEEE division; Triton's
   `/` is `div.full.f32`). Checked by compiling every kernel for sm_90 here: the PTX has `div.rn.f32` and a non-ftz
@@ -32,13 +35,16 @@ How torch's numerics are reproduced:
   interpreter computes bf16 dots wrongly).
 
 Versions (history: engine/stages/fused.md, "Kernel history"):
-* v2 (this file): compiled roundings through the hardware conversion (same bits but for NaN payloads).
+* v3 (this file): `silu_bf16` and `sigmoid_bf16`, the gates the kernels round at once: a fast path and torch's exact
+  path in inline PTX (their docstrings; `python -m kernels.compile_check --gates` checks the exact path on the CPU).
+* v2: compiled roundings through the hardware conversion (same bits but for NaN payloads).
 * v1: the helpers above, moved out of `kernels/activations.py` unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
 
 import numpy
 import torch
@@ -162,6 +168,89 @@ def sigmoid_f32(x, TORCH_CPU: tl.constexpr):
 def silu_f32(x, TORCH_CPU: tl.constexpr):
     """torch's silu in fp32 opmath: x / (1 + exp(-x)), IEEE division."""
     return tl.math.div_rn(x, 1.0 + exp_f32(-x, TORCH_CPU))
+
+
+# The rounded gates' PTX (`silu_bf16`, `sigmoid_bf16`): a fast path, its check, and torch's exact path. `{op}` is the
+# fast value from d = 1 + e and r ≈ 1 / d, `{exact}` torch's from d: both write y. Registers are typeless .b32, as
+# Triton's own PTX; the labels are local to the braces (PTX scopes them so), so every element's copy may repeat them.
+_ROUNDED_GATE_PTX = """{{
+.reg .b32 t, e, d, r, y, n, s, low;
+.reg .pred slow;
+mul.rn.f32 t, $1, 0fBFB8AA3B;
+ex2.approx.ftz.f32 e, t;
+add.rn.f32 d, e, 0f3F800000;
+rcp.approx.ftz.f32 r, d;
+{op}
+and.b32 low, y, 65535;
+sub.s32 low, low, {low_start};
+setp.lt.u32 slow, low, {low_span};
+setp.lt.or.f32 slow, $1, {exact_below}, slow;
+@!slow bra DONE;
+neg.f32 n, $1;
+fma.rn.f32 t, n, 0f3BBB989D, 0f3F000000;
+cvt.sat.f32.f32 t, t;
+fma.rm.f32 t, t, 0f437C0000, 0f4B400001;
+add.rn.f32 e, t, 0fCB40007F;
+neg.f32 e, e;
+fma.rn.f32 e, n, 0f3FB8AA3B, e;
+fma.rn.f32 e, n, 0f32A57060, e;
+shl.b32 s, t, 23;
+ex2.approx.ftz.f32 e, e;
+mul.rn.f32 e, e, s;
+add.rn.f32 d, e, 0f3F800000;
+{exact}
+DONE:
+mov.b32 $0, y;
+}}"""
+ROUNDING_MARGIN = 64  # fp32 ulps of the fast value either side of a bf16 rounding midpoint that take the exact path
+EXACT_BELOW = -16.0  # inputs below it take the exact path (there exp(-x) > 2^23 and the fast error grows with |x|)
+_GATE_PTX_FIELDS = {
+    "low_start": 0x8000 - ROUNDING_MARGIN,
+    "low_span": 2 * ROUNDING_MARGIN + 1,
+    "exact_below": f"0f{struct.unpack('<I', struct.pack('<f', EXACT_BELOW))[0]:08X}",  # PTX's fp32 literal
+}
+SILU_BF16_PTX = tl.constexpr(  # constexpr: a jit global
+    _ROUNDED_GATE_PTX.format(op="mul.rn.f32 y, $1, r;", exact="div.rn.f32 y, $1, d;", **_GATE_PTX_FIELDS)
+)
+SIGMOID_BF16_PTX = tl.constexpr(
+    _ROUNDED_GATE_PTX.format(
+        op="mov.b32 y, r;", exact="mov.b32 n, 0f3F800000;\ndiv.rn.f32 y, n, d;", **_GATE_PTX_FIELDS
+    )
+)
+
+
+@triton.jit
+def silu_bf16(x, TORCH_CPU: tl.constexpr):
+    """bf16↓(torch's silu(x)) as fp32: `round_to_bf16(silu_f32(x))` bit for bit, the rounding taken from a fast
+    value where it cannot differ. Compiled (`SILU_BF16_PTX`, per element): y' = x · rcp(1 + ex2(−x·log2 e)) with the
+    approximate MUFU instructions, then torch's exact path (libdevice's expf, IEEE division: `silu_f32`'s PTX) only
+    where x < −16 or y' lies within `ROUNDING_MARGIN` fp32 ulps of a bf16 rounding midpoint (low 16 bits within 64 of
+    0x8000: about 0.2 % of the elements). Elsewhere torch's y and y' round alike as long as they differ by less than
+    64 ulps; for x >= −16 they differ by at most about 20 (x·log2 e rounded: |x| ulps of e; ex2 and rcp: a few).
+    Proof on the device: every one of the 65,536 bf16 inputs against torch
+    (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input). Interpreted: `round_to_bf16(silu_f32(x))`."""
+    if TORCH_CPU:
+        y = round_to_bf16(silu_f32(x, TORCH_CPU))
+    else:
+        bits = tl.inline_asm_elementwise(
+            SILU_BF16_PTX, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
+        )
+        y = round_to_bf16(bits.to(tl.float32, bitcast=True))
+    return y
+
+
+@triton.jit
+def sigmoid_bf16(x, TORCH_CPU: tl.constexpr):
+    """bf16↓(torch's sigmoid(x)) as fp32: `round_to_bf16(sigmoid_f32(x))` bit for bit, as `silu_bf16` (fast value
+    rcp(1 + ex2(−x·log2 e)), torch's exact path near a midpoint or below −16; `SIGMOID_BF16_PTX`)."""
+    if TORCH_CPU:
+        y = round_to_bf16(sigmoid_f32(x, TORCH_CPU))
+    else:
+        bits = tl.inline_asm_elementwise(
+            SIGMOID_BF16_PTX, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
+        )
+        y = round_to_bf16(bits.to(tl.float32, bitcast=True))
+    return y
 
 
 # ---------------------------------------------------------------------------------------------------------------------

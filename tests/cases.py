@@ -190,6 +190,57 @@ def check_bf16_rounding_matches_torch(device: str) -> None:
     assert torch.equal(widened[~nan].view(torch.int32), want[~nan].float().view(torch.int32))
 
 
+def every_bf16(device: torch.device | str) -> torch.Tensor:
+    """The 65,536 bf16 bit patterns (±0, subnormals, ±inf and NaNs included), in bit order, as a bf16 tensor."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+
+
+def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, inputs: torch.Tensor, what: str) -> None:
+    """Every element's bits equal, NaN where the other is NaN (payloads are not claimed); the message names inputs."""
+    got, want, inputs = got.flatten(), want.flatten(), inputs.flatten()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), f"{what}: NaN at other elements, inputs {inputs[got.isnan() != nan][:8]}"
+    differ = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not differ.any(), f"{what}: {int(differ.sum())} elements differ from torch, inputs {inputs[differ][:8]}"
+
+
+def check_gates_on_every_bf16_input(shapes: ModelShapes, device: str) -> None:
+    """The rounded gates of `kernels.numerics` (`silu_bf16`, `sigmoid_bf16`) inside the kernels that call them, on every
+    bf16 input, against torch on `device`, bit for bit (NaN as NaN): silu_mul's silu (gate = every pattern, up = 1, so
+    the output is the rounded silu itself) against `F.silu`; attention_gate's sigmoid (attn = 1) against
+    `torch.sigmoid`; gdn_prep's v (every row a sequence of its own and the conv's last tap 1, the others 0, so the conv
+    is the input itself: -0 left out, which the conv's sum turns into +0) against `F.silu`, and its beta (b = every k-th
+    pattern, as many as the rows hold: beta is `sigmoid_bf16` as attention_gate's) against `torch.sigmoid`. Compiled
+    (CUDA) this is the proof of the gates' fast path: the inputs are bf16 values, so 2^16 cases are all of them.
+    Interpreted (CPU) it checks the exact path, which is all the interpreter runs."""
+    import kernels
+
+    x = every_bf16(device)
+    silu, sigmoid = torch.nn.functional.silu(x), torch.sigmoid(x)
+    ones = torch.ones_like(x)
+    columns = 1024
+    gate_up = torch.cat([x.view(-1, columns), ones.view(-1, columns)], dim=1)
+    _assert_bitwise(kernels.silu_mul(gate_up), silu, x, "silu_mul's silu")
+    _assert_bitwise(kernels.attention_gate(ones.view(-1, columns), x.view(-1, columns)), sigmoid, x,
+                    "attention_gate's sigmoid")  # fmt: skip
+    dims = gdn_dims(shapes)
+    hv, value_width = dims["num_v_heads"], dims["num_v_heads"] * dims["head_v_dim"]
+    rows = math.ceil(x.numel() / value_width)
+    generator = torch.Generator(device=device).manual_seed(11)
+    proj = torch.randn(rows, shapes.gdn_in_width, generator=generator, device=device).to(torch.bfloat16)
+    v_inputs = torch.where(x.view(torch.int16) == -(2**15), torch.zeros_like(x), x)  # -0: the conv gives +0
+    v_column, b_column = shapes.conv_dim - value_width, shapes.conv_dim + shapes.linear_value_dim
+    proj[:, v_column : shapes.conv_dim] = v_inputs.repeat(2)[: rows * value_width].view(rows, value_width)
+    proj[:, b_column : b_column + hv] = x[:: x.numel() // (rows * hv)][: rows * hv].view(rows, hv)
+    conv_weight = torch.zeros(shapes.conv_dim, shapes.linear_conv_kernel_dim, dtype=torch.bfloat16, device=device)
+    conv_weight[:, -1] = 1.0
+    zeros, sequence_starts = torch.zeros(hv, device=device), torch.arange(rows + 1, device=device)
+    _, _, v, _, beta = kernels.gdn_prep(proj, conv_weight, zeros, zeros, sequence_starts, **dims)
+    v_inputs, b_inputs = proj[:, v_column : shapes.conv_dim], proj[:, b_column : b_column + hv]
+    _assert_bitwise(v, torch.nn.functional.silu(v_inputs), v_inputs, "gdn_prep's v")
+    _assert_bitwise(beta, torch.sigmoid(b_inputs), b_inputs, "gdn_prep's beta")
+
+
 def check_row_indexed_kernels(
     shapes: ModelShapes,
     device: str,

@@ -35,6 +35,7 @@ from ablations.bit_identity import (
 from reference.shapes import QWEN38_27B
 from tests.cases import (
     check_bf16_rounding_matches_torch,
+    check_gates_on_every_bf16_input,
     check_prep_ways,
     check_row_indexed_kernels,
     random_activations,
@@ -61,6 +62,15 @@ def test_gpu_round_to_bf16_matches_torch() -> None:
     """The compiled rounding (the hardware conversion, widened back by bits) equals torch's CUDA conversion."""
     _require_compiled_kernels()
     check_bf16_rounding_matches_torch("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_gates_on_every_bf16_input() -> None:
+    """The compiled gates' fast path (`kernels.numerics.silu_bf16`, `sigmoid_bf16`: approximate exp2 and reciprocal,
+    torch's exact path near a rounding midpoint) gives torch's CUDA silu and sigmoid bits on every one of the 65,536
+    bf16 inputs, inside silu_mul, attention_gate and gdn_prep (tests/cases.py): all the inputs there are."""
+    _require_compiled_kernels()
+    check_gates_on_every_bf16_input(QWEN38_27B, "cuda")
 
 
 @pytest.mark.gpu

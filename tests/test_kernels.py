@@ -48,6 +48,7 @@ from reference import ops  # noqa: E402
 from reference.shapes import QWEN38_27B, TINY  # noqa: E402
 from tests.cases import (  # noqa: E402
     check_bf16_rounding_matches_torch,
+    check_gates_on_every_bf16_input,
     check_prep_ways,
     check_row_indexed_kernels,
     gdn_dims,
@@ -254,6 +255,23 @@ def test_compile_check_reports_usage_and_sass(tmp_path) -> None:
     assert sum("\t" in line for line in listing.read_text().splitlines()) == total
 
 
+def test_gates_exact_path_is_tritons_ptx_of_torchs_formula() -> None:
+    """`--gates`: the exact path of the compiled gates' inline assembly (`numerics.SILU_BF16_PTX`,
+    `SIGMOID_BF16_PTX`) is, instruction by instruction, the PTX Triton compiles `silu_f32` / `sigmoid_f32` to, whose
+    bits the GPU tests check against torch. The fast path before it runs only on a GPU
+    (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input)."""
+    pytest.importorskip("triton.backends.nvidia")
+    if compile_check.ptxas_lacks(compile_check.SM90):
+        pytest.skip(compile_check.ptxas_lacks(compile_check.SM90))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check", "--gates"],
+        env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.strip() == "silu_bf16 and sigmoid_bf16: the exact path is Triton's PTX of torch's formula"
+
+
 def test_gdn_prep_without_l2norm_tiny() -> None:
     """qk_l2norm=False leaves q and k as the conv + SiLU outputs (for FLA's in-kernel l2norm), bitwise."""
     act = random_activations(TINY, [63], "cpu", seed=2)
@@ -412,6 +430,13 @@ def test_round_to_bf16_matches_torch() -> None:
     fp32 -> bf16 conversion (nearest even) on random values, exact ties, values that carry into the exponent, ±inf,
     ±0, subnormals, NaN and the largest finite values (which overflow to inf); tests/cases.py."""
     check_bf16_rounding_matches_torch("cpu")
+
+
+def test_gates_on_every_bf16_input_tiny() -> None:
+    """silu_mul's silu, attention_gate's sigmoid and gdn_prep's v and beta on all 65,536 bf16 inputs against torch's
+    CPU kernels, bit for bit (tests/cases.py). Interpreted, the gates run their exact path (torch's formula); the
+    fast path exists only compiled: tests/test_gpu_kernels.py runs the same check on the GPU."""
+    check_gates_on_every_bf16_input(TINY, "cpu")
 
 
 def _tiny_gdn_prep(*, conv_weight=None, cu_seqlens=None, rows=None):
