@@ -232,10 +232,7 @@ def silu_bf16(x, TORCH_CPU: tl.constexpr):
     if TORCH_CPU:
         y = round_to_bf16(silu_f32(x, TORCH_CPU))
     else:
-        bits = tl.inline_asm_elementwise(
-            SILU_BF16_PTX, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
-        )
-        y = round_to_bf16(bits.to(tl.float32, bitcast=True))
+        y = _rounded_gate(x, SILU_BF16_PTX)
     return y
 
 
@@ -246,11 +243,16 @@ def sigmoid_bf16(x, TORCH_CPU: tl.constexpr):
     if TORCH_CPU:
         y = round_to_bf16(sigmoid_f32(x, TORCH_CPU))
     else:
-        bits = tl.inline_asm_elementwise(
-            SIGMOID_BF16_PTX, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
-        )
-        y = round_to_bf16(bits.to(tl.float32, bitcast=True))
+        y = _rounded_gate(x, SIGMOID_BF16_PTX)
     return y
+
+
+@triton.jit
+def _rounded_gate(x, PTX: tl.constexpr):
+    """A gate's inline PTX (`SILU_BF16_PTX` or `SIGMOID_BF16_PTX`) on fp32 x, one element a copy, its fp32 result
+    rounded to bf16: compiled kernels only."""
+    bits = tl.inline_asm_elementwise(PTX, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+    return round_to_bf16(bits.to(tl.float32, bitcast=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
