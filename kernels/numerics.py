@@ -228,7 +228,9 @@ def silu_bf16(x, TORCH_CPU: tl.constexpr):
     0x8000: about 0.2 % of the elements). Elsewhere torch's y and y' round alike as long as they differ by less than
     64 ulps; for x >= −16 they differ by at most about 20 (x·log2 e rounded: |x| ulps of e; ex2 and rcp: a few).
     Proof on the device: every one of the 65,536 bf16 inputs against torch
-    (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input). Interpreted: `round_to_bf16(silu_f32(x))`."""
+    (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input), run on the H100 (campaign 71); the approximate
+    instructions belong to the card, so another architecture (a Blackwell) needs that test run on it first.
+    Interpreted: `round_to_bf16(silu_f32(x))`."""
     if TORCH_CPU:
         y = round_to_bf16(silu_f32(x, TORCH_CPU))
     else:
