@@ -77,8 +77,6 @@ def captured_launches() -> Iterator[list[Launch]]:
     """Within: the wrappers see GPU mode (`kernel_mode` False) and every `kernel[grid](...)` is recorded, not run."""
     import importlib
 
-    import triton
-
     # the modules, not the same-named functions that `kernels` re-exports
     families = ("activations", "attn_prep", "gdn_chunk", "gdn_prep", "norms")
     modules = [importlib.import_module(f"kernels.{name}") for name in families]
@@ -209,7 +207,6 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
 def compile_launch(launch: Launch, *, aligned: bool, capability: int = SM90):
     """Compile one captured launch for `capability` (Triton's own specialisation rules: pointers and integers that
     are multiples of 16 marked divisible when `aligned`, integers equal to 1 made constants); raises on failure."""
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -286,7 +283,6 @@ def check(
     `engine_launches`; the notes of each aligned compile: with `usage` its registers and spills (`ptxas_usage`), with
     `sass` its SASS instruction count and most common opcodes (`sass_opcodes`); `only`: the launches whose label
     starts with it; `listings`: a folder that gets each aligned compile's SASS listing (<label>.<kernel>.sass)."""
-    import triton
     from triton.tools.disasm import get_sass
 
     from kernels import activations
@@ -338,13 +334,18 @@ def _sigmoid_reference_kernel(x_ptr, y_ptr):
     tl.store(y_ptr + offsets, numerics.sigmoid_f32(tl.load(x_ptr + offsets), False))
 
 
+def _instruction(line: str) -> tuple[str, list[str]]:
+    """One PTX instruction line as (opcode, operands): `fma.rn.f32 %r8, %r5, %r7, %r6;` -> ("fma.rn.f32", [...])."""
+    opcode, _, operands = line.strip().rstrip(";").partition(" ")
+    return opcode, [operand.strip() for operand in operands.split(",")]
+
+
 def _ptx_values(lines: list[str], x: str, constants: dict[str, str]) -> list[tuple[str, tuple[str, ...]]]:
     """PTX instructions as (opcode, sources): each register named by the instruction that wrote it (v0, v1, ...),
     `x` named x, registers that hold a `mov.b32` constant replaced by it (those movs dropped)."""
     constants, names, values = dict(constants), {x: "x"}, []
     for line in lines:
-        opcode, _, operands = line.strip().rstrip(";").partition(" ")
-        registers = [operand.strip() for operand in operands.split(",")]
+        opcode, registers = _instruction(line)
         if opcode == "mov.b32" and registers[1].startswith("0f"):
             constants[registers[0]] = registers[1]
             continue
@@ -358,8 +359,7 @@ def _as_negation(line: str, constants: dict[str, str]) -> str:
     """A negation of an fp32 value as `neg.f32 r, x;`, however LLVM wrote it: `xor.b32 r, x, -2147483648;` (the sign
     bit flipped: Triton 3.9) or `sub.rn.f32 r, zero, x;` (0 − x: Triton 3.6). Each gives −x's bits but for NaN
     payloads and, for 0 − x, the sign of a zero, which exp(−x) does not see."""
-    opcode, _, operands = line.rstrip(";").partition(" ")
-    registers = [operand.strip() for operand in operands.split(",")]
+    opcode, registers = _instruction(line)
     if opcode == "xor.b32" and registers[-1] == "-2147483648":
         return f"neg.f32 {registers[0]}, {registers[1]};"
     if opcode == "sub.rn.f32" and constants.get(registers[1], registers[1]) == "0f00000000":
@@ -383,8 +383,8 @@ def gate_exact_paths(capability: int = SM90) -> list[str]:
         ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
         lines = [line.split("//")[0].strip() for line in ptx.splitlines()]
         lines = [line for line in lines if line and not line.startswith((".", "$", "{", "}"))]
-        constants = {line.split()[1].rstrip(","): line.split()[2].rstrip(";") for line in lines
-                     if line.startswith("mov.b32") and line.split()[2].startswith("0f")}  # fmt: skip
+        constants = {registers[0]: registers[1] for opcode, registers in map(_instruction, lines)
+                     if opcode == "mov.b32" and registers[1].startswith("0f")}  # fmt: skip
         lines = [_as_negation(line, constants) for line in lines]
         start = next(i for i, line in enumerate(lines) if line.startswith("neg.f32"))
         end = next(i for i, line in enumerate(lines) if line.startswith("div.rn.f32"))
@@ -412,8 +412,6 @@ def ptxas_lacks(capability: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton
-
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--capability", type=int, default=SM90, help="CUDA compute capability, e.g. 90, 100, 103")
     parser.add_argument("--usage", action="store_true", help="registers and spills per aligned compile (ptxas -v)")

@@ -228,9 +228,9 @@ def check_gates_on_every_bf16_input(shapes: ModelShapes, device: str) -> None:
     rows = math.ceil(x.numel() / value_width)
     generator = torch.Generator(device=device).manual_seed(11)
     proj = torch.randn(rows, shapes.gdn_in_width, generator=generator, device=device).to(torch.bfloat16)
-    v_inputs = torch.where(x.view(torch.int16) == -(2**15), torch.zeros_like(x), x)  # -0: the conv gives +0
+    v_patterns = torch.where(x.view(torch.int16) == -(2**15), torch.zeros_like(x), x)  # -0: the conv gives +0
     v_column, b_column = shapes.conv_dim - value_width, shapes.conv_dim + shapes.linear_value_dim
-    proj[:, v_column : shapes.conv_dim] = v_inputs.repeat(2)[: rows * value_width].view(rows, value_width)
+    proj[:, v_column : shapes.conv_dim] = v_patterns.repeat(2)[: rows * value_width].view(rows, value_width)
     proj[:, b_column : b_column + hv] = x[:: x.numel() // (rows * hv)][: rows * hv].view(rows, hv)
     conv_weight = torch.zeros(shapes.conv_dim, shapes.linear_conv_kernel_dim, dtype=torch.bfloat16, device=device)
     conv_weight[:, -1] = 1.0
