@@ -334,25 +334,16 @@ def _sigmoid_reference_kernel(x_ptr, y_ptr):
     tl.store(y_ptr + offsets, numerics.sigmoid_f32(tl.load(x_ptr + offsets), False))
 
 
-@triton.jit
-def _scaled_silu_reference_kernel(x_ptr, t_ptr, y_ptr):
-    """The gated norm's round 3 before rounding, t · silu(x) (`norms.gated_rmsnorm`), on 32 values: `--gates`'
-    reference for `numerics.SCALED_SILU_BF16_PTX`."""
-    offsets = tl.arange(0, 32)
-    tl.store(y_ptr + offsets, tl.load(t_ptr + offsets) * numerics.silu_f32(tl.load(x_ptr + offsets), False))
-
-
 def _instruction(line: str) -> tuple[str, list[str]]:
     """One PTX instruction line as (opcode, operands): `fma.rn.f32 %r8, %r5, %r7, %r6;` -> ("fma.rn.f32", [...])."""
     opcode, _, operands = line.strip().rstrip(";").partition(" ")
     return opcode, [operand.strip() for operand in operands.split(",")]
 
 
-def _ptx_values(lines: list[str], inputs: dict[str, str], constants: dict[str, str]) -> list[tuple[str, tuple]]:
+def _ptx_values(lines: list[str], x: str, constants: dict[str, str]) -> list[tuple[str, tuple[str, ...]]]:
     """PTX instructions as (opcode, sources): each register named by the instruction that wrote it (v0, v1, ...),
-    the `inputs` registers by their names (x, t), registers that hold a `mov.b32` constant replaced by it (those movs
-    dropped)."""
-    constants, names, values = dict(constants), dict(inputs), []
+    `x` named x, registers that hold a `mov.b32` constant replaced by it (those movs dropped)."""
+    constants, names, values = dict(constants), {x: "x"}, []
     for line in lines:
         opcode, registers = _instruction(line)
         if opcode == "mov.b32" and registers[1].startswith("0f"):
@@ -377,20 +368,17 @@ def _as_negation(line: str, constants: dict[str, str]) -> str:
 
 
 def gate_exact_paths(capability: int = SM90) -> list[str]:
-    """Where the exact path of `numerics.SILU_BF16_PTX` / `SIGMOID_BF16_PTX` / `SCALED_SILU_BF16_PTX` differs from
-    the PTX that Triton compiles `silu_f32` / `sigmoid_f32` / t · `silu_f32` to (from the negation of x to the IEEE
-    division, and the product by t after it, `_as_negation`): empty when all equal."""
+    """Where the exact path of `numerics.SILU_BF16_PTX` / `SIGMOID_BF16_PTX` differs from the PTX that Triton
+    compiles `silu_f32` / `sigmoid_f32` to (from the negation of x to the IEEE division, `_as_negation`): empty when
+    both equal."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     problems = []
     cases = (("silu", _silu_reference_kernel, numerics.SILU_BF16_PTX), ("sigmoid", _sigmoid_reference_kernel,
-             numerics.SIGMOID_BF16_PTX), ("scaled silu", _scaled_silu_reference_kernel,
-             numerics.SCALED_SILU_BF16_PTX))  # fmt: skip
+             numerics.SIGMOID_BF16_PTX))  # fmt: skip
     for name, kernel, assembly in cases:
-        scaled = "t_ptr" in kernel.arg_names
-        signature = {"x_ptr": "*fp32", "y_ptr": "*fp32"} | ({"t_ptr": "*fp32"} if scaled else {})
-        source = ASTSource(kernel, signature, {}, {})
+        source = ASTSource(kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}, {})
         options = dict(numerics.LAUNCH_OPTIONS, num_warps=1)
         ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
         lines = [line.split("//")[0].strip() for line in ptx.splitlines()]
@@ -400,15 +388,11 @@ def gate_exact_paths(capability: int = SM90) -> list[str]:
         lines = [_as_negation(line, constants) for line in lines]
         start = next(i for i, line in enumerate(lines) if line.startswith("neg.f32"))
         end = next(i for i, line in enumerate(lines) if line.startswith("div.rn.f32"))
-        inputs = {_instruction(lines[start])[1][1]: "x"}
-        if scaled:  # the product after the division: t · (x / d), its other operand t
-            end += 1
-            _, (_, *factors) = _instruction(lines[end])
-            inputs |= {factor: "t" for factor in factors if factor != _instruction(lines[end - 1])[1][0]}
-        want = _ptx_values(lines[start : end + 1], inputs, constants)
+        x = lines[start].rstrip(";").split(",")[1].strip()
+        want = _ptx_values(lines[start : end + 1], x, constants)
         ours = [line.strip() for line in assembly.value.splitlines()]
-        end = next(i for i, line in enumerate(ours) if "div.rn.f32" in line) + (2 if scaled else 1)
-        got = _ptx_values(ours[ours.index("neg.f32 n, $1;") : end], {"$1": "x", "$2": "t"}, {})
+        ours = ours[ours.index("neg.f32 n, $1;") : next(i for i, line in enumerate(ours) if "div.rn.f32" in line) + 1]
+        got = _ptx_values(ours, "$1", {})
         if got != want:
             problems.append(f"{name}: the exact path {got} is not Triton's {want}")
     return problems
@@ -446,10 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.gates:
         problems = gate_exact_paths(capability)
-        print(
-            "\n".join(problems)
-            or "silu_bf16, sigmoid_bf16 and scaled_silu_bf16: the exact path is Triton's PTX of torch's formula"
-        )
+        print("\n".join(problems) or "silu_bf16 and sigmoid_bf16: the exact path is Triton's PTX of torch's formula")
         return 1 if problems else 0
     results = check(capability, usage=args.usage, sass=args.sass, only=args.only, listings=args.listings)
     print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")

@@ -170,18 +170,16 @@ def silu_f32(x, TORCH_CPU: tl.constexpr):
     return tl.math.div_rn(x, 1.0 + exp_f32(-x, TORCH_CPU))
 
 
-# The rounded gates' PTX (`silu_bf16`, `sigmoid_bf16`, `scaled_silu_bf16`): a fast path, its check, and torch's exact
-# path. `GATE_FAST_PTX` gives e ≈ exp(−x), d = 1 + e and r ≈ 1 / d; `{op}` is the fast value from r, `{exact}` torch's
-# from d: both write y. Registers are typeless .b32, as Triton's own PTX; the labels are local to the braces (PTX
-# scopes them so), so every element's copy may repeat them.
-GATE_FAST_PTX = """mul.rn.f32 t, $1, 0fBFB8AA3B;
-ex2.approx.ftz.f32 e, t;
-add.rn.f32 d, e, 0f3F800000;
-rcp.approx.ftz.f32 r, d;"""
+# The rounded gates' PTX (`silu_bf16`, `sigmoid_bf16`): a fast path, its check, and torch's exact path. `{op}` is the
+# fast value from d = 1 + e and r ≈ 1 / d, `{exact}` torch's from d: both write y. Registers are typeless .b32, as
+# Triton's own PTX; the labels are local to the braces (PTX scopes them so), so every element's copy may repeat them.
 _ROUNDED_GATE_PTX = """{{
 .reg .b32 t, e, d, r, y, n, s, low;
 .reg .pred slow;
-{fast}
+mul.rn.f32 t, $1, 0fBFB8AA3B;
+ex2.approx.ftz.f32 e, t;
+add.rn.f32 d, e, 0f3F800000;
+rcp.approx.ftz.f32 r, d;
 {op}
 and.b32 low, y, 65535;
 sub.s32 low, low, {low_start};
@@ -206,13 +204,7 @@ mov.b32 $0, y;
 }}"""
 ROUNDING_MARGIN = 64  # fp32 ulps of the fast value either side of a bf16 rounding midpoint that take the exact path
 EXACT_BELOW = -16.0  # inputs below it take the exact path (there exp(-x) > 2^23 and the fast error grows with |x|)
-# The most fp32 ulps the fast silu x · r may lie from torch's silu(x), for x >= EXACT_BELOW: asserted on every bf16 x
-# by tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input. `scaled_silu_bf16` rounds t · (x · r), whose
-# distance from t · silu(x) is then at most 2 · FAST_SILU_ULPS + 1 ulps (its docstring), which must stay under the
-# margin (tests/test_kernels.py::test_gates_exact_path_is_tritons_ptx_of_torchs_formula checks it).
-FAST_SILU_ULPS = 24
 _GATE_PTX_FIELDS = {
-    "fast": GATE_FAST_PTX,
     "low_start": 0x8000 - ROUNDING_MARGIN,
     "low_span": 2 * ROUNDING_MARGIN + 1,
     "exact_below": f"0f{struct.unpack('<I', struct.pack('<f', EXACT_BELOW))[0]:08X}",  # PTX's fp32 literal
@@ -223,13 +215,6 @@ SILU_BF16_PTX = tl.constexpr(  # constexpr: a jit global
 SIGMOID_BF16_PTX = tl.constexpr(
     _ROUNDED_GATE_PTX.format(
         op="mov.b32 y, r;", exact="mov.b32 n, 0f3F800000;\ndiv.rn.f32 y, n, d;", **_GATE_PTX_FIELDS
-    )
-)
-SCALED_SILU_BF16_PTX = tl.constexpr(  # $1 = x, $2 = t: y = silu(x) · t, in the order Triton writes t · silu(x)
-    _ROUNDED_GATE_PTX.format(
-        op="mul.rn.f32 y, $1, r;\nmul.rn.f32 y, y, $2;",
-        exact="div.rn.f32 y, $1, d;\nmul.rn.f32 y, y, $2;",
-        **_GATE_PTX_FIELDS,
     )
 )
 
@@ -261,31 +246,6 @@ def sigmoid_bf16(x, TORCH_CPU: tl.constexpr):
         y = round_to_bf16(sigmoid_f32(x, TORCH_CPU))
     else:
         y = _rounded_gate(x, SIGMOID_BF16_PTX)
-    return y
-
-
-@triton.jit
-def scaled_silu_bf16(scale, x, TORCH_CPU: tl.constexpr):
-    """bf16↓(scale · torch's silu(x)) as fp32, scale and x fp32 of one shape: `round_to_bf16(scale * silu_f32(x))` bit
-    for bit (the gated norm's round 3, `norms.gated_rmsnorm`). Compiled (`SCALED_SILU_BF16_PTX`, per element): y' =
-    t · (x · r) from `silu_bf16`'s fast value, torch's exact path (libdevice's expf, IEEE division, then · t) where
-    x < −16 or y' lies within `ROUNDING_MARGIN` fp32 ulps of a bf16 rounding midpoint. Why that is torch's rounding:
-    x · r lies within `FAST_SILU_ULPS` ulps of silu(x), a relative distance of at most FAST_SILU_ULPS · 2^-23; t
-    scales both alike, so the exact products lie within 2 · FAST_SILU_ULPS ulps of each other (an fp32 value's ulp is
-    at least 2^-24 of it; subnormal products keep the distance in ulps), their fp32 roundings within one more, and
-    outside the margin both round to the same bf16. The scale is any fp32 value (the fp32 weight times the normed
-    value), so its inputs cannot all be enumerated: the proof is that bound, whose premise the GPU test asserts on
-    every bf16 x, and the same test runs this gate on every bf16 x times 256 scales against torch
-    (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input). Interpreted: `round_to_bf16(scale *
-    silu_f32(x))`."""
-    if TORCH_CPU:
-        y = round_to_bf16(scale * silu_f32(x, TORCH_CPU))
-    else:
-        bits = tl.inline_asm_elementwise(
-            SCALED_SILU_BF16_PTX, "=r,r,r", [x.to(tl.int32, bitcast=True), scale.to(tl.int32, bitcast=True)],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-        y = round_to_bf16(bits.to(tl.float32, bitcast=True))
     return y
 
 

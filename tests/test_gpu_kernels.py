@@ -66,11 +66,9 @@ def test_gpu_round_to_bf16_matches_torch() -> None:
 
 @pytest.mark.gpu
 def test_gpu_gates_on_every_bf16_input() -> None:
-    """The compiled gates' fast path (`kernels.numerics.silu_bf16`, `sigmoid_bf16`, `scaled_silu_bf16`: approximate
-    exp2 and reciprocal, torch's exact path near a rounding midpoint) gives torch's CUDA silu and sigmoid bits on every
-    one of the 65,536 bf16 inputs, inside silu_mul, attention_gate and gdn_prep (tests/cases.py): all the inputs there
-    are; and gated_rmsnorm's t · silu(z) on every bf16 z times 256 fp32 scales, with the premise of its bound (the fast
-    silu within `numerics.FAST_SILU_ULPS` ulps of torch's on every bf16 input, printed)."""
+    """The compiled gates' fast path (`kernels.numerics.silu_bf16`, `sigmoid_bf16`: approximate exp2 and reciprocal,
+    torch's exact path near a rounding midpoint) gives torch's CUDA silu and sigmoid bits on every one of the 65,536
+    bf16 inputs, inside silu_mul, attention_gate and gdn_prep (tests/cases.py): all the inputs there are."""
     _require_compiled_kernels()
     check_gates_on_every_bf16_input(QWEN38_27B, "cuda")
 
