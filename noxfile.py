@@ -13,8 +13,8 @@ The lab's caches stay inside the checkout, in the ignored `.cache/`: every sessi
 same defaults for a plain `pytest`).
 
 Every session also works with `--no-venv` (nox's passthrough mode): it then runs in the current interpreter and
-installs nothing. That is how the sessions run on the H200, whose image already has torch, triton and cupy and
-reaches no package index (the missing wheels travel in `.whl/`, see README.md).
+installs nothing (`tests` then needs pytest-xdist there). That is how the sessions run on the H200, whose image
+already has torch, triton and cupy and reaches no package index (the missing wheels travel in `.whl/`, see README.md).
 """
 
 from __future__ import annotations
@@ -57,14 +57,17 @@ def _lab_python(session: nox.Session, *groups: str) -> str:
 
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """The CPU suite (what CI runs): every test not marked `gpu`, Triton kernels under TRITON_INTERPRET=1."""
+    """The CPU suite (what CI runs): every test not marked `gpu`, Triton kernels under TRITON_INTERPRET=1, on two
+    pytest-xdist workers (`-n 2`: CI has two cores; tests/conftest.py gives each worker one OpenMP thread and sends
+    the compile targets to one worker). `-- -n 0` runs it in one process."""
     python = _lab_python(session)
-    session.run(python, "-m", "pytest", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    session.run(python, "-m", "pytest", "-n", "2", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=False)
 def gpu_tests(session: nox.Session) -> None:
-    """The GPU suite (`-m gpu`) on a CUDA machine, 27B shapes. On the H200: `nox --no-venv -s gpu_tests`."""
+    """The GPU suite (`-m gpu`) on a CUDA machine, 27B shapes, in one process (one GPU). On the H200:
+    `nox --no-venv -s gpu_tests`."""
     python = _lab_python(session)
     session.run(python, "-m", "pytest", "-m", "gpu", *session.posargs)
 

@@ -12,6 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 # defaults as noxfile.py's LAB_ENV), before either package is imported; subprocesses of the tests inherit them.
 os.environ.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
 os.environ.setdefault("MPLCONFIGDIR", str(REPO / ".cache" / "matplotlib"))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # A pytest-xdist worker (`pytest -n N`): one OpenMP thread (torch's intra-op threads, MKL, numpy's BLAS), set
+    # before torch or numpy is imported; the workers are the parallelism. With two threads each, `-n 2` on the 2-core
+    # dev machine took 1,157 s (2,238 s of CPU); with one, 769 s (1,470 s of CPU), at 607dd64.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -39,6 +44,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+COMPILE_TARGETS = "tests/test_kernels.py::test_kernels_compile_for["
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`pytest -n N` (pytest-xdist; `nox -s tests` runs `-n 2`): xdist's `load` distribution, each test to whichever
+    worker is free, except that the compile targets (`test_kernels_compile_for`, tests/test_kernels.py) go to one
+    worker together and first, so that their compiles start once, at the start of the run. xdist's own way to keep
+    tests together (`--dist loadgroup`) appends the group to the test ids, which pytest 9.2 no longer lets it change
+    (pytest-dev/pytest-xdist#1386): the targets would be spread, and every worker that ran one would start all three."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CompileTargetsTogether(LoadScopeScheduling):
+        """A unit for each test and one for the compile targets; units of more tests are handed out first (xdist's
+        `--loadscope-reorder`, on by default)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return COMPILE_TARGETS if nodeid.startswith(COMPILE_TARGETS) else nodeid
+
+    return CompileTargetsTogether(config, log)
 
 
 @pytest.fixture(scope="module", autouse=True)
