@@ -142,6 +142,7 @@ def write_summary(root: Path, chosen: list[tuple[Path, dict]]) -> dict[str, Any]
     for _, record in chosen:
         for kind, draw in FIGURES.items():
             _save(draw(record), tables.figure_path(root, kind, record))
+    serving.draw_serving_figures(root)
     records = [record for _, record in chosen]
     summary = {
         "plans": [plan_summary(record, path, root) for path, record in chosen],

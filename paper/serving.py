@@ -67,21 +67,37 @@ def serving_figure(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def serving_summary(root: Path) -> list[dict[str, Any]]:
-    """Per device (GPU first) the newest client sweep: label, record, table, targets sentence, figure (drawn)."""
+def newest_sweeps(root: Path) -> dict[str, tuple[Path, dict]]:
+    """Per device ("gpu" first, then "cpu") the newest client sweep's summary path and summary."""
     sweeps = sorted((item for item in _summaries(root, "serving") if "per_clients" in item[1]),
                     key=lambda item: item[1]["environment"]["utc"])  # fmt: skip
     newest = {"gpu" if summary["environment"].get("gpu") else "cpu": (path, summary) for path, summary in sweeps}
+    return {device: newest[device] for device in ("gpu", "cpu") if device in newest}
+
+
+def serving_figure_path(root: Path, device: str) -> Path:
+    return root / "figures" / f"serving-{device}.png"
+
+
+def draw_serving_figures(root: Path) -> list[Path]:
+    """Draw the figure of each device's newest sweep (`serving_figure`) to `serving_figure_path`; returns the paths."""
+    paths = []
+    for device, (_, summary) in newest_sweeps(root).items():
+        serving_figure(summary, path := serving_figure_path(root, device))
+        paths.append(path)
+    return paths
+
+
+def serving_summary(root: Path) -> list[dict[str, Any]]:
+    """Per device (GPU first) the newest client sweep: label, record, table, targets sentence and the path of its
+    figure, which `draw_serving_figures` draws (this function reads only)."""
     out = []
-    for device in (d for d in ("gpu", "cpu") if d in newest):
-        path, summary = newest[device]
-        figure = root / "figures" / f"serving-{device}.png"
-        serving_figure(summary, figure)
+    for device, (path, summary) in newest_sweeps(root).items():
         cpu = " [CPU: the tiny twin, says nothing about GPU throughput]" if device == "cpu" else ""
         out.append({"label": f"{summary['run']['label']} on {machine(summary['environment'])}{cpu}",
                     "record": relative_path(path.parent, root), "utc": summary["environment"]["utc"], "device": device,
                     "table": clients_table(summary), "targets": targets_text(summary),
-                    "figure": "/" + relative_path(figure, root)})  # fmt: skip
+                    "figure": "/" + relative_path(serving_figure_path(root, device), root)})  # fmt: skip
     return out
 
 

@@ -83,9 +83,13 @@ def test_serving_section_shows_the_newest_run_per_device_with_its_figure(run):
     stale = json.loads((out_dir / "summary.json").read_text())
     stale["environment"]["utc"] = "2000-01-01T00:00:00Z"
     (older / "summary.json").write_text(json.dumps(stale))
+    figure = root / "figures" / "serving-cpu.png"
+    figure.unlink(missing_ok=True)
     (section,) = serving.serving_summary(root)
     assert section["record"] == f"serving/{out_dir.name}" and "CPU" in section["label"]
-    assert (root / section["figure"].lstrip("/")).stat().st_size > 10_000
+    assert not figure.exists()  # the summary only reads; the figure is drawn by draw_serving_figures
+    assert serving.draw_serving_figures(root) == [figure] and root / section["figure"].lstrip("/") == figure
+    assert figure.stat().st_size > 10_000
     header, *rows = section["table"]
     assert header[0] == "clients" and [r[0] for r in rows] == ["1", "3", "8"]
     assert rows[0][3] == "1.00x" and all(r[6] == "0" for r in rows)
