@@ -13,8 +13,9 @@ The lab's caches stay inside the checkout, in the ignored `.cache/`: every sessi
 same defaults for a plain `pytest`).
 
 Every session also works with `--no-venv` (nox's passthrough mode): it then runs in the current interpreter and
-installs nothing (`tests` then needs pytest-xdist there). That is how the sessions run on the H200, whose image
-already has torch, triton and cupy and reaches no package index (the missing wheels travel in `.whl/`, see README.md).
+installs nothing (`tests` runs in one process where pytest-xdist is missing). That is how the sessions run on the
+H200, whose image already has torch, triton and cupy and reaches no package index (the missing wheels travel in
+`.whl/`, see README.md).
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ def _lab_python(session: nox.Session, *groups: str) -> str:
 def tests(session: nox.Session) -> None:
     """The CPU suite (what CI runs): every test not marked `gpu`, Triton kernels under TRITON_INTERPRET=1, on two
     pytest-xdist workers (`-n 2`: CI has two cores; tests/conftest.py gives each worker one OpenMP thread and sends
-    the compile targets to one worker). `-- -n 0` runs it in one process."""
+    the compile targets to one worker). `-- -n 0` runs it in one process, and so does an interpreter without
+    pytest-xdist (`--no-venv`), saying so."""
     python = _lab_python(session)
-    session.run(python, "-m", "pytest", "-n", "2", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    probe = "import importlib.util; print(importlib.util.find_spec('xdist') is not None)"
+    workers = ["-n", "2"]
+    if session.run(python, "-c", probe, silent=True, log=False).strip() != "True":
+        session.warn(f"pytest-xdist is not installed in {python}: the suite runs in one process")
+        workers = []
+    session.run(python, "-m", "pytest", *workers, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=False)
