@@ -19,13 +19,9 @@ Math and rounding points (reference: `reference.ops.gdn_prep`, of `causal_conv1d
   beta = bf16↓( sigmoid(b) )
   g = (-exp(A_log_f)) · softplus(a_f + dt_bias_f)                  fp32, softplus(x) = x above 20 else log1p(exp(x))
 Products bf16 × bf16 are exact in fp32, so the conv sum depends only on its order: sequential from the oldest tap,
-as torch's native `conv_depthwise2d` CUDA kernel. For the same reason each tap is one fma (v7): fma(x, w, c) rounds
-x · w + c once, which is the add's rounding of the exact product, so it equals mul then add wherever x · w is exact
-in fp32, i.e. unless 0 < |x · w| < 2^-134 (a 16-bit significand needs its last bit at or above the subnormal
-2^-149), about 4.6e-41, far below any product of this layer's activations and conv weights. Caveat for the GPU: HF
-(and `reference.ops`) hand F.conv1d a transposed, i.e. channels-last, view, for which torch may pick cuDNN's
-depthwise conv, whose tap order is not documented; a different order would flip a bf16↓ of c very rarely (the GPU
-test asserts v bitwise and will show it).
+as torch's native `conv_depthwise2d` CUDA kernel. Caveat for the GPU: HF (and `reference.ops`) hand F.conv1d a
+transposed, i.e. channels-last, view, for which torch may pick cuDNN's depthwise conv, whose tap order is not
+documented; a different order would flip a bf16↓ of c very rarely (the GPU test asserts v bitwise and will show it).
 On the CPU the conv matched torch's bit for bit in every test.
 The L2 norm uses Triton's `/` and `tl.sqrt` exactly as FLA's `l2norm_fwd_kernel` writes them (approximate PTX on the
 GPU), because FLA computes the engine's q/k. Compiled for sm_90 (Triton 3.6, the H200's, and 3.9 alike; TTGIR of
@@ -70,13 +66,12 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   stay as the tests' and the prep probe's reference. On an H100 (`measure.prep_probe` at 33f9910) the kernel took
   10.2 / 7.2 / 29.7 us on drone / easy-intent-00 / customer_service against v4's 11.9 / 8.5 / 34.1 at the slots
   (-13 to -15 %; predicted -20 %), bit-equal.
-* v6: v5 with the SiLU and beta's sigmoid through `numerics.silu_bf16` / `sigmoid_bf16` (approximate
+* v6 (this file): v5 with the SiLU and beta's sigmoid through `numerics.silu_bf16` / `sigmoid_bf16` (approximate
   exp2 and reciprocal, torch's exact path only near a bf16 rounding midpoint): v5's bits on every bf16 input
   (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input); sm_90 (Triton 3.9) 72 registers against 80.
   Timing: engine/stages/core.md, "The gates' fast path".
-* v7 (this file): v6 with each conv tap one fma instead of a mul and an add (`enable_fp_fusion=False` keeps them
-  apart): v6's bits (the products are exact, above); sm_90 (Triton 3.9) 64 fewer instructions a thread in each head
-  branch, about 4 of the v branch's 54 an element and of the q/k branch's 61.
+* v7 (dropped, 253123e): each conv tap one fma (the bf16 product is exact, so v6's bits; 128 fewer sm_90
+  instructions): the shipped tile 2.7 % slower on an H100 (attempt `gdn-prep-conv-fma`).
 """
 
 from __future__ import annotations
@@ -137,7 +132,7 @@ def _conv_silu(
             )
         )
         weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
-        conv = tl.fma(x, weight[None, :], conv)  # x · weight is exact (bf16 × bf16): the add's rounding only
+        conv = conv + x * weight[None, :]
     conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
     return silu_bf16(conv, TORCH_CPU)  # F.silu: bf16↓
 

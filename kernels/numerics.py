@@ -25,8 +25,7 @@ How torch's numerics are reproduced:
 * On CUDA: `libdevice.exp` (= `expf`, which torch's kernels call; Triton's `tl.exp` is `ex2.approx`),
   `libdevice.log1p`, `libdevice.rsqrt` (= `rsqrtf`, torch's `rsqrt`) and `tl.math.div_rn` (IEEE division; Triton's
   `/` is `div.full.f32`). Checked by compiling every kernel for sm_90 here: the PTX has `div.rn.f32` and a non-ftz
-  `rsqrt.approx.f32`, and no fma outside libdevice's own `expf` and gdn_prep's conv taps, whose products are exact
-  (`kernels/compile_check.py`).
+  `rsqrt.approx.f32`, and no fma outside libdevice's own `expf` (`kernels/compile_check.py`).
 * Under TRITON_INTERPRET=1 (CPU tensors) there is no libdevice: exp and log1p are evaluated in fp64 and rounded once
   (torch's CPU expf / log1pf are correctly rounded on most inputs, not all), rsqrt as 1/sqrt in fp32 (not always
   torch's CPU rsqrt). A last-bit fp32 difference almost never survives a bf16↓; where a
