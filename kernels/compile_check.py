@@ -54,8 +54,11 @@ from kernels import numerics
 SM90 = 90
 CAPABILITIES = (SM90, 100, 103)  # H200 (Hopper); B200 and B300 (Blackwell: B300, sm_103, is the design target)
 META = torch.device("meta")
-SEQUENCE_COUNTS = (1, 2, 3, 5, 9, 17, 33, 65, 255, 4097)  # gdn_prep's binary search: 0-8 and 12 steps
-SLOTS_SEQUENCE_COUNTS = (3, 17, 255)  # gdn_prep's output slots (the tree's packed rows): 2, 5 and 8 search steps
+# gdn_prep over cu_seqlens (its binary search: 0, 1, 4-7 and 12 steps; 4-7 are where v2 failed under Triton 3.6,
+# engine/stages/fused.md), with a row index and at output slots: the GPU tests' and the prep probe's references (the
+# engine launches only the taps way). The depth only sets an unrolled loop's length.
+SEQUENCE_COUNTS = (1, 2, 9, 17, 33, 65, 4097)
+SLOTS_SEQUENCE_COUNTS = (17,)  # gdn_prep's output slots (the tree's packed rows): 5 search steps
 SASS_OPCODES_SHOWN = 8  # `--sass`: the most common opcodes listed per kernel
 SPLITS = (1, 2, 3, 4)  # residual_rmsnorm_splitk: the split-K GEMM's S (a constexpr: one kernel each)
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "enable_reflect_ftz")

@@ -203,15 +203,16 @@ def compile_runs(request) -> Iterator[dict[int, subprocess.Popen]]:
 @pytest.mark.parametrize("capability", compile_check.CAPABILITIES)
 def test_kernels_compile_for(capability: int, compile_runs) -> None:
     """`python -m kernels.compile_check --capability N`: every kernel, as the wrappers launch it at the 27B shapes
-    (gdn_prep at every binary-search depth, with and without a row index, and at output slots for three depths;
+    (gdn_prep from a plan's taps, and over cu_seqlens at binary-search depths 0, 1, 4-7 and 12 with and without a row
+    index and at output slots at depth 5;
     gather_slots; residual_rmsnorm_splitk at S = 1-4; gdn_chunk's solve and walk for drone's bucket with and without
     its tree walk and for a hand-off call),
     compiles for sm_N with the installed Triton, aligned and unaligned (the interpreter never runs Triton's compiler
     passes, kernels/compile_check.py): sm_90 (H200), sm_100 and sm_103 (B200, B300), skipped where Triton's ptxas
     cannot target one. The three targets compile side by side (`compile_runs`), from the start of a `nox -s tests`
-    run while the other worker runs the rest. On the 2-core dev machine with an empty Triton cache: about 700 s of CPU
-    for the three (alone: 205 s for sm_90, 245 s each for sm_100 and sm_103), done 420-500 s after the start of a
-    `-n 2` run (607dd64, c8200f2)."""
+    run while the other worker runs the rest. On the 2-core dev machine with an empty Triton cache: about 570 s of CPU
+    for the three (alone: 166 s for sm_90, 203 s for sm_103; 197 s for sm_90 the same day with gdn_prep at ten search
+    depths instead of seven and slots at three, 2026-12-07)."""
     lacking = compile_check.ptxas_lacks(capability)
     if lacking:
         pytest.skip(lacking)
