@@ -25,6 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ablations.envinfo import write_json
+from paper.readme import markdown_table
+
 
 class TilesLogError(ValueError):
     """A kernel_tiles A/B log this tool cannot read: the message says where and why."""
@@ -43,7 +46,10 @@ def parse_runs(text: str, source: str = "log") -> list[dict[str, Any]]:
                 )
             runs.append({"label": label, "role": role, "result": None, "line": number})
         elif line.startswith("{") and runs:
-            result = json.loads(line)
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TilesLogError(f"{source}:{number}: the probe's JSON line does not parse ({error})") from error
             if "cases" not in result:
                 raise TilesLogError(f"{source}:{number}: a JSON line without 'cases' (not the kernel_tiles probe)")
             runs[-1]["result"] = result
@@ -82,7 +88,8 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for index, run in enumerate(runs):
             if run["role"] != "new":
                 continue
-            baseline = sum(us[i] for i in _neighbour_olds(runs, index)) / len(_neighbour_olds(runs, index))
+            olds_beside = _neighbour_olds(runs, index)
+            baseline = sum(us[i] for i in olds_beside) / len(olds_beside)
             changes.append({"run": run["label"], "us": us[index], "baseline_us": baseline,
                             "change": us[index] / baseline - 1.0, "equal_share": keyed[index][key]["equal_share"],
                             "nan_free": keyed[index][key]["nan_free"]})  # fmt: skip
@@ -98,15 +105,15 @@ def table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     for run in runs:
         if run["role"] == "new":
             header += [f"{run['label']} change", "bit-equal, NaN-free"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells_of_rows = []
     for row in rows:
         cells = [row["kernel"], row["tile"] + (" (shipped)" if row["shipped"] else "")]
         cells += [f"{u:.2f}" for u in row["us"]] + [f"{100 * row['old_spread']:.1f} %"]
         for change in row["changes"]:
             bits = f"{change['equal_share']:.6f}, {'yes' if change['nan_free'] else 'NO'}"
             cells += [f"{100 * change['change']:+.1f} %", bits]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells_of_rows.append(cells)
+    return markdown_table([header, *cells_of_rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path}: {len(runs)} runs of the kernel_tiles probe at {sorted(rows_per_run)} rows\n")
     print(table(runs, rows))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"log": str(path), "runs": [run["label"] for run in runs], "rows": rows}
-        out.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
-        print(f"\nwritten: {out}")
+        write_json({"log": str(path), "runs": [run["label"] for run in runs], "rows": rows}, Path(args.json))
     return 0
 
 

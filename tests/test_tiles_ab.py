@@ -60,6 +60,7 @@ def test_a_new_run_at_the_end_is_compared_with_the_old_run_before_it_and_bad_bit
             "has no probe JSON",
         ),
         (_run("old a", dict(zip(TILES, [1.0, 2.0, 3.0]))), "at least one old and one new run"),
+        ('== old a\n{"rows": 971, "cases": [{"kernel"\n', "does not parse"),
     ],
 )
 def test_unreadable_logs_are_refused_with_where_and_why(log, message):
