@@ -16,15 +16,18 @@ kernels.compile_check ...` (every kernel compiles under both, checked at 69f2ce4
 How. Each public wrapper (`kernels.silu_mul`, `gdn_prep`, ...) is called on meta tensors (shapes and dtypes, no memory)
 at the 27B widths with the kernels in GPU mode; the launch is captured instead of run, so the grid-independent part of
 it (argument types, constexprs, num_warps, fp options) is exactly what the wrapper would launch on a GPU. The captured
-launch is then compiled by `triton.compile` for one target (sm_90 by default; `CAPABILITIES` lists the targets the
-tests check: the H200's sm_90, Blackwell's sm_100 and sm_103), down to a cubin with Triton's bundled ptxas, twice: with
-every pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and
-with none (unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does.
-Nothing runs. `--gates` compiles `numerics.silu_f32` and `sigmoid_f32` (torch's formulas) alone and compares the PTX of
-each with the exact path of `SILU_BF16_PTX` / `SIGMOID_BF16_PTX`, instruction by instruction after naming every register
-by the value it holds and putting each constant in place of its register: the inline assembly's exact path is then the
-code Triton compiles torch's formula to, whose bits the GPU tests have checked against torch. `--usage` prints each
-compile's registers, spill stores and spill loads as the target's ptxas -v reports them (aligned only).
+launch is then compiled by `triton.compile` for one target (sm_90 by default; `CAPABILITIES` lists the targets the tests
+check: the H200's sm_90, Blackwell's sm_100 and sm_103), down to a cubin with Triton's bundled ptxas, twice: with every
+pointer and every integer that is a multiple of 16 specialised as 16-divisible (what aligned tensors give) and with none
+(unaligned views, odd strides). Integers equal to 1 are specialised to constants, as Triton's launcher does. Nothing
+runs. Blackwell gets the stages' launches only; sm_90 also the ones that only the GPU tests and the probes make on the
+lab's Hopper cards (`reference_only`: the reference ways of gdn_prep, the probe's walks), which took 132 of the 208 s of
+CPU that sm_103's compiles took from an empty cache on the dev machine (2026-12-07). `--gates` compiles
+`numerics.silu_f32` and `sigmoid_f32` (torch's formulas) alone and compares the PTX of each with the exact path of
+`SILU_BF16_PTX` / `SIGMOID_BF16_PTX`, instruction by instruction after naming every register by the value it holds and
+putting each constant in place of its register: the inline assembly's exact path is then the code Triton compiles
+torch's formula to, whose bits the GPU tests have checked against torch. `--usage` prints each compile's registers,
+spill stores and spill loads as the target's ptxas -v reports them (aligned only).
 
 Why. The interpreter runs the kernels' Python, never Triton's MLIR passes, so a kernel can pass every CPU test and still
 fail to compile on the GPU (gdn_prep v2 under Triton 3.6: engine/stages/fused.md, "Kernel history"); a failure that
@@ -107,8 +110,10 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=META)
 
 
-def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
-    """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts)."""
+def engine_launches(capability: int = SM90) -> list[tuple[str, Callable[[], Any]]]:
+    """(label, call) of each kernel configuration the engine launches at the 27B shapes (odd row counts), and on
+    sm_90 also the configurations that only the GPU tests and the probes launch (`reference_only`): those run on the
+    lab's Hopper cards, never in a stage on Blackwell."""
     import kernels
     from kernels.gdn_chunk import gdn_chunk_forward
     from reference.shapes import QWEN38_27B as s
@@ -204,7 +209,16 @@ def engine_launches() -> list[tuple[str, Callable[[], Any]]]:
     launches.append(("gdn_prep taps", lambda: kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=taps, **gdn)))
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
-    return launches
+    return [(label, call) for label, call in launches if capability == SM90 or not reference_only(label)]
+
+
+def reference_only(label: str) -> bool:
+    """A launch no stage makes: gdn_prep over cu_seqlens, with a row index or at output slots (the engine's is
+    `gdn_prep taps`), and gdn_chunk on gathered inputs or at the probe's solves and value blocks (the stages' are
+    `walk rows`, `replicated` and `handoff`)."""
+    if label.startswith("gdn_prep"):
+        return label != "gdn_prep taps"
+    return label.startswith("gdn_chunk") and label.split(" seqs ")[1] not in ("walk rows", "replicated", "handoff")
 
 
 def compile_launch(launch: Launch, *, aligned: bool, capability: int = SM90):
@@ -293,7 +307,7 @@ def check(
     if not isinstance(activations._silu_mul_kernel, triton.runtime.JITFunction):
         raise RuntimeError("compile_check: the kernels were defined under TRITON_INTERPRET=1; run without it")
     results = []
-    for label, call in engine_launches():
+    for label, call in engine_launches(capability):
         if only is not None and not label.startswith(only):
             continue
         with captured_launches() as launches:

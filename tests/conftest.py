@@ -47,13 +47,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 COMPILE_TARGETS = "tests/test_kernels.py::test_kernels_compile_for["
+SHARED_FORWARDS = "tests/test_core_stage.py::"  # the module's tests share its forwards (`Forwards`)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`pytest -n N` (pytest-xdist; `nox -s tests` runs `-n 2`): xdist's `load` distribution, each test to whichever
     worker is free, except that the compile targets (`test_kernels_compile_for`, tests/test_kernels.py) go to one
-    worker together and first, so that their compiles start once, at the start of the run. xdist's own way to keep
+    worker together and first, so that their compiles start once, at the start of the run, and tests/test_core_stage.py
+    goes to one worker whole, where its tests share their forwards. xdist's own way to keep
     tests together (`--dist loadgroup`) appends the group to the test ids, which pytest 9.2 no longer lets it change
     (pytest-dev/pytest-xdist#1386): the targets would be spread, and every worker that ran one would start all three."""
     if config.getvalue("dist") != "load":
@@ -61,11 +63,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class CompileTargetsTogether(LoadScopeScheduling):
-        """A unit for each test and one for the compile targets; units of more tests are handed out first (xdist's
-        `--loadscope-reorder`, on by default)."""
+        """A unit for each test, one for the compile targets and one for the core-stage module; units of more tests
+        are handed out first (xdist's `--loadscope-reorder`, on by default)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return COMPILE_TARGETS if nodeid.startswith(COMPILE_TARGETS) else nodeid
+            return next((unit for unit in (COMPILE_TARGETS, SHARED_FORWARDS) if nodeid.startswith(unit)), nodeid)
 
     return CompileTargetsTogether(config, log)
 

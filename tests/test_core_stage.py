@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported (tests/test_kernels.py)
 
 from ablations.plans import load_plan  # noqa: E402
+from engine.planner import EngineRows  # noqa: E402
 from engine.stages import STAGES, build_engine, config_of, get_stage  # noqa: E402
 from engine.weights import MergedWeights  # noqa: E402
 from reference.shapes import TINY  # noqa: E402
@@ -43,13 +44,33 @@ def merged_weights() -> MergedWeights:
     return MergedWeights.from_decision_weights(synthetic_weights(TINY_FOUR_LAYERS, seed=23))
 
 
-def request(seed: int, root_len: int) -> tuple[list[list[int]], list[int]]:
-    """A shared root of `root_len` tokens, two questions of 2 and 3 options (odd lengths)."""
-    rng = random.Random(seed)
-    root = [rng.randrange(100, 150_000) for _ in range(root_len)]
-    candidates = [root + [q + 1] + [rng.randrange(100, 150_000) for _ in range(2 + q * 5)] + [o + 1]
-                  for q, options in enumerate((2, 3)) for o in range(options)]  # fmt: skip
-    return candidates, [0, 0, 1, 1, 1]
+class Forwards:
+    """One request through each engine the tests compare, every forward run once for the module (the tests share
+    them: tests/conftest.py keeps this module's tests on one pytest-xdist worker). The request: a shared root of 70
+    tokens (past the first 64-row chunk boundary, so the tree walk publishes a state and the hand-off splits the root),
+    two questions of 2 and 3 options (odd lengths)."""
+
+    def __init__(self, weights: MergedWeights):
+        rng = random.Random(1)
+        root = [rng.randrange(100, 150_000) for _ in range(70)]
+        self.candidates = [root + [q + 1] + [rng.randrange(100, 150_000) for _ in range(2 + q * 5)] + [o + 1]
+                           for q, options in enumerate((2, 3)) for o in range(options)]  # fmt: skip
+        self.groups = [0, 0, 1, 1, 1]
+        self.weights, self.runs = weights, {}
+
+    def __call__(self, stage: str, **options) -> tuple[EngineRows, torch.Tensor]:
+        """(the prepared request, the forward's output) of `build_engine(weights, stage, **options)`."""
+        key = (stage, *sorted(options.items()))
+        if key not in self.runs:
+            engine = build_engine(self.weights, stage, **options)
+            prepared = engine.prepare(self.candidates, self.groups)
+            self.runs[key] = prepared, engine.forward(prepared)
+        return self.runs[key]
+
+
+@pytest.fixture(scope="module")
+def forwards(merged_weights) -> Forwards:
+    return Forwards(merged_weights)
 
 
 def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,51 +88,54 @@ def test_core_stage_is_registered_kept_on_gemm():
     assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages
 
 
-@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
-def test_core_stage_close_to_graphs(merged_weights):
+# The slow tests' forwards (`Forwards`: six of four layers under the interpreter, 20-30 s each on the 2-core CPU)
+UNPADDED = {"graphs": False, "gdn_mode": "replicated"}
+
+
+@pytest.mark.slow
+def test_core_stage_close_to_graphs(forwards):
     """The stage's CPU gate: `core` against `graphs` on one request, candidate outputs within the registry's bound
     (the runner's hidden_rel_rmse: the head's input rows), every residual state finite."""
-    core, graphs = build_engine(merged_weights, "core"), build_engine(merged_weights, "graphs")
-    candidates, groups = request(1, root_len=70)
-    got, want = core.prepare(candidates, groups), graphs.prepare(candidates, groups)
-    assert got.batches[0].plan.bucket is not None  # a bucketed plan, as `graphs` runs it
-    out, ref = core.forward(got), graphs.forward(want)
+    (prepared, out), (_, ref) = forwards("core"), forwards("graphs")
+    assert prepared.batches[0].plan.bucket is not None  # a bucketed plan, as `graphs` runs it
     error = rel_rmse(out, ref)
     print(f"core vs graphs: hidden_rel_rmse {error:.3e} (bound {get_stage('core').exactness.bound})")
     assert torch.isfinite(out).all() and error <= get_stage("core").exactness.bound
 
 
-@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
-def test_core_tree_matches_flat_bitwise(merged_weights):
+@pytest.mark.slow
+def test_core_tree_matches_flat_bitwise(forwards):
     """Tree vs flat within the stage (graphs off: the flat layout has no buckets): the kernel is prefix-invariant, so
-    the shared rows computed once give each candidate the bits of its unshared run."""
-    tree = build_engine(merged_weights, "core", graphs=False)
-    flat = build_engine(merged_weights, "core", graphs=False, layout="flat")
-    candidates, groups = request(2, root_len=40)
-    assert torch.equal(tree.forward(tree.prepare(candidates, groups)), flat.forward(flat.prepare(candidates, groups)))
+    the shared rows computed once (the root's first chunk by one program, its state handed to the others by the
+    tree walk) give each candidate the bits of its unshared run."""
+    (tree_prepared, tree), (flat_prepared, flat) = (
+        forwards("core", **UNPADDED),
+        forwards("core", **UNPADDED, layout="flat"),
+    )
+    assert tree_prepared.batches[0].plan.kind != "flat" and flat_prepared.batches[0].plan.kind == "flat"
+    assert torch.equal(tree, flat)
 
 
-@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
-def test_core_handoff_matches_replicated_bitwise(merged_weights):
+@pytest.mark.slow
+def test_core_handoff_matches_replicated_bitwise(forwards):
     """The `handoff` schedule (root once to its last 64-row boundary, fp32 state handed to the branches, through the
     same kernel) gives the `replicated` schedule's bits: the kernel's split at a multiple of 64 is exact."""
-    handoff = build_engine(merged_weights, "core", graphs=False, gdn_mode="handoff")
-    replicated = build_engine(merged_weights, "core", graphs=False, gdn_mode="replicated")
-    candidates, groups = request(3, root_len=70)
-    prepared = handoff.prepare(candidates, groups)
+    (prepared, handoff), (_, replicated) = (
+        forwards("core", graphs=False, gdn_mode="handoff"),
+        forwards("core", **UNPADDED),
+    )
     assert prepared.batches[0].gdn_mode == "handoff" and len(prepared.batches[0].plan.gdn["handoff"].calls) == 2
-    assert torch.equal(handoff.forward(prepared), replicated.forward(replicated.prepare(candidates, groups)))
+    assert torch.equal(handoff, replicated)
 
 
-@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
-def test_core_bucketed_forward_matches_unpadded_bitwise(merged_weights):
+@pytest.mark.slow
+def test_core_bucketed_forward_matches_unpadded_bitwise(forwards):
     """The bucketed plan (`graphs`: dummy rows, dummy and empty paths, trailing slots) gives the unpadded plan's bits:
     padding sequences of the kernel's launch change no real row (graph replay = eager on the GPU rests on it)."""
-    bucketed, unpadded = build_engine(merged_weights, "core"), build_engine(merged_weights, "core", graphs=False)
-    candidates, groups = request(4, root_len=9)
-    prepared = bucketed.prepare(candidates, groups)
-    assert prepared.batches[0].plan.bucket is not None
-    assert torch.equal(bucketed.forward(prepared), unpadded.forward(unpadded.prepare(candidates, groups)))
+    (prepared, bucketed), (_, unpadded) = forwards("core"), forwards("core", **UNPADDED)
+    plan = prepared.batches[0].plan
+    assert plan.bucket is not None and plan.token_rows < plan.num_rows and plan.bucket.sequences > len(forwards.groups)
+    assert torch.equal(bucketed, unpadded)
 
 
 def test_paged_stage_is_registered_unmeasured_on_core():
@@ -122,14 +146,11 @@ def test_paged_stage_is_registered_unmeasured_on_core():
     assert "paged" not in load_plan("gpu-27b").stages
 
 
-@pytest.mark.slow  # two forwards of four layers under the interpreter: 19-28 s on the 2-core CPU
-def test_paged_stage_matches_core_bitwise(merged_weights):
+@pytest.mark.slow
+def test_paged_stage_matches_core_bitwise(forwards):
     """The stage's CPU gate: `paged` (attn_prep's k and v at the packed rows, the key rows gathered for the blockwise
     core) gives `core`'s bits (k and v prepared straight into the key layout) on a bucketed request: the prep writes a
     key row's values at its packed row bit for bit, whichever layout it writes."""
-    paged, core = build_engine(merged_weights, "paged"), build_engine(merged_weights, "core")
-    candidates, groups = request(5, root_len=70)
-    got, want = paged.prepare(candidates, groups), core.prepare(candidates, groups)
-    assert got.batches[0].plan.bucket is not None and not got.batches[0].plan.attention.keys_are_rows
-    out = paged.forward(got)
-    assert torch.isfinite(out).all() and torch.equal(out, core.forward(want))
+    (prepared, out), (_, want) = forwards("paged"), forwards("core")
+    assert prepared.batches[0].plan.bucket is not None and not prepared.batches[0].plan.attention.keys_are_rows
+    assert torch.isfinite(out).all() and torch.equal(out, want)
