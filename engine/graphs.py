@@ -199,6 +199,73 @@ def capture_forward(
     return graph, output
 
 
+class SegmentedGraph:
+    """One forward captured as consecutive CUDA graphs (`capture_segments`); `replay()` launches them in order on the
+    current stream. A graph's launch costs host time that grows with its nodes (a 27B forward has about 700), and its
+    first kernel waits for it; with a short first graph the GPU starts after that graph's launch and runs it while the
+    host launches the rest. The same kernels in the same order on one stream: the bits of one graph."""
+
+    def __init__(self, graphs: Sequence[torch.cuda.CUDAGraph]):
+        self.graphs = tuple(graphs)
+
+    def replay(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
+
+
+def capture_segments(
+    forward: Callable[[], torch.Tensor],
+    arena,
+    device: torch.device,
+    backbone,
+    after_layers: Sequence[int],
+    *,
+    pool=None,
+    warmup_runs: int = 2,
+) -> tuple[SegmentedGraph, torch.Tensor]:
+    """`capture_forward` with a graph ending after each layer of `after_layers` (the backbone calls its `after_layer`
+    hook with i after layer i): len(after_layers) + 1 graphs in one memory pool (`pool`, else a new one), replayed in
+    the order captured, which the pool's sharing requires. Tensors that one graph writes and a later one reads stay
+    referenced by the forward across the cut, so no graph reuses their memory. Returns the segments and the last
+    graph's static output."""
+    cuts = set(after_layers)
+    if len(cuts) != len(after_layers) or any(i < 0 for i in cuts):
+        raise ValueError(f"after_layers must be distinct layer indices, got {list(after_layers)}")
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup_runs):
+            forward()
+    current.wait_stream(side)
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graphs = [torch.cuda.CUDAGraph()]
+
+    def cut(i: int) -> None:
+        if i in cuts:
+            graphs[-1].capture_end()
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+
+    capture = torch.cuda.Stream(device)
+    backbone.after_layer = cut
+    try:
+        with torch.cuda.stream(capture):
+            graphs[0].capture_begin(pool=pool)
+            try:
+                arena.refresh_int32()
+                output = forward()
+            finally:
+                graphs[-1].capture_end()
+    finally:
+        backbone.after_layer = None
+    torch.cuda.synchronize(device)
+    if len(graphs) != len(cuts) + 1:
+        raise ValueError(f"after_layers {sorted(cuts)}: {len(cuts) + 1 - len(graphs)} past the forward's last layer")
+    return SegmentedGraph(graphs), output
+
+
 class PinnedStaging:
     """The host side of a replay's arena refill: one pinned int64 buffer (grown to the largest captured arena) and
     one CUDA event. `copy(dst, src)` waits for the event (the previous non-blocking copy out of the buffer must have
