@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     prepare_process([args.stage], "cuda")
     merged = MergedWeights.from_decision_weights(synthetic_weights(S, seed=0, device="cuda"))
     engine = build_engine(merged, args.stage)
-    pool = torch.cuda.graph_pool_handle()
     results = []
     for wid in workload_ids:
         cands, groups = request_candidates(get_workload(wid).request)
@@ -125,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"id": wid, "skipped": "no grid bucket"})
             continue
         plan = plan_tree(cands, groups, device="cuda", bucket=bucket)
+        pool = torch.cuda.graph_pool_handle()  # one per workload: a pool whose graphs were all freed is not reused
 
         def forward(plan=plan):
             return engine._forward_plan(plan)
