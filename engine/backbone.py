@@ -393,7 +393,6 @@ class EngineBackbone:
         self.grid = self.planner.grid  # `graphs`: the buckets the planner pads batches to, on any device
         self.batch_max_rows = self.planner.batch_max_rows  # rows of one batched forward (`batch_rows`)
         self.graphs = None  # engine.graphs.GraphCache on CUDA with `graphs`
-        self.after_layer = None  # called with i after layer i of a forward: engine.graphs.capture_segments' cuts
         if config.graphs and self.device.type == "cuda":
             self.graphs = GraphCache(self._forward_plan, self.device, self.grid)
         # Batching of requests (reference.service.DecisionModel.answer_many): a row's bits must not depend on the rows
@@ -603,8 +602,6 @@ class EngineBackbone:
                     residual, normed = gemm_.residual_rmsnorm(ops_, residual, down, next_norm)
             if states is not None:
                 states.append(residual)
-            if self.after_layer is not None:
-                self.after_layer(i)
         if states is not None:
             states.append(normed)
         return normed.index_select(0, batch.plan.read_rows)  # [C_batch, H]

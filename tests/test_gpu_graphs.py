@@ -11,7 +11,6 @@ captured. Declared and checked, bit for bit:
 * two requests of one bucket replayed alternately through the same graph: each gets its own eager bits (no state
   leaks through the arena, the solve workspace or the shared pool);
 * five replays of one request: identical;
-* one forward captured as three consecutive graphs (`capture_segments`): the one graph's bits;
 * a dropped `graphs` engine (the tiny twin) is freed without the cycle collector (passed on an H100 at 6d8566e, and
   failed there with 83b70a4's graph cache, which held the forward strongly: results/gpu/20261205T1909Z-* and 1910Z-*);
 * the arena hand-off: a bucketed plan is host-only (its arena on the CPU), a replay fills the captured arena from it
@@ -32,7 +31,7 @@ import pytest
 import torch
 
 from ablations.workloads import get_workload, jevbench_panel
-from engine.graphs import capture_forward, capture_segments, grid_bucket
+from engine.graphs import grid_bucket
 from engine.plan import plan_tree, tree_layout
 from engine.planner import EngineRows, RowBatch
 from engine.stages import build_engine
@@ -123,27 +122,6 @@ def test_five_replays_are_identical(engines):
     outs = [graphs.forward(prepared) for _ in range(5)]
     assert prepared.batches[0].graph_hit
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
-
-
-def test_a_forward_cut_into_graphs_gives_the_one_graphs_bits(engines):
-    """`engine.graphs.capture_segments` (measure/graph_launch.py's variants): drone's bucket captured as one graph and
-    as three (graphs ending after layers 3 and 15) in one pool, each replayed twice over drone's own padded plan copied
-    into the captured arena (a request other than the placeholder one the grid captures): the same bits every time."""
-    _, graphs = engines
-    bucket = graphs.prepare(*candidates_of("drone")).batches[0].plan.bucket
-    plan = plan_tree(*candidates_of("drone"), device=DEVICE, bucket=bucket)
-    pool = torch.cuda.graph_pool_handle()
-    one, one_out = capture_forward(lambda: graphs._forward_plan(plan), plan.arena, graphs.device, pool=pool)
-    cut, cut_out = capture_segments(lambda: graphs._forward_plan(plan), plan.arena, graphs.device, graphs, (3, 15),
-                                    pool=pool)  # fmt: skip
-    assert len(cut.graphs) == 3 and graphs.after_layer is None
-    one.replay()
-    want = one_out.clone()
-    for _ in range(2):
-        cut.replay()
-        assert torch.equal(cut_out, want)
-        one.replay()
-        assert torch.equal(one_out, want)
 
 
 def test_a_host_plan_moved_to_the_device_keeps_every_array(engines):
