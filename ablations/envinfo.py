@@ -151,9 +151,10 @@ def record_stem(env: dict[str, object]) -> str:
     return f"{stamp}-{machine}-{str(env['git_commit'])[:7]}"
 
 
-def write_json(record: dict, path: Path) -> None:
+def write_json(record: dict, path: Path, *, allow_nan: bool = True) -> None:
     """Write a measurement record (one JSON object, its `env` from `collect`) to `path`, its folder made if needed,
-    and say where: what the CPU measurement tools (batch packing, grid coverage, prepare time) end with."""
+    and say where: what the CPU measurement tools (batch packing, grid coverage, prepare time) end with. With
+    `allow_nan=False` a NaN or infinity in the record raises ValueError instead of being written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(record, indent=1, allow_nan=allow_nan) + "\n")
     print(f"written: {path}")
