@@ -362,7 +362,7 @@ def silu_mul_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
         return f"{block_r}x{block_n}, {warps} warps", launch
 
     shapes = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (16, 1024, 8), (2, 2048, 4), (4, 2048, 8), (1, 4096, 4),
-              (2, 4096, 8), (16, 512, 4), (32, 512, 8)]  # fmt: skip
+              (2, 4096, 8), (16, 512, 4), (32, 512, 8), (2, 1024, 4), (4, 1024, 8), (1, 1024, 4)]  # fmt: skip
     return {"tiles": [tile(*shape) for shape in shapes],
             "outputs": lambda: _poisoned(device, ((rows, inter), torch.bfloat16)),
             "nbytes": silu_mul_bytes(rows), "wrapper": lambda: [silu_mul(gate_up)]}  # fmt: skip
