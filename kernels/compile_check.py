@@ -169,13 +169,12 @@ def engine_launches(capability: int = SM90) -> list[tuple[str, Callable[[], Any]
     chunk_gates = (_meta(rows, hv, dtype=torch.float32), _meta(rows, hv))
     # drone's bucket (replicated) with its tree walk on the packed rows (the stage's) and on gathered inputs, without
     # the walk; a hand-off call; the fla-blocks solve (the stage's before blocks-doubling); the probe's value blocks of
-    # 32 (`measure.gdn_chunk_probe`), with a 168-register cap, and of 16; the walk with the root helper
+    # 32 (`measure.gdn_chunk_probe`), with a 168-register cap, and of 16
     bv32, bv16 = ({"value_block": bv, "unverified_value_block": True} for bv in (32, 16))
     tiles = {"walk rows bv32": bv32, "walk rows bv32 r168": bv32 | {"max_registers": 168}, "walk rows bv16": bv16,
-             "walk rows fla-blocks": {"solve": "fla-blocks"},
-             "walk rows root-helper": {"root_helper": True}}  # fmt: skip
+             "walk rows fla-blocks": {"solve": "fla-blocks"}}  # fmt: skip
     modes = ("walk rows", "walk", "replicated", "handoff", "walk rows fla-blocks", "walk rows bv32",
-             "walk rows bv32 r168", "walk rows bv16", "walk rows root-helper")  # fmt: skip
+             "walk rows bv32 r168", "walk rows bv16")  # fmt: skip
     for sequences, mode in ((5 if mode == "handoff" else 18, mode) for mode in modes):
         states = _meta(sequences, hv, s.linear_key_head_dim, dv, dtype=torch.float32) if mode == "handoff" else None
         walk = _meta(sequences, 8, dtype=torch.int64) if mode.startswith("walk") else None

@@ -121,6 +121,14 @@ engine/stages/core.md):
 * relaxed polls (e83eeeb, dropped): a tree walk's reader polled its flag with relaxed loads and acquired once it was
   set, instead of an acquire (a CCTL.IVALL, an L1 invalidation) each poll beside the root's programs. The same bits; on
   an H100 no effect: 74.43 / 74.37, 45.27 / 45.32, 140.39 / 140.25 us a layer. Attempt `gdn-chunk-walk-relaxed-spin`.
+* root helper (d9de127, dropped): sequence 0 ran its root chunks (before its first publish) without their output,
+  storing the chunk-start state's operand and bf16↓(v') instead and raising a flag a chunk, and the first reader of the
+  root computed those outputs while it would have waited for the root's state, so that the root's chain, the
+  critical path of customer_service (8 of its walk's chunk-latencies), would run at about the chain-only speed below.
+  The interpreter's tree-walk tests passed; on an H100 (probe of d9de127, one process) it was slower on all three
+  workloads, 85.5 / 51.8 / 143.0 us a layer against the stage's 75.1 / 45.6 / 140.7 (easy-intent-00 has no root:
+  the larger kernel's own cost; sm_90 spills 376 -> 536 bytes, 3,000 -> 4,096 instructions, Triton 3.6), and not
+  bitwise on customer_service's bucket (0.999999 of the read elements). Attempt `gdn-chunk-walk-root-helper`.
 * chain only (e1195c2, timing only): the walk reading w and u, storing v' and the chunk states, computing nothing else,
   to bound a walk split into three launches: 1.50 / 1.68 / 1.56x faster than the whole walk on an H100 (the walk
   launch 63.3 -> 42.3 us on drone), short of the 2.2x the done-when asks. Attempt `gdn-chunk-walk-chain-only`.
@@ -404,84 +412,6 @@ def _walk_chunk(
 
 
 @triton.jit
-def _chain_chunk(
-    q, k, v, g, beta, o, solved, slot_rows, ops, chunk_flags, state, i_t, bos, seq_len, i_hv, i_hk, i_v, o_t, o_k, o_v,
-    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    NV: tl.constexpr, HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):  # fmt: skip
-    """Chunk i_t of the root publisher with its output left to the root helper (`_helper_chunk`): `_walk_chunk`'s
-    w, u, v' and state update, and instead of the output the two operands it is made of, stored: the chunk-start
-    state's dot operand in `ops` [chunk, Hv, K, V] and bf16↓(v') in the chunk's rows of o, then the chunk's flag raised
-    (a CTA barrier, a release store). Returns the state after the chunk."""
-    BT: tl.constexpr = 64
-    token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
-        g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-    )
-    k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
-    v_rows = (input_row * VALUE_HEADS + i_hv) * VALUE_DIM
-    k16 = tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0)
-    k_op = _loaded_operand(k16, ROUND, TORCH_CPU)
-    t16 = tl.load(solved + ((token * VALUE_HEADS + i_hv) * BT)[:, None] + o_t[None, :], mask=valid[:, None],
-                  other=0.0)  # fmt: skip
-    t_op = _loaded_operand(t16, ROUND, TORCH_CPU)
-    w_op = _chunk_w(t_op, k16, b_beta, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-    b_v = to_f32(tl.load(v + v_rows[:, None] + o_v[None, :], mask=valid[:, None], other=0.0))
-    b_u = _chunk_u(t_op, b_v, b_beta, ROUND, DOT_PRECISION, TORCH_CPU)
-    state_op = _rounded_operand(state, ROUND, TORCH_CPU)
-    v_new = b_u - tl.dot(w_op, state_op, input_precision=DOT_PRECISION)
-    ops_tile = ((i_t * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM + _state_tile(
-        i_v, KEY_DIM, VALUE_DIM, VALUE_DIM // NV
-    )
-    tl.store(ops + ops_tile, state_op)
-    o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
-    tl.store(o_ptrs, _rounded_operand(v_new, ROUND, TORCH_CPU), mask=valid[:, None])
-    tl.debug_barrier()
-    tl.atomic_xchg(chunk_flags + (i_t * VALUE_HEADS + i_hv) * NV + i_v, 1, sem="release", scope="gpu")
-    last = tl.minimum(seq_len - i_t * BT, BT) - 1
-    g_last = tl.sum(tl.where(o_t == last, b_gc, 0.0), axis=0)
-    return _chunk_state(state, v_new, k_op, b_gc, g_last, ROUND, DOT_PRECISION, TORCH_CPU)
-
-
-@triton.jit
-def _helper_chunk(
-    q, k, g, beta, o, slot_rows, ops, chunk_flags, i_t, bos, seq_len, i_hv, i_hk, i_v, o_k, o_v, scale,
-    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    NV: tl.constexpr, HAS_ROWS: tl.constexpr, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TORCH_CPU: tl.constexpr,
-):  # fmt: skip
-    """The output of the root publisher's chunk i_t (`_chain_chunk`), once its flag is up: `_chunk_output` of the
-    stored chunk-start state operand and bf16↓(v') (read through L2), the chunk's q and masked Q Kᵀ, into the chunk's
-    rows of o, over the v' it held."""
-    flag = chunk_flags + (i_t * VALUE_HEADS + i_hv) * NV + i_v
-    ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    while ready == 0:
-        ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    token, valid, input_row, b_gc, b_beta = _chunk_rows_and_gates(
-        g, beta, slot_rows, bos, seq_len, i_t, i_hv, VALUE_HEADS, HAS_ROWS
-    )
-    k_rows = (input_row * KEY_HEADS + i_hk) * KEY_DIM
-    ops_tile = ((i_t * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM + _state_tile(
-        i_v, KEY_DIM, VALUE_DIM, VALUE_DIM // NV
-    )
-    state_op = _loaded_operand(tl.load(ops + ops_tile, cache_modifier=".cg"), ROUND, TORCH_CPU)
-    o_ptrs = o + ((token * VALUE_HEADS + i_hv) * VALUE_DIM)[:, None] + o_v[None, :]
-    v_new = to_f32(tl.load(o_ptrs, mask=valid[:, None], other=0.0, cache_modifier=".cg"))
-    k_op = _loaded_operand(
-        tl.load(k + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-    )
-    q_op = _loaded_operand(
-        tl.load(q + k_rows[:, None] + o_k[None, :], mask=valid[:, None], other=0.0), ROUND, TORCH_CPU
-    )
-    qk_op = _chunk_qk(q_op, k_op, b_gc, ROUND, DOT_PRECISION, TORCH_CPU)
-    b_o = _chunk_output(state_op, v_new, q_op, qk_op, b_gc, scale, ROUND, DOT_PRECISION, TORCH_CPU)
-    if ROUND:
-        tl.store(o_ptrs, to_bf16(b_o), mask=valid[:, None])
-    else:
-        tl.store(o_ptrs, b_o, mask=valid[:, None])
-
-
-@triton.jit
 def _state_tile(i_v, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr):
     """The offsets [K, BV] of value block i_v in a [K, V] state, built on an opaque zero where they are used: hoisted
     before the walk's loop, they were a tile live across it in spilled registers (sm_90, with the causal mask alike:
@@ -517,8 +447,6 @@ def _gdn_chunk_fwd_kernel(
     bank,
     flags,
     slot_rows,
-    ops,
-    chunk_flags,
     scale,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
@@ -530,8 +458,6 @@ def _gdn_chunk_fwd_kernel(
     ROUND: tl.constexpr,
     TREE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
-    ROOT_HELPER: tl.constexpr,
-    MAX_GROUPS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TORCH_CPU: tl.constexpr,
 ):
@@ -539,10 +465,7 @@ def _gdn_chunk_fwd_kernel(
     in registers, T read from the solve launch's `solved`. With TREE, programs take tickets (flags[0]) and the k-th
     group of Hv · NV tickets runs sequence walk[k, 0] where k < walk[0, 7] (the sequences that run; the later groups,
     the dummy paths', end after their ticket: module docstring, "The tree walk"). With HAS_ROWS, q, k, v, g and beta
-    are read at row slot_rows[slot] of each slot (T and o stay at the slots). With ROOT_HELPER (TREE), sequence 0
-    (group 0) runs the chunks before its first publish without their output, and the first group that reads that
-    publish (a plain reader if any; MAX_GROUPS >= the groups that run) computes their outputs before its own chunks
-    (module docstring, "The root helper")."""
+    are read at row slot_rows[slot] of each slot (T and o stay at the slots)."""
     NV: tl.constexpr = VALUE_DIM // BV
     if TREE:
         runs = tl.load(walk + WALK_RUNS)  # the walk's non-dummy sequences (beside the ticket: it does not depend on it)
@@ -551,61 +474,32 @@ def _gdn_chunk_fwd_kernel(
         if group < runs:  # the groups after them would run dummy paths: the solve launch zeroed their rows
             i_n = tl.load(walk + group * WALK_WIDTH).to(tl.int64)
             row = walk + i_n * WALK_WIDTH
-            start = tl.load(row + 1).to(tl.int32)
-            source = tl.load(row + 2).to(tl.int32)
-            chain_end = start
-            help_chunks = 0
-            if ROOT_HELPER:
-                root_chunks = tl.load(walk + 3).to(tl.int32)  # sequence 0's first publish: after its root chunks
-                if group == 0:
-                    chain_end = tl.maximum(start, root_chunks)
-                if source >= 0:
-                    if source == tl.load(walk + 4).to(tl.int32):
-                        if group == _root_helper_group(walk, runs, MAX_GROUPS):
-                            help_chunks = root_chunks
             _walk_sequence(
-                q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, ops, chunk_flags, scale, i_n,
-                (ticket // NV) % VALUE_HEADS, ticket % NV, start, source, chain_end, help_chunks,
+                q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n,
+                (ticket // NV) % VALUE_HEADS, ticket % NV, tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32),
                 tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32),
                 tl.load(row + 6).to(tl.int32), KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND,
-                TREE, HAS_ROWS, ROOT_HELPER, DOT_PRECISION, TORCH_CPU,
+                TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
             )  # fmt: skip
     else:
         _walk_sequence(
-            q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, ops, chunk_flags, scale,
-            tl.program_id(2), tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS,
-            KEY_DIM, VALUE_DIM, BV, HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, ROOT_HELPER, DOT_PRECISION, TORCH_CPU,
+            q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, tl.program_id(2),
+            tl.program_id(1), tl.program_id(0), 0, -1, 0, 0, 0, 0, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, BV,
+            HAS_H0, STORE_HT, ROUND, TREE, HAS_ROWS, DOT_PRECISION, TORCH_CPU,
         )  # fmt: skip
 
 
 @triton.jit
-def _root_helper_group(walk, runs, MAX_GROUPS: tl.constexpr):
-    """The group that computes the outputs of sequence 0's root chunks: the first group (in ticket order) whose sequence
-    reads sequence 0's first publish slot (walk[0, 4]) and publishes nothing itself, or else the first that reads it."""
-    groups = tl.arange(0, MAX_GROUPS)
-    running = groups < runs
-    sequence = tl.load(walk + groups * WALK_WIDTH, mask=running, other=0)
-    reads = running & (tl.load(walk + sequence * WALK_WIDTH + 2, mask=running, other=-1) == tl.load(walk + 4))
-    quiet = (tl.load(walk + sequence * WALK_WIDTH + 3, mask=running, other=1) == 0) & (
-        tl.load(walk + sequence * WALK_WIDTH + 5, mask=running, other=1) == 0
-    )
-    plain = tl.min(tl.where(reads & quiet, groups, MAX_GROUPS), axis=0)
-    return tl.where(plain < MAX_GROUPS, plain, tl.min(tl.where(reads, groups, MAX_GROUPS), axis=0))
-
-
-@triton.jit
 def _walk_sequence(
-    q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, ops, chunk_flags, scale, i_n, i_hv, i_v,
-    start, source, chain_end, help_chunks, publish_chunks, publish_slot, publish2_chunks, publish2_slot,
-    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, ROUND: tl.constexpr, TREE: tl.constexpr,
-    HAS_ROWS: tl.constexpr, ROOT_HELPER: tl.constexpr, DOT_PRECISION: tl.constexpr, TORCH_CPU: tl.constexpr,
+    q, k, v, g, beta, o, h0, ht, solved, cu_seqlens, bank, flags, slot_rows, scale, i_n, i_hv, i_v, start, source,
+    publish_chunks, publish_slot, publish2_chunks, publish2_slot, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    ROUND: tl.constexpr, TREE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """Sequence i_n's value block i_v of value head i_hv from chunk `start`: from the zero state, h0, or (TREE, source
     >= 0) the state published in bank slot `source`; with TREE the state after chunk publish_chunks (publish2_chunks)
-    published to bank slot publish_slot (publish2_slot); the final state to ht with STORE_HT. Chunks [start,
-    chain_end) without their output (`_chain_chunk`: the root helper's); with help_chunks > 0, first the outputs of
-    sequence 0's chunks [0, help_chunks) (`_helper_chunk`)."""
+    published to bank slot publish_slot (publish2_slot); the final state to ht with STORE_HT."""
     BT: tl.constexpr = 64
     NV: tl.constexpr = VALUE_DIM // BV
     i_hk = i_hv // (VALUE_HEADS // KEY_HEADS)
@@ -622,15 +516,6 @@ def _walk_sequence(
         state = tl.load(h0 + state_offsets + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV))
     else:
         state = tl.zeros([KEY_DIM, BV], dtype=tl.float32)
-    if ROOT_HELPER:
-        if help_chunks > 0:  # the root helper: the outputs of sequence 0's root chunks, as their operands come
-            root_bos = tl.load(cu_seqlens).to(tl.int64)
-            root_len = (tl.load(cu_seqlens + 1).to(tl.int64) - root_bos).to(tl.int32)
-            for i_t in range(0, help_chunks):
-                _helper_chunk(
-                    q, k, g, beta, o, slot_rows, ops, chunk_flags, i_t, root_bos, root_len, i_hv, i_hk, i_v, o_k, o_v,
-                    scale, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV, HAS_ROWS, ROUND, DOT_PRECISION, TORCH_CPU,
-                )  # fmt: skip
     if TREE:
         if source >= 0:  # start from the state another program publishes at this sequence's start chunk
             flag = flags + 1 + (source * VALUE_HEADS + i_hv) * NV + i_v
@@ -640,18 +525,6 @@ def _walk_sequence(
             source_state = ((source * VALUE_HEADS + i_hv) * KEY_DIM).to(tl.int64) * VALUE_DIM
             state = tl.load(bank + source_state + _state_tile(i_v, KEY_DIM, VALUE_DIM, BV), cache_modifier=".cg")
 
-    if ROOT_HELPER:  # the root publisher's chunks whose outputs the root helper computes
-        for i_t in range(start, chain_end):
-            state = _chain_chunk(
-                q, k, v, g, beta, o, solved, slot_rows, ops, chunk_flags, state, i_t, bos, seq_len, i_hv, i_hk, i_v,
-                o_t, o_k, o_v, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV, HAS_ROWS, ROUND, DOT_PRECISION,
-                TORCH_CPU,
-            )  # fmt: skip
-            if i_t + 1 == publish_chunks:
-                _publish(state, bank, flags, publish_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-            if i_t + 1 == publish2_chunks:
-                _publish(state, bank, flags, publish2_slot, i_hv, i_v, VALUE_HEADS, KEY_DIM, VALUE_DIM, NV)
-        start = chain_end
     for i_t in range(start, num_chunks):
         state = _walk_chunk(
             q, k, v, g, beta, o, solved, slot_rows, state, i_t, bos, seq_len, i_hv, i_hk, o_t, o_k, o_v, scale,
@@ -691,7 +564,6 @@ def gdn_chunk_forward(
     num_stages: int = NUM_STAGES,
     max_registers: int | None = None,
     unverified_value_block: bool = False,
-    root_helper: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule forward over packed sequences (module docstring): returns (o, final state or None).
 
@@ -708,8 +580,6 @@ def gdn_chunk_forward(
     when chunk_indices is given. `max_registers`: the walk's register cap per thread (ptxas `maxnreg`; None: the
     compiler's choice, 255 at the stage's tiling). A value block below 64 is refused on CUDA unless
     `unverified_value_block` (for the GPU tests and the probe that verify it: module docstring, "Tiles").
-    `root_helper` (with `walk`): sequence 0's chunks before its first publish leave their outputs to the first reader
-    of that publish (module docstring, "The root helper").
     """
     device = q.device
     if q.ndim != 3 or v.ndim != 3:
@@ -765,23 +635,13 @@ def gdn_chunk_forward(
     if output_final_state:
         final = output_tensor("gdn_chunk_forward: final_state_out", final_state_out, state_shape, torch.float32, device)
     blocks = value_dim // value_block
-    if root_helper and walk is None:
-        raise ValueError("gdn_chunk_forward: root_helper needs the tree walk (walk)")
-    ops, chunk_flags = o, o  # not read without ROOT_HELPER
     if walk is None:
         grid, bank, flags = (blocks, value_heads, num_seqs), o, None  # bank and flags not read without TREE
     else:
         grid = (blocks * value_heads * num_seqs,)
         slots = num_seqs + 1  # the walk's publish slots: one per sequence and one more (module docstring)
         bank = torch.empty((slots, value_heads, key_dim, value_dim), dtype=torch.float32, device=device)
-        # with the root helper, one flag per (root chunk, value head, value block) after the publish flags; sequence
-        # 0's path holds at most one slot per input row, so at most ceil(rows / 64) chunks
-        root_chunks = triton.cdiv(input_rows, CHUNK) if root_helper else 0
-        publish_flags = 1 + slots * value_heads * blocks
-        flags = torch.empty(publish_flags + root_chunks * value_heads * blocks, dtype=torch.int32, device=device)
-        if root_helper:  # the solve zeroes the flags
-            ops = torch.empty((root_chunks, value_heads, key_dim, value_dim), dtype=out_dtype, device=device)
-            chunk_flags = flags[publish_flags:]
+        flags = torch.empty(1 + slots * value_heads * blocks, dtype=torch.int32, device=device)  # the solve zeroes
     solved = gdn_chunk_solve(
         k, g, beta, cu_seqlens, chunk_indices, walk=walk, rows=rows, out=o, flags=flags, bf16_points=bf16_points,
         solve=solve, solve_precision=solve_precision, num_warps=solve_num_warps,
@@ -804,8 +664,6 @@ def gdn_chunk_forward(
             bank,
             o if flags is None else flags,  # not read without TREE
             cu_seqlens if rows is None else rows,  # not read without HAS_ROWS
-            ops,
-            chunk_flags,
             scale,
             KEY_HEADS=key_heads,
             VALUE_HEADS=value_heads,
@@ -817,8 +675,6 @@ def gdn_chunk_forward(
             ROUND=bf16_points,
             TREE=walk is not None,
             HAS_ROWS=rows is not None,
-            ROOT_HELPER=root_helper,
-            MAX_GROUPS=triton.next_power_of_2(num_seqs) if root_helper else 1,
             DOT_PRECISION="tf32" if bf16_points else "ieee",  # bf16 operands: the precision is not used
             TORCH_CPU=torch_cpu,
             num_warps=num_warps,

@@ -17,14 +17,14 @@ L2-normalised, `ablations.probes.engine_gdn_inputs`). Both cores run on the same
   blocks inverted by doubling, also on 2 and 4 warps); the walk on 8 warps, which spills 88 bytes where 4 warps spill
   408 on sm_90: 8 warps lost at c2ff2ee and again at 6683faa, attempts `gdn-chunk-walk-tilings-v3` and
   `gdn-chunk-walk-eight-warps-v3.3`; a value block of 32, alone and with a 168-register cap for three programs an SM,
-  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the walk with
-  the root helper (`walk-root-helper`: sequence 0's root chunks without their output, which the first reader of the
-  root computes while it would wait); the solve launch is also timed alone. Records of c2ff2ee also have solve warps
-  and walk tilings; the record of dce89ea the stage's walk capped at 168 and 128 registers (`walk-r168`, `walk-r128`,
-  since removed: 1.7x and 2.6x slower on drone, attempt `gdn-chunk-walk-register-cap`); earlier records also have the
-  walk on 1 and 3 software-pipelining stages, dropped: with the publish inside the tree walk's chunk loop Triton
-  pipelines nothing at any number of stages, so they timed the stage's code again (attempt
-  `gdn-chunk-walk-segments-pipelined`; its record has them on that attempt's split loop).
+  and of 16, the first without spills: the kernel refuses both on CUDA unless asked for as unverified); the solve launch
+  is also timed alone. Records of c2ff2ee also have solve warps and walk tilings; the record of dce89ea the stage's walk
+  capped at 168 and 128 registers (`walk-r168`, `walk-r128`, since removed: 1.7x and 2.6x slower on drone, attempt
+  `gdn-chunk-walk-register-cap`); the record of d9de127 the walk with a root helper (`walk-root-helper`, since
+  removed: slower on all three, attempt `gdn-chunk-walk-root-helper`); earlier records also have the walk on 1 and 3
+  software-pipelining stages, dropped: with the publish inside the tree walk's chunk loop Triton pipelines nothing at
+  any number of stages, so they timed the stage's code again (attempt `gdn-chunk-walk-segments-pipelined`; its record
+  has them on that attempt's split loop).
 Every slot holds its packed row's inputs (the prep kernel's layout, gathered by `kernels.gather_slots`, whose launch is
 timed alone as `gather_us`: what a variant on gathered inputs needs in front of it), so a path's shared prefix is the
 same data in every path, which the tree walk relies on. Records before gdn_chunk v3 have one-launch variants (the
@@ -73,7 +73,6 @@ VARIANTS = {  # name -> (GdnChunkCore options, tree walk, reads the packed rows)
     "walk-bv32": ({"value_block": 32, "unverified_value_block": True}, True, True),
     "walk-bv32-r168": ({"value_block": 32, "unverified_value_block": True, "max_registers": 168}, True, True),
     "walk-bv16": ({"value_block": 16, "unverified_value_block": True}, True, True),
-    "walk-root-helper": ({"root_helper": True}, True, True),
 }
 
 

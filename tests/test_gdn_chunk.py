@@ -187,8 +187,7 @@ def _tree_request(seed: int) -> tuple[list[list[int]], list[int]]:
     "dims", [DIMS["gva-1-2-k16-v32"], (1, 2, 16, 128)], ids=["gva-1-2-k16-v32", "gva-1-2-k16-v128"]
 )
 @pytest.mark.parametrize("pad_lens", [(), (3, 70, 1)], ids=["unpadded", "dummy-paths"])
-@pytest.mark.parametrize("root_helper", [False, True], ids=["walk", "root-helper"])
-def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims, root_helper):
+def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims):
     """The replicated call of a real plan (chunk size 64) with the plan's tree walk: every packed row's output at its
     representative slot is bit-equal to the plain walk of every path from position 0 (the shared prefix's state is
     handed over at chunk boundaries, which is exact: `test_a_handoff_at_a_chunk_boundary_equals_one_pass`), and the
@@ -201,9 +200,7 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims, root_helper):
     paths = [t[call.rows].contiguous() for t in (q, k, v, g, beta)]  # every path's rows, as the prep kernel lays them
     plain, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices)
     out = torch.full_like(plain, float("nan"))
-    tree, _ = gdn_chunk_forward(
-        *paths, call.cu_seqlens, chunk_indices=call.chunk_indices, walk=call.walk, out=out, root_helper=root_helper
-    )
+    tree, _ = gdn_chunk_forward(*paths, call.cu_seqlens, chunk_indices=call.chunk_indices, walk=call.walk, out=out)
     real = call.out_rows < plan.num_rows - sum(pad_lens)
     assert torch.equal(tree[call.out_slots[real]], plain[call.out_slots[real]])
     assert torch.isfinite(plain).all() and (tree[call.out_slots[~real]] == 0).all()
@@ -212,8 +209,7 @@ def test_the_tree_walk_gives_the_replicated_bits(pad_lens, dims, root_helper):
     assert walked + dummy_chunks == plan.gdn["handoff"].chunks < call.chunks  # the hand-off's chunks: each row once
 
 
-@pytest.mark.parametrize("root_helper", [False, True], ids=["walk", "root-helper"])
-def test_every_publish_point_of_a_hand_made_walk(root_helper):
+def test_every_publish_point_of_a_hand_made_walk():
     """Publish points that no planner writes: a publish at a sequence's last chunk, a second publish point before
     the first, and two equal points (the dropped gdn_chunk v3.6 ended its chunk loops there). Six paths
     over one base sequence (every shared prefix the same rows): sequence 0 (128 rows) publishes after chunk 1 to slot
@@ -235,7 +231,7 @@ def test_every_publish_point_of_a_hand_made_walk(root_helper):
     ])  # fmt: skip
     plain, _ = gdn_chunk_forward(*inputs, cu)
     out = torch.full_like(plain, float("nan"))
-    tree, _ = gdn_chunk_forward(*inputs, cu, walk=walk, out=out, root_helper=root_helper)
+    tree, _ = gdn_chunk_forward(*inputs, cu, walk=walk, out=out)
     walked = torch.cat([torch.arange(int(cu[i]) + 64 * int(walk[i, 1]), int(cu[i + 1])) for i in range(6)])
     assert torch.isfinite(plain).all() and torch.equal(tree[walked], plain[walked])
 

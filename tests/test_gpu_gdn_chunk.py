@@ -57,7 +57,6 @@ KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (blocks-dou
     "bv16": {"value_block": 16, "unverified_value_block": True},
 }
 BOUND_CASES = [("stage", "tf32x3")] + [(name, "tf32") for name in KERNELS]
-TREE_KERNELS = KERNELS | {"root-helper": {"root_helper": True}}  # the root helper needs the walk
 
 
 def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -147,7 +146,7 @@ def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
-@pytest.mark.parametrize("kernel", ["stage", "doubling", "fla-blocks", "bv32-r168", "root-helper"])
+@pytest.mark.parametrize("kernel", ["stage", "doubling", "fla-blocks", "bv32-r168"])
 @pytest.mark.parametrize("workload", ["drone", "customer_service", "context-512-choice-8"])
 def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     """The bucketed replicated call `graphs` replays, with the plan's tree walk (tickets, published states, flags):
@@ -167,8 +166,8 @@ def test_the_tree_walk_gives_the_replicated_bits_27b(workload, kernel):
     packed = engine_gdn_inputs(plan.num_rows, 31, "cuda")
     q, k, v, g, beta = (t[rows].contiguous() for t in packed)
     cu, chunk_indices, walk = (t.to(DEVICE) for t in (call.cu_seqlens, call.chunk_indices, call.walk))
-    options = TREE_KERNELS[kernel] | {"chunk_indices": chunk_indices}
-    plain, _ = gdn_chunk_forward(q, k, v, g, beta, cu, **(options | {"root_helper": False}))
+    options = KERNELS[kernel] | {"chunk_indices": chunk_indices}
+    plain, _ = gdn_chunk_forward(q, k, v, g, beta, cu, **options)
     walks = [gdn_chunk_forward(q, k, v, g, beta, cu, walk=walk, **options)[0] for _ in range(5)]
     walks += [gdn_chunk_forward(*packed, cu, walk=walk, rows=rows, **options)[0] for _ in range(2)]
     real = (call.out_rows < layout.rows).to(DEVICE)
