@@ -88,7 +88,8 @@ def test_core_stage_is_registered_kept_on_gemm():
     assert load_plan("gpu-27b").stages[-1] == "core" and "core" not in load_plan("cpu-tiny").stages
 
 
-# The slow tests' forwards (`Forwards`: six of four layers under the interpreter, 20-30 s each on the 2-core CPU)
+# The slow tests below share six forwards of four layers (`Forwards`: 20-30 s each under the interpreter on the 2-core
+# CPU). UNPADDED: `core` without buckets, on the replicated schedule that the bucketed plan runs.
 UNPADDED = {"graphs": False, "gdn_mode": "replicated"}
 
 
