@@ -407,14 +407,12 @@ def residual_rmsnorm_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[
 
 
 def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any]:
-    """The tiles of `_gdn_prep_kernel` as the engine calls it since gdn_prep v5 (each row's conv window, `taps`; the
-    weight by tap since v8), at the 27B GDN widths over four packed sequences of `rows` rows in all, as
-    `silu_mul_tiles`."""
+    """The tiles of `_gdn_prep_kernel` as the engine calls it since gdn_prep v5 (each row's conv window, `taps`), at the
+    27B GDN widths over four packed sequences of `rows` rows in all, as `silu_mul_tiles`."""
     import torch
     import triton
 
     from ablations.kernel_bytes import gdn_prep_bytes
-    from engine.weights import by_tap
     from kernels import gdn_prep
     from kernels.gdn_prep import _gdn_prep_kernel
     from kernels.numerics import LAUNCH_OPTIONS, ieee_quiet, kernel_mode
@@ -425,7 +423,7 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
     conv_dim = 2 * hk * k_dim + hv * v_dim
     gen = torch.Generator(device=device).manual_seed(13)
     proj = torch.randn(rows, conv_dim + hv * v_dim + 2 * hv, generator=gen, device=device).bfloat16()
-    conv_weight = by_tap((torch.randn(conv_dim, width, generator=gen, device=device) * 0.5).bfloat16())  # the engine's
+    conv_weight = (torch.randn(conv_dim, width, generator=gen, device=device) * 0.5).bfloat16()
     a_log = torch.log(torch.rand(hv, generator=gen, device=device) * 15 + 1)
     dt_bias = torch.randn(hv, generator=gen, device=device)
     cuts = [0, rows * 300 // 971, rows * 301 // 971, rows * 578 // 971, rows]  # drone's 300, 1, 277, 393 at 971
@@ -442,9 +440,9 @@ def gdn_prep_tiles(device: str = "cuda", rows: int = TILE_ROWS) -> dict[str, Any
                     proj_ptr=proj, conv_weight_ptr=conv_weight, a_log_ptr=a_log, dt_bias_ptr=dt_bias,
                     cu_seqlens_ptr=taps, rows_ptr=taps, slots_ptr=taps, taps_ptr=taps, q_ptr=outs[0], k_ptr=outs[1],
                     v_ptr=outs[2], g_ptr=outs[3], beta_ptr=outs[4], tokens=rows, num_seqs=1, proj_rows=rows,
-                    proj_sr=proj.stride(0), tap_stride=conv_dim, eps=1e-6, KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim,
-                    VALUE_DIM=v_dim, WIDTH=width, WEIGHT_BY_TAP=True, SEARCH_STEPS=0, QK_L2NORM=True, HAS_ROWS=False,
-                    HAS_SLOTS=False, HAS_TAPS=True, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)),
+                    proj_sr=proj.stride(0), eps=1e-6, KEY_HEADS=hk, VALUE_HEADS=hv, KEY_DIM=k_dim, VALUE_DIM=v_dim,
+                    WIDTH=width, SEARCH_STEPS=0, QK_L2NORM=True, HAS_ROWS=False, HAS_SLOTS=False, HAS_TAPS=True,
+                    BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(k_dim, v_dim)),
                     BLOCK_HV=triton.next_power_of_2(hv), TORCH_CPU=torch_cpu, num_warps=warps, **LAUNCH_OPTIONS,
                 )  # fmt: skip
 

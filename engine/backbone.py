@@ -214,8 +214,7 @@ class _ReferenceOps:
         hv = s.linear_num_value_heads
         qkv, _, b, a = proj.split([s.conv_dim, s.linear_value_dim, hv, hv], -1)
         spaced = F.pad(qkv, (0, 0, 1, 0)).index_select(0, conv.spaced)  # [M + (W-1) S, conv_dim]
-        weight = layer.conv_weight.contiguous()  # stored by tap for the kernel; torch's conv gets HF's layout
-        x = ops.causal_conv1d_silu(spaced, weight).index_select(0, conv.spaced_keep)  # [n, conv_dim]
+        x = ops.causal_conv1d_silu(spaced, layer.conv_weight).index_select(0, conv.spaced_keep)  # [n, conv_dim]
         q, k, v = x.split([s.linear_key_dim, s.linear_key_dim, s.linear_value_dim], -1)
         g, beta = _row_invariant_gates(a, b, layer.A_log, layer.dt_bias)  # [N, Hv]
         if not conv.keep_rows_are_packed:

@@ -79,7 +79,7 @@ class GDNLayerWeights:
     input_norm: Tensor  # [H] Qwen3_5RMSNorm offset weight (the norm scales by 1 + w)
     post_norm: Tensor  # [H]
     w_in: Weight  # [gdn_in_width, H] = qkv | z | b | a
-    conv_weight: Tensor  # [conv_dim, W] depthwise causal conv taps, oldest first, stored by tap (strides (1, conv_dim))
+    conv_weight: Tensor  # [conv_dim, W] depthwise causal conv taps, oldest first
     A_log: Tensor  # [HV]
     dt_bias: Tensor  # [HV]
     out_norm: Tensor  # [Dv] gated RMSNorm weight (plain w, not 1 + w)
@@ -146,7 +146,7 @@ class MergedWeights:
                 a = p + "linear_attn."
                 mixer = dict(
                     w_in=Weight(take_cat([a + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")])),
-                    conv_weight=by_tap(take(a + "conv1d.weight").squeeze(1)),
+                    conv_weight=take(a + "conv1d.weight").squeeze(1),
                     A_log=take(a + "A_log"),
                     dt_bias=take(a + "dt_bias"),
                     out_norm=take(a + "norm.weight"),
@@ -202,12 +202,6 @@ class MergedWeights:
     @property
     def device(self) -> torch.device:
         return self.embed.device
-
-
-def by_tap(conv_weight: Tensor) -> Tensor:
-    """The [C, W] conv taps as the [C, W] view of a contiguous [W, C] tensor: the same values, laid out for the GDN prep
-    kernel (each tap's weights one vector load a thread: kernels/gdn_prep.py v8)."""
-    return conv_weight.t().contiguous().t()
 
 
 def _check_backbone(source: dict[str, Tensor], shapes: ModelShapes) -> None:

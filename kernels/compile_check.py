@@ -206,8 +206,7 @@ def engine_launches(capability: int = SM90) -> list[tuple[str, Callable[[], Any]
 
                 launches.append((label, call))
     taps = _meta(rows, s.linear_conv_kernel_dim, dtype=torch.int64)  # a plan's conv_taps: the engine's gdn_prep
-    by_tap = (_meta(s.linear_conv_kernel_dim, s.conv_dim).t(), *gdn_weights[1:])  # the engine's weight layout
-    launches.append(("gdn_prep taps", lambda: kernels.gdn_prep(gdn_proj, *by_tap, None, taps=taps, **gdn)))
+    launches.append(("gdn_prep taps", lambda: kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=taps, **gdn)))
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
     return [(label, call) for label, call in launches if capability == SM90 or not reference_only(label)]
@@ -386,16 +385,15 @@ def _as_negation(line: str, constants: dict[str, str]) -> str:
 
 
 def gate_exact_paths(capability: int = SM90) -> list[str]:
-    """Where the exact path of `numerics.SILU_BF16_PTX` / `SIGMOID_BF16_PTX` / `SILU_PRODUCT_PTX` differs from the PTX
-    that Triton compiles `silu_f32` / `sigmoid_f32` to (from the negation of x to the IEEE division, `_as_negation`;
-    the product's one multiplication by t after it is torch's `t * s` as written): empty when all equal."""
+    """Where the exact path of `numerics.SILU_BF16_PTX` / `SIGMOID_BF16_PTX` differs from the PTX that Triton
+    compiles `silu_f32` / `sigmoid_f32` to (from the negation of x to the IEEE division, `_as_negation`): empty when
+    both equal."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     problems = []
-    cases = (("silu", _silu_reference_kernel, numerics.SILU_BF16_PTX),
-             ("sigmoid", _sigmoid_reference_kernel, numerics.SIGMOID_BF16_PTX),
-             ("silu product", _silu_reference_kernel, numerics.SILU_PRODUCT_PTX))  # fmt: skip
+    cases = (("silu", _silu_reference_kernel, numerics.SILU_BF16_PTX), ("sigmoid", _sigmoid_reference_kernel,
+             numerics.SIGMOID_BF16_PTX))  # fmt: skip
     for name, kernel, assembly in cases:
         source = ASTSource(kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}, {})
         options = dict(numerics.LAUNCH_OPTIONS, num_warps=1)
@@ -449,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.gates:
         problems = gate_exact_paths(capability)
-        print("\n".join(problems) or "silu, sigmoid, silu product: each exact path is Triton's PTX of torch's formula")
+        print("\n".join(problems) or "silu_bf16 and sigmoid_bf16: the exact path is Triton's PTX of torch's formula")
         return 1 if problems else 0
     results = check(capability, usage=args.usage, sass=args.sass, only=args.only, listings=args.listings)
     print(f"kernels for sm_{capability}, Triton {triton.__version__}: {len(results)} compiles")

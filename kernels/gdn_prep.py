@@ -66,18 +66,12 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   stay as the tests' and the prep probe's reference. On an H100 (`measure.prep_probe` at 33f9910) the kernel took
   10.2 / 7.2 / 29.7 us on drone / easy-intent-00 / customer_service against v4's 11.9 / 8.5 / 34.1 at the slots
   (-13 to -15 %; predicted -20 %), bit-equal.
-* v6: v5 with the SiLU and beta's sigmoid through `numerics.silu_bf16` / `sigmoid_bf16` (approximate
+* v6 (this file): v5 with the SiLU and beta's sigmoid through `numerics.silu_bf16` / `sigmoid_bf16` (approximate
   exp2 and reciprocal, torch's exact path only near a bf16 rounding midpoint): v5's bits on every bf16 input
   (tests/test_gpu_kernels.py::test_gpu_gates_on_every_bf16_input); sm_90 (Triton 3.9) 72 registers against 80.
   Timing: engine/stages/core.md, "The gates' fast path".
 * v7 (dropped, 253123e): each conv tap one fma (the bf16 product is exact, so v6's bits; 128 fewer sm_90
   instructions): the shipped tile 2.7 % slower on an H100 (attempt `gdn-prep-conv-fma`).
-* v8 (this file): v6 with the conv weight taken by tap (`WEIGHT_BY_TAP`: [W, C] contiguous, the engine's layout,
-  `engine.weights.by_tap`), each tap's weights loaded straight into the conv's register layout, one vector load a
-  thread, where v6's [C, W] column reached that layout through shared memory (a store, two CTA barriers and eight
-  shared loads a tap). The same values in the same fp32 operations: v6's bits (tests/test_kernels.py). sm_90 under
-  Triton 3.6 (`python -m kernels.compile_check --sass --only "gdn_prep taps"`): 3,328 -> 3,224 instructions, no
-  barrier in the conv. A contiguous [C, W] weight (the tests' and reference calls) keeps v6's code.
 """
 
 from __future__ import annotations
@@ -111,8 +105,8 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus default: x itself above it
 @triton.jit
 def _conv_silu(
     proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs, proj_rows,
-    proj_sr, tap_stride, first_channel, dim, dim_ok, WIDTH: tl.constexpr, WEIGHT_BY_TAP: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_TAPS: tl.constexpr, TORCH_CPU: tl.constexpr,
+    proj_sr, first_channel, dim, dim_ok, WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_TAPS: tl.constexpr, TORCH_CPU: tl.constexpr,
 ):  # fmt: skip
     """bf16↓(silu(bf16↓(conv))) of channels first_channel + dim for the rows `token` [BLOCK_T, BLOCK_D], fp32: the
     depthwise conv over each row's window, oldest tap first, from its taps or from its position in its sequence."""
@@ -137,13 +131,8 @@ def _conv_silu(
                 other=0.0,
             )
         )
-        if WEIGHT_BY_TAP:  # [W, C] contiguous: loaded in x's layout (each row of the tile the same addresses), one
-            # vector load a thread, where [C, W]'s strided column goes through shared memory to reach that layout
-            weight_offset = tap * tap_stride + channel[None, :] + 0 * token[:, None]
-            weight = to_f32(tl.load(conv_weight_ptr + weight_offset, mask=dim_ok[None, :], other=0.0))
-        else:
-            weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))[None, :]
-        conv = conv + x * weight
+        weight = to_f32(tl.load(conv_weight_ptr + channel * WIDTH + tap, mask=dim_ok, other=0.0))
+        conv = conv + x * weight[None, :]
     conv = round_to_bf16(conv)  # F.conv1d output: bf16↓
     return silu_bf16(conv, TORCH_CPU)  # F.silu: bf16↓
 
@@ -151,7 +140,7 @@ def _conv_silu(
 @triton.jit
 def _gdn_prep_kernel(
     proj_ptr,  # [T, P] bf16, row stride proj_sr
-    conv_weight_ptr,  # [conv_dim, W] bf16 contiguous, or [W, conv_dim] contiguous (WEIGHT_BY_TAP)
+    conv_weight_ptr,  # [conv_dim, W] bf16 contiguous
     a_log_ptr,  # [Hv] bf16 or fp32
     dt_bias_ptr,  # [Hv] bf16 or fp32
     cu_seqlens_ptr,  # [N + 1] int32 or int64
@@ -167,14 +156,12 @@ def _gdn_prep_kernel(
     num_seqs,
     proj_rows,
     proj_sr,
-    tap_stride,  # conv_dim with WEIGHT_BY_TAP (unused without)
     eps,
     KEY_HEADS: tl.constexpr,  # Hk
     VALUE_HEADS: tl.constexpr,  # Hv
     KEY_DIM: tl.constexpr,  # K
     VALUE_DIM: tl.constexpr,  # V
     WIDTH: tl.constexpr,  # conv kernel width W
-    WEIGHT_BY_TAP: tl.constexpr,  # conv_weight laid out [W, conv_dim]
     SEARCH_STEPS: tl.constexpr,
     QK_L2NORM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
@@ -196,8 +183,7 @@ def _gdn_prep_kernel(
         dim = tl.arange(0, BLOCK_D)
         activated = _conv_silu(
             proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs,
-            proj_rows, proj_sr, tap_stride, slot * KEY_DIM, dim, dim < KEY_DIM, WIDTH, WEIGHT_BY_TAP, SEARCH_STEPS,
-            HAS_ROWS, HAS_TAPS, TORCH_CPU,
+            proj_rows, proj_sr, slot * KEY_DIM, dim, dim < KEY_DIM, WIDTH, SEARCH_STEPS, HAS_ROWS, HAS_TAPS, TORCH_CPU,
         )  # fmt: skip
         if QK_L2NORM:  # FLA l2norm_fwd: rstd = 1 / sqrt(Σx² + eps); y = x · rstd (Triton's own / and sqrt)
             rstd = 1 / tl.sqrt(tl.sum(activated * activated, axis=1) + eps)
@@ -210,8 +196,8 @@ def _gdn_prep_kernel(
         v_head = slot - 2 * KEY_HEADS
         value = _conv_silu(
             proj_ptr, conv_weight_ptr, cu_seqlens_ptr, rows_ptr, taps_ptr, token, token_ok, position, num_seqs,
-            proj_rows, proj_sr, tap_stride, 2 * KEY_HEADS * KEY_DIM + v_head * VALUE_DIM, v_dim, v_dim < VALUE_DIM,
-            WIDTH, WEIGHT_BY_TAP, SEARCH_STEPS, HAS_ROWS, HAS_TAPS, TORCH_CPU,
+            proj_rows, proj_sr, 2 * KEY_HEADS * KEY_DIM + v_head * VALUE_DIM, v_dim, v_dim < VALUE_DIM, WIDTH,
+            SEARCH_STEPS, HAS_ROWS, HAS_TAPS, TORCH_CPU,
         )  # fmt: skip
         v_offset = token[:, None] * (VALUE_HEADS * VALUE_DIM) + v_head * VALUE_DIM + v_dim[None, :]
         tl.store(v_ptr + v_offset, to_bf16(value), mask=token_ok[:, None] & (v_dim < VALUE_DIM)[None, :])
@@ -263,9 +249,7 @@ def gdn_prep(
     """Conv + SiLU + split + q/k L2 norm + gates of a GDN layer over packed rows: returns (q, k, v, g, beta).
 
     proj [T, P] bf16, P = 2·Hk·K + 2·Hv·V + 2·Hv (any row stride, unit column stride): the merged in-projection
-    output [q | k | v | z | b | a]. conv_weight [2·Hk·K + Hv·V, W] bf16 (`conv1d.weight.squeeze(1)`), contiguous or
-    the [C, W] view `by_tap.t()` of its taps laid out as a contiguous [W, C] tensor (the engine's: one vector load of
-    a tap's weights a thread; the same values, so the same bits). A_log,
+    output [q | k | v | z | b | a]. conv_weight [2·Hk·K + Hv·V, W] bf16 (`conv1d.weight.squeeze(1)`). A_log,
     dt_bias [Hv] bf16 or fp32. cu_seqlens [N + 1] int32/int64 on proj's device, cu_seqlens[0] = 0,
     cu_seqlens[N] = T, non-decreasing (not checked: that would need a device sync). qk_l2norm: apply FLA's l2norm
     to q and k here (then call FLA with `use_qk_l2norm_in_kernel=False`); eps is that l2norm's eps.
@@ -310,12 +294,11 @@ def gdn_prep(
         check_tensor("gdn_prep: slots", slots, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
         if conv_rows == 0 and tokens > 0:
             raise ValueError("gdn_prep: slots index an empty conv input")
-    by_tap = width > 1 and conv_weight.stride(0) == 1  # the [C, W] view of a contiguous [W, C] tensor
     check_tensor(
         "gdn_prep: conv_weight (bf16 only: an fp32 weight makes HF convolve in fp32)",
-        conv_weight.t() if by_tap else conv_weight,
+        conv_weight,
         dtype=torch.bfloat16,
-        shape=(width, conv_dim) if by_tap else (conv_dim, width),
+        shape=(conv_dim, width),
         device=device,
         contiguous=True,
     )
@@ -376,14 +359,12 @@ def gdn_prep(
             num_seqs,
             proj.shape[0],
             proj.stride(0),
-            conv_weight.stride(1),
             eps,
             KEY_HEADS=num_k_heads,
             VALUE_HEADS=num_v_heads,
             KEY_DIM=head_k_dim,
             VALUE_DIM=head_v_dim,
             WIDTH=width,
-            WEIGHT_BY_TAP=by_tap,
             SEARCH_STEPS=(num_seqs - 1).bit_length(),
             QK_L2NORM=qk_l2norm,
             HAS_ROWS=rows is not None,

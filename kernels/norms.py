@@ -47,7 +47,7 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
 * v1: a program normalises BLOCK_R rows of the full width; gated_rmsnorm flattens (row, value head) pairs.
 * v2: gated_rmsnorm takes an optional row index into o (`o_rows`): the tree's rows read their path's output directly.
 * v3: residual_rmsnorm_splitk, the same kernel with a SPLITS constexpr (0: a bf16 delta).
-* v4: gated_rmsnorm normalises tile_elements / (2 V) (row, value head) pairs a program, 16 at V = 128 on
+* v4 (this file): gated_rmsnorm normalises tile_elements / (2 V) (row, value head) pairs a program, 16 at V = 128 on
   the GPU, instead of tile_elements / V (32). The tile sweep on the H200 (tests/test_gpu_kernel_tiles.py at 827fa63,
   971 rows read through `o_rows` as stage `core` calls it, but with a bf16 weight where the engine's is fp32): 17.4 us
   against 22.0 (8 pairs 17.8, 64 pairs 31.0), every output element bit-equal to the 32-pair tile's (each row's sum
@@ -58,11 +58,6 @@ Versions (history: engine/stages/fused.md, "Kernel history"):
   9a6886e-kernel-tests.log): 17.1 us against 21.5 for 32 pairs, 16.3 for 8, each bit-equal to the shipped tile; the
   bit tests green; in the forward of results/runs/20261206T051321Z-nvidia-h100-80gb-hbm3-9a6886e.json 7.0 us a call
   on drone (1.61x its floor), 19.6 on customer_service (1.39x).
-* v5 (this file): v4 with round 3's t · silu(z_f) through `numerics.silu_product_f32` (compiled: approximate exp2
-  and reciprocal, torch's exact path where the product lies near a bf16 rounding midpoint): v4's bits, the fast
-  path's bound proved on every bf16 z on the GPU (tests/test_gpu_kernels.py::test_gpu_silu_product_on_every_bf16_gate).
-  sm_90 under Triton 3.6 (`python -m kernels.compile_check --sass --only gated`): see engine/stages/core.md, "The
-  gated norm's fast path".
 v2's row-indexed call is bitwise against the gathered call (tests/test_kernels.py under the interpreter,
 tests/test_gpu_kernels.py::test_gpu_row_indexed_kernels_27b on the H200); v3's delta is bitwise against the
 reference delta fed to residual_rmsnorm (tests/test_kernels.py, S = 1-4).
@@ -84,7 +79,7 @@ from kernels.numerics import (
     output_tensor,
     round_to_bf16,
     rsqrt_f32,
-    silu_product_f32,
+    silu_f32,
     tile_elements,
     to_bf16,
     to_f32,
@@ -313,7 +308,7 @@ def _gated_rmsnorm_kernel(
     scaled = weight[None, :] * normed
     if W_BF16:
         scaled = round_to_bf16(scaled)  # bf16 weight · bf16: round 2
-    out = to_bf16(silu_product_f32(z, scaled, TORCH_CPU))  # · silu(z_f), then .to(input_dtype): round 3
+    out = to_bf16(scaled * silu_f32(z, TORCH_CPU))  # · silu(z_f), then .to(input_dtype): round 3
     tl.store(out_ptr + head_row[:, None] * HEAD_DIM + dim[None, :], out, mask=mask)
 
 

@@ -35,9 +35,7 @@ How torch's numerics are reproduced:
   interpreter computes bf16 dots wrongly).
 
 Versions (history: engine/stages/fused.md, "Kernel history"):
-* v4 (this file): v3 plus `silu_product_f32`, the gated norm's t · silu(z) in fp32 through the same fast path, its
-  check taken on the product that is rounded next (kernels/norms.py v5).
-* v3: `silu_bf16` and `sigmoid_bf16`, the gates the kernels round at once: a fast path and torch's exact
+* v3 (this file): `silu_bf16` and `sigmoid_bf16`, the gates the kernels round at once: a fast path and torch's exact
   path in inline PTX (their docstrings; `python -m kernels.compile_check --gates` checks the exact path on the CPU).
 * v2: compiled roundings through the hardware conversion (same bits but for NaN payloads).
 * v1: the helpers above, moved out of `kernels/activations.py` unchanged.
@@ -219,17 +217,6 @@ SIGMOID_BF16_PTX = tl.constexpr(
         op="mov.b32 y, r;", exact="mov.b32 n, 0f3F800000;\ndiv.rn.f32 y, n, d;", **_GATE_PTX_FIELDS
     )
 )
-# y = t · silu(x) before its bf16 rounding (`silu_product_f32`, $2 = t): the fast silu in n, then the product
-SILU_PRODUCT_PTX = tl.constexpr(
-    _ROUNDED_GATE_PTX.format(
-        op="mul.rn.f32 n, $1, r;\nmul.rn.f32 y, $2, n;",
-        exact="div.rn.f32 n, $1, d;\nmul.rn.f32 y, $2, n;",
-        **_GATE_PTX_FIELDS,
-    )
-)
-# the fast silu value alone, x · rcp(1 + ex2(−x·log2 e)): what `SILU_BF16_PTX` and `SILU_PRODUCT_PTX` take before
-# their check; only the GPU test of their error bound runs it (tests/cases.py::check_silu_product_on_every_bf16_gate)
-SILU_FAST_PTX = tl.constexpr(_ROUNDED_GATE_PTX.split("{op}")[0].format() + "mul.rn.f32 y, $1, r;\nmov.b32 $0, y;\n}")
 
 
 @triton.jit
@@ -259,32 +246,6 @@ def sigmoid_bf16(x, TORCH_CPU: tl.constexpr):
         y = round_to_bf16(sigmoid_f32(x, TORCH_CPU))
     else:
         y = _rounded_gate(x, SIGMOID_BF16_PTX)
-    return y
-
-
-@triton.jit
-def silu_product_f32(x, t, TORCH_CPU: tl.constexpr):
-    """t · silu(x) in fp32 as torch's `t * F.silu(x)` on fp32 tensors (two kernels, two roundings) wherever its bf16
-    rounding is taken next, as in the gated norm's `bf16↓(t · silu(z_f))`: compiled (`SILU_PRODUCT_PTX`) the product
-    y' = t · s' of the fast silu s' (`SILU_FAST_PTX`), and torch's s = x / (1 + expf(−x)), then t · s, where x < −16
-    or y' lies within `ROUNDING_MARGIN` fp32 ulps of a bf16 rounding midpoint; so the result may differ from torch's
-    fp32 product, never its bf16 rounding. Why: if |s' − s| <= N ulps of s, then |y' − y| <= (2N + 1.5) ulps of y
-    (y = t · s rounded; the product scales both errors alike, and each rounding adds half an ulp), under 64 for
-    N <= 31, so no midpoint lies between y' and y where the check passes (a midpoint is never within 2^14 ulps of a
-    power of two, so y' and y in adjacent binades round alike too). N is measured on every bf16 x >= −16 on the GPU
-    (tests/test_gpu_kernels.py::test_gpu_silu_product_on_every_bf16_gate, which also checks the product against
-    torch for 65,536 x at many t, midpoint-seeking t included). Interpreted: `t * silu_f32(x)`."""
-    if TORCH_CPU:
-        y = t * silu_f32(x, TORCH_CPU)
-    else:
-        y = tl.inline_asm_elementwise(
-            SILU_PRODUCT_PTX,
-            "=r,r,r",
-            [x.to(tl.int32, bitcast=True), t.to(tl.int32, bitcast=True)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
     return y
 
 

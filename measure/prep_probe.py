@@ -67,7 +67,6 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
     import torch
 
     import kernels
-    from engine.weights import by_tap
 
     s, n, conv, nodes = shapes, plan.num_rows, plan.conv_paths, plan.attention
     device = plan.device
@@ -92,9 +91,8 @@ def prep_ways(plan, layout, shapes, seed: int = 22) -> dict:
                                   **gdn_dims)  # fmt: skip
         return kernels.gather_slots(packed, conv.rows)
 
-    def gdn_taps():  # the engine's call: the weight by tap (gdn_prep v8)
-        packed = kernels.gdn_prep(gdn_proj, by_tap(gdn_weights[0]), *gdn_weights[1:], None, taps=plan.conv_taps,
-                                  **gdn_dims)  # fmt: skip
+    def gdn_taps():
+        packed = kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=plan.conv_taps, **gdn_dims)
         return kernels.gather_slots(packed, conv.rows)
 
     def attn_key_rows():

@@ -241,51 +241,6 @@ def check_gates_on_every_bf16_input(shapes: ModelShapes, device: str) -> None:
     _assert_bitwise(beta, torch.sigmoid(b_inputs), b_inputs, "gdn_prep's beta")
 
 
-@triton.jit
-def _silu_product_kernel(x_ptr, t_ptr, product_ptr, fast_silu_ptr, n, T_PER_X: tl.constexpr, BLOCK: tl.constexpr):
-    """Compiled only: bf16↓(`numerics.silu_product_f32`(x, t)) for n (x, t) pairs, x[i // T_PER_X] with t[i], as the
-    gated norm takes it, and the fast silu value alone (`numerics.SILU_FAST_PTX`) of each x."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    x = tl.load(x_ptr + offsets // T_PER_X, mask=mask, other=0.0)
-    t = tl.load(t_ptr + offsets, mask=mask, other=0.0)
-    tl.store(product_ptr + offsets, numerics.to_bf16(numerics.silu_product_f32(x, t, False)), mask=mask)
-    x_bits = x.to(tl.int32, bitcast=True)
-    fast = tl.inline_asm_elementwise(numerics.SILU_FAST_PTX, "=r,r", [x_bits], dtype=tl.int32, is_pure=True, pack=1)
-    first = mask & (offsets % T_PER_X == 0)  # one store of s' a x
-    tl.store(fast_silu_ptr + offsets // T_PER_X, fast.to(tl.float32, bitcast=True), mask=first)
-
-
-def check_silu_product_on_every_bf16_gate(device: str = "cuda") -> int:
-    """The gated norm's `numerics.silu_product_f32` compiled, on every bf16 x: (1) the fast silu value s' lies within
-    N <= 31 fp32 ulps of torch's `F.silu(x)` for every x >= -16 (the bound its midpoint check needs: its docstring),
-    and (2) bf16↓(t · silu(x)) equals torch's `(t * F.silu(x)).bfloat16()` bit for bit (NaN as NaN) for 64 t a x: 32
-    random t over 2^±20 of either sign, and 32 that put the fp32 product at a bf16 rounding midpoint near ±1, or
-    60-100 ulps from it, where the check's margin (64) ends. Returns N. CUDA only: the fast path exists compiled."""
-    x = every_bf16(device).float()
-    silu = torch.nn.functional.silu(x)
-    generator = torch.Generator(device=device).manual_seed(17)
-    magnitudes = torch.exp2(torch.rand(x.numel(), 32, generator=generator, device=device) * 40 - 20)
-    signs = torch.randint(0, 2, (x.numel(), 32), generator=generator, device=device) * 2 - 1
-    midpoints = 1 + (2 * torch.arange(8, device=device) + 1) * 2.0**-9  # between bf16 neighbours above 1
-    offsets = torch.tensor([0, 60, -70, 100], device=device, dtype=torch.float64) * 2.0**-23  # fp32 ulps near 1
-    targets = (midpoints[:, None].double() * (1 + offsets[None, :])).flatten()  # 32 products a x: 4 per midpoint
-    seeking = targets[None, :].float() / silu[:, None]  # t with t · silu(x) at (or near) a midpoint
-    seeking = seeking * torch.where(torch.arange(32, device=device) % 2 == 0, 1.0, -1.0)  # and near -1
-    t = torch.cat([magnitudes * signs, seeking], dim=1).contiguous()  # [65,536, 64] fp32
-    product = torch.full(t.shape, float("nan"), dtype=torch.bfloat16, device=device)
-    fast = torch.full(x.shape, float("nan"), dtype=torch.float32, device=device)
-    n = t.numel()
-    _silu_product_kernel[(triton.cdiv(n, 4096),)](x, t, product, fast, n, T_PER_X=64, BLOCK=4096,
-                                                  **numerics.LAUNCH_OPTIONS)  # fmt: skip
-    ranged = (x >= -16) & x.isfinite()
-    distance = (fast.view(torch.int32).long() - silu.view(torch.int32).long()).abs()[ranged]
-    worst = int(distance.max())
-    assert worst <= 31, f"fast silu {worst} ulps from torch's at x = {x[ranged][distance.argmax()]}: over the margin"
-    _assert_bitwise(product, (t * silu[:, None]).bfloat16(), x[:, None].expand_as(t), "t · silu(x) rounded")
-    return worst
-
-
 def check_row_indexed_kernels(
     shapes: ModelShapes,
     device: str,
