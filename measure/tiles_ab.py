@@ -14,7 +14,8 @@ mean of the `old` runs next to it (the one before and the one after; a single ne
 card that drifts over the A/B shows as the two baselines disagreeing (`old_spread`: the largest relative difference
 between the old runs). `shipped` marks the first case of each kernel, the probe's shipped tile. `equal_share` and
 `nan_free` are every new run's (the share of output elements bit-equal to the same run's shipped tile, and whether every
-element was written). Nothing runs on a GPU here.
+element was written). Runs of trees that swept different tiles (an older tree lacks the tiles added since) compare
+where both swept a tile; a tile missing from a run shows `-` there. Nothing runs on a GPU here.
 """
 
 from __future__ import annotations
@@ -73,28 +74,29 @@ def _neighbour_olds(runs: list[dict[str, Any]], index: int) -> list[int]:
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (kernel, tile) of the first run, in its order, with every run's us and each new run's change."""
+    """One row per (kernel, tile) swept by any run, in the order they first appear (a kernel's tiles together, its
+    first one the shipped tile), with every run's us (None where a run did not sweep it: an older tree's sweep) and
+    each new run's change against the old runs beside it that swept it (None where none did)."""
     keyed = [{(case["kernel"], case["tile"]): case for case in run["result"]["cases"]} for run in runs]
-    first_cases = runs[0]["result"]["cases"]
+    keys: dict[tuple[str, str], None] = {}
+    for kernel in dict.fromkeys(case["kernel"] for run in runs for case in run["result"]["cases"]):
+        keys |= {key: None for cases in keyed for key in cases if key[0] == kernel}
     rows, seen_kernels = [], set()
-    for case in first_cases:
-        key = (case["kernel"], case["tile"])
-        missing = [run["label"] for run, cases in zip(runs, keyed) if key not in cases]
-        if missing:
-            raise TilesLogError(f"tile {key} is missing from run(s) {missing}: the runs swept different tiles")
-        us = [cases[key]["us"] for cases in keyed]
-        olds = [u for u, run in zip(us, runs) if run["role"] == "old"]
+    for key in keys:
+        us = [cases[key]["us"] if key in cases else None for cases in keyed]
+        olds = [u for u, run in zip(us, runs) if run["role"] == "old" and u is not None]
         changes = []
         for index, run in enumerate(runs):
-            if run["role"] != "new":
+            if run["role"] != "new" or us[index] is None:
                 continue
-            olds_beside = _neighbour_olds(runs, index)
-            baseline = sum(us[i] for i in olds_beside) / len(olds_beside)
+            olds_beside = [i for i in _neighbour_olds(runs, index) if us[i] is not None]
+            baseline = sum(us[i] for i in olds_beside) / len(olds_beside) if olds_beside else None
             changes.append({"run": run["label"], "us": us[index], "baseline_us": baseline,
-                            "change": us[index] / baseline - 1.0, "equal_share": keyed[index][key]["equal_share"],
+                            "change": None if baseline is None else us[index] / baseline - 1.0,
+                            "equal_share": keyed[index][key]["equal_share"],
                             "nan_free": keyed[index][key]["nan_free"]})  # fmt: skip
         rows.append({"kernel": key[0], "tile": key[1], "shipped": key[0] not in seen_kernels, "us": us,
-                     "old_spread": max(olds) / min(olds) - 1.0, "changes": changes})  # fmt: skip
+                     "old_spread": max(olds) / min(olds) - 1.0 if olds else None, "changes": changes})  # fmt: skip
         seen_kernels.add(key[0])
     return rows
 
@@ -106,12 +108,19 @@ def table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         if run["role"] == "new":
             header += [f"{run['label']} change", "bit-equal, NaN-free"]
     cells_of_rows = []
+    new_runs = [run["label"] for run in runs if run["role"] == "new"]
     for row in rows:
         cells = [row["kernel"], row["tile"] + (" (shipped)" if row["shipped"] else "")]
-        cells += [f"{u:.2f}" for u in row["us"]] + [f"{100 * row['old_spread']:.1f} %"]
-        for change in row["changes"]:
+        cells += ["-" if u is None else f"{u:.2f}" for u in row["us"]]
+        cells += ["-" if row["old_spread"] is None else f"{100 * row['old_spread']:.1f} %"]
+        by_run = {change["run"]: change for change in row["changes"]}
+        for label in new_runs:
+            change = by_run.get(label)
+            if change is None:
+                cells += ["-", "-"]
+                continue
             bits = f"{change['equal_share']:.6f}, {'yes' if change['nan_free'] else 'NO'}"
-            cells += [f"{100 * change['change']:+.1f} %", bits]
+            cells += ["-" if change["change"] is None else f"{100 * change['change']:+.1f} %", bits]
         cells_of_rows.append(cells)
     return markdown_table([header, *cells_of_rows])
 

@@ -68,10 +68,22 @@ def test_unreadable_logs_are_refused_with_where_and_why(log, message):
         tiles_ab.parse_runs(log)
 
 
-def test_runs_that_swept_different_tiles_are_refused():
-    log = _run("old a", dict(zip(TILES, [1.0, 2.0, 3.0]))) + _run("new b", dict(zip(TILES[:2], [1.0, 2.0])))
-    with pytest.raises(tiles_ab.TilesLogError, match="missing from run"):
-        tiles_ab.compare(tiles_ab.parse_runs(log))
+def test_tiles_that_only_some_runs_swept_get_their_times_and_no_change():
+    """An older tree's sweep lacks the tiles added since: a tile only the new run swept keeps its time, no change, and
+    sits with its kernel's other tiles; a tile only the old runs swept has no new time."""
+    extra = ("silu_mul", "1x1024, 4 warps")
+    old = dict(zip(TILES, [40.0, 50.0, 26.0]))
+    new = dict(zip(TILES[:2], [44.0, 50.0])) | {extra: 38.0}
+    runs = tiles_ab.parse_runs(_run("old a", old) + _run("new b", new) + _run("old a again", old))
+    rows = tiles_ab.compare(runs)
+    assert [(row["kernel"], row["tile"]) for row in rows] == [*TILES[:2], extra, TILES[2]]
+    assert rows[2]["us"] == [None, 38.0, None] and rows[2]["old_spread"] is None
+    assert rows[2]["changes"][0]["change"] is None and rows[2]["changes"][0]["us"] == 38.0
+    assert rows[3]["us"] == [26.0, None, 26.0] and rows[3]["changes"] == []
+    assert rows[0]["changes"][0]["change"] == pytest.approx(0.1)
+    text = tiles_ab.table(runs, rows)
+    assert "| silu_mul | 1x1024, 4 warps | - | 38.00 | - | - | - | 1.000000, yes |" in text
+    assert "| gdn_prep | 16 rows, 4 warps (shipped) | 26.00 | - | 26.00 | 0.0 % | - | - |" in text
 
 
 def test_the_command_prints_the_table_writes_the_json_and_fails_cleanly(tmp_path, capsys):
