@@ -76,25 +76,26 @@ def _neighbour_olds(runs: list[dict[str, Any]], index: int) -> list[int]:
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (kernel, tile) swept by any run, in the order they first appear (a kernel's tiles together, its
     first one the shipped tile), with every run's us (None where a run did not sweep it: an older tree's sweep) and
-    each new run's change against the old runs beside it that swept it (None where none did)."""
+    one entry per new run, in log order: its change against the old runs beside it that swept the tile (None where
+    none did), and its bits (None where the new run did not sweep it)."""
     keyed = [{(case["kernel"], case["tile"]): case for case in run["result"]["cases"]} for run in runs]
-    keys: dict[tuple[str, str], None] = {}
-    for kernel in dict.fromkeys(case["kernel"] for run in runs for case in run["result"]["cases"]):
-        keys |= {key: None for cases in keyed for key in cases if key[0] == kernel}
+    first_seen = list(dict.fromkeys(key for cases in keyed for key in cases))
+    kernels = list(dict.fromkeys(kernel for kernel, _ in first_seen))
     rows, seen_kernels = [], set()
-    for key in keys:
+    for key in sorted(first_seen, key=lambda key: kernels.index(key[0])):  # stable: each kernel's tiles in order
         us = [cases[key]["us"] if key in cases else None for cases in keyed]
         olds = [u for u, run in zip(us, runs) if run["role"] == "old" and u is not None]
         changes = []
         for index, run in enumerate(runs):
-            if run["role"] != "new" or us[index] is None:
+            if run["role"] != "new":
                 continue
+            case = keyed[index].get(key)
             olds_beside = [i for i in _neighbour_olds(runs, index) if us[i] is not None]
             baseline = sum(us[i] for i in olds_beside) / len(olds_beside) if olds_beside else None
             changes.append({"run": run["label"], "us": us[index], "baseline_us": baseline,
-                            "change": None if baseline is None else us[index] / baseline - 1.0,
-                            "equal_share": keyed[index][key]["equal_share"],
-                            "nan_free": keyed[index][key]["nan_free"]})  # fmt: skip
+                            "change": None if case is None or baseline is None else us[index] / baseline - 1.0,
+                            "equal_share": None if case is None else case["equal_share"],
+                            "nan_free": None if case is None else case["nan_free"]})  # fmt: skip
         rows.append({"kernel": key[0], "tile": key[1], "shipped": key[0] not in seen_kernels, "us": us,
                      "old_spread": max(olds) / min(olds) - 1.0 if olds else None, "changes": changes})  # fmt: skip
         seen_kernels.add(key[0])
@@ -108,18 +109,13 @@ def table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         if run["role"] == "new":
             header += [f"{run['label']} change", "bit-equal, NaN-free"]
     cells_of_rows = []
-    new_runs = [run["label"] for run in runs if run["role"] == "new"]
     for row in rows:
         cells = [row["kernel"], row["tile"] + (" (shipped)" if row["shipped"] else "")]
         cells += ["-" if u is None else f"{u:.2f}" for u in row["us"]]
         cells += ["-" if row["old_spread"] is None else f"{100 * row['old_spread']:.1f} %"]
-        by_run = {change["run"]: change for change in row["changes"]}
-        for label in new_runs:
-            change = by_run.get(label)
-            if change is None:
-                cells += ["-", "-"]
-                continue
-            bits = f"{change['equal_share']:.6f}, {'yes' if change['nan_free'] else 'NO'}"
+        for change in row["changes"]:
+            swept = change["us"] is not None
+            bits = f"{change['equal_share']:.6f}, {'yes' if change['nan_free'] else 'NO'}" if swept else "-"
             cells += ["-" if change["change"] is None else f"{100 * change['change']:+.1f} %", bits]
         cells_of_rows.append(cells)
     return markdown_table([header, *cells_of_rows])

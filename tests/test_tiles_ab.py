@@ -79,11 +79,26 @@ def test_tiles_that_only_some_runs_swept_get_their_times_and_no_change():
     assert [(row["kernel"], row["tile"]) for row in rows] == [*TILES[:2], extra, TILES[2]]
     assert rows[2]["us"] == [None, 38.0, None] and rows[2]["old_spread"] is None
     assert rows[2]["changes"][0]["change"] is None and rows[2]["changes"][0]["us"] == 38.0
-    assert rows[3]["us"] == [26.0, None, 26.0] and rows[3]["changes"] == []
+    assert rows[3]["us"] == [26.0, None, 26.0]
+    assert rows[3]["changes"] == [{"run": "new b", "us": None, "baseline_us": 26.0, "change": None,
+                                   "equal_share": None, "nan_free": None}]  # fmt: skip
     assert rows[0]["changes"][0]["change"] == pytest.approx(0.1)
     text = tiles_ab.table(runs, rows)
     assert "| silu_mul | 1x1024, 4 warps | - | 38.00 | - | - | - | 1.000000, yes |" in text
     assert "| gdn_prep | 16 rows, 4 warps (shipped) | 26.00 | - | 26.00 | 0.0 % | - | - |" in text
+
+
+def test_two_new_runs_of_one_commit_keep_a_column_each_where_one_lacks_a_tile():
+    old = dict(zip(TILES, [40.0, 50.0, 26.0]))
+    log = (_run("old a", old) + _run("new b", dict(zip(TILES, [44.0, 50.0, 25.0]))) + _run("old a again", old)
+           + _run("new b", dict(zip(TILES[:2], [42.0, 50.0]))) + _run("old a again", old))  # fmt: skip
+    runs = tiles_ab.parse_runs(log)
+    rows = tiles_ab.compare(runs)
+    assert [change["us"] for change in rows[0]["changes"]] == [44.0, 42.0]
+    assert [change["us"] for change in rows[2]["changes"]] == [25.0, None]
+    times = "| 26.00 | 25.00 | 26.00 | - | 26.00 | 0.0 % |"
+    text = tiles_ab.table(runs, rows)
+    assert f"| gdn_prep | 16 rows, 4 warps (shipped) {times} -3.8 % | 1.000000, yes | - | - |" in text
 
 
 def test_the_command_prints_the_table_writes_the_json_and_fails_cleanly(tmp_path, capsys):
