@@ -55,6 +55,9 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
   shared prefix's recurrence once, dummy paths skipped) and reads each path slot at its packed row (`rows`: the prep
   kernel's packed outputs, no `gather_slots` copy to the slots); on the CPU too (the interpreter gets bf16 operands as
   fp32).
+* `"flashinfer"` (stage `flashinfer_gdn`): FlashInfer's sm_90 GDN prefill kernel (`kernels.gdn_flashinfer.
+  FlashInferCore`) with FLA's call, on the slots as FLA reads them (every path from position 0, no tree walk), in both
+  modes (the hand-off's states through the adapter's state pools); CUDA only.
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -128,6 +131,7 @@ from engine.tree import node_core, page_keys, torch_chunk_core, tree_gdn_core
 from engine.weights import AttentionLayerWeights, GDNLayerWeights, MergedWeights
 from kernels.gdn_chunk import GdnChunkCore
 from kernels.gdn_core import FlaForwardCore, fla_chunk_function
+from kernels.gdn_flashinfer import FlashInferCore
 from reference import ops
 from reference.shapes import ModelShapes
 
@@ -381,6 +385,7 @@ class EngineBackbone:
             "fla": fla_chunk_function,
             "fla_forward": FlaForwardCore,
             "chunk_fused": GdnChunkCore,
+            "flashinfer": FlashInferCore,
             "torch": lambda: torch_chunk_core,
         }[self.gdn_core]()
         fused = config.elementwise == "triton"

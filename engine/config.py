@@ -17,10 +17,11 @@ Fields (values; what each picks):
   (torch's build) or FlashAttention-4 (`flash-attn-4`, the `gpu` dependency group) on CUDA over keys laid out per
   node, or FlashAttention-4 reading each node's path from the packed rows through a page table of one-row pages (k and
   v prepared once per row); blockwise fp32 on the CPU for all three (`engine.tree.node_core`).
-* `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`): HF's torch chunk rule; FLA 0.6.0's
+* `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`, `flashinfer`): HF's torch chunk rule; FLA 0.6.0's
   `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
   gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
-  Triton prep kernel, so `elementwise="triton"`).
+  Triton prep kernel, so `elementwise="triton"`); FlashInfer's sm_90 GDN prefill kernel over every path of the call,
+  as FLA runs them (`kernels/gdn_flashinfer.py`, flashinfer-python in the `gpu` dependency group).
 * `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
   forced.
 * `gemm` (`cublas`, `cublas_row_invariant`, `tuned`): `F.linear` with cuBLAS's default workspace; without a workspace
@@ -35,9 +36,9 @@ Fields (values; what each picks):
 * `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
 
 Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter computes bf16 `tl.dot` wrongly,
-reference-math.md §6), so an engine config's FLA core becomes `torch` there (`chunk_fused` stays: it hands the
-interpreter its bf16 operands as fp32) (a `graphs` config keeps its bucketed
-plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
+reference-math.md §6) and no FlashInfer (an sm_90 kernel), so an engine config's FLA or FlashInfer core becomes
+`torch` there (`chunk_fused` stays: it hands the interpreter its bf16 operands as fp32) (a `graphs` config keeps its
+bucketed plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
 (stage `hf_fla`) has no CPU form and is refused. The varlen attentions run `engine.tree.blockwise_node_core` on the
 CPU (the config keeps its value: FlashAttention has no CPU form and the blockwise core stands in for either). Illegal
 combinations are refused in `__post_init__`, where a config is built, with the reason; tests/test_stages.py tries
@@ -55,7 +56,7 @@ FIELD_VALUES: dict[str, tuple[Any, ...]] = {
     "layout": ("padded", "flat", "tree"),
     "elementwise": ("torch", "triton"),
     "attention": ("sdpa_padded", "mask", "varlen", "varlen_fa4", "paged_fa4"),
-    "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused"),
+    "gdn_core": ("torch", "fla", "fla_forward", "chunk_fused", "flashinfer"),
     "gdn_mode": ("cost", "replicated", "handoff"),
     "gemm": ("cublas", "cublas_row_invariant", "tuned"),
     "graphs": (False, True),
@@ -82,6 +83,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gdn_core", "fla_forward"): "FLA's GDN forward kernels launched directly (no autograd wrapper)",
     ("gdn_core", "chunk_fused"): "GDN core through our chunked gated-delta-rule kernels: the solve, then a walk with "
     "the state on chip across a sequence's chunks that computes a shared prefix once (the plan's tree walk)",
+    ("gdn_core", "flashinfer"): "GDN core through FlashInfer 0.7.4's sm_90 prefill kernel (one warp-specialised CTA "
+    "per sequence and value head) over every candidate path",
     ("gdn_mode", "cost"): "GDN mode per batch by the cost rule (replicated paths or fp32 state hand-off)",
     ("gdn_mode", "replicated"): "GDN over replicated candidate paths",
     ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",
@@ -134,7 +137,7 @@ class EngineConfig:
             wrong = {name: getattr(self, name) for name, value in hf.items() if getattr(self, name) != value}
             if wrong:
                 raise ValueError(f"the hf backbone runs transformers' own layout and ops; it cannot take {wrong}")
-            if self.gdn_core in ("fla_forward", "chunk_fused"):
+            if self.gdn_core in ("fla_forward", "chunk_fused", "flashinfer"):
                 raise ValueError(
                     f"gdn_core={self.gdn_core!r} is one of the engine's direct launches; the hf backbone calls FLA's "
                     "fla or the torch rule"

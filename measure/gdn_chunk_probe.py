@@ -3,6 +3,7 @@
     python -m measure.gdn_chunk_probe                 # writes results/gdn-chunk/<utc>-<gpu>-<commit>.json
     python -m measure.gdn_chunk_probe --calls 10 --rounds 20 --workloads drone
     python -m measure.gdn_chunk_probe --workloads drone --variants stage --calls 1 --rounds 1 --no-record  # profiled
+    python -m measure.gdn_chunk_probe --variants stage --flashinfer   # and FlashInfer's sm_90 GDN kernel
 
 What is timed: one GDN layer's core call as the `graphs` stage makes it, on the replicated schedule of the request's
 bucketed plan (`engine.plan.plan_tree(..., bucket=...)`, the bucket `engine.graphs.default_grid` picks: drone
@@ -37,6 +38,11 @@ share of bit-equal output elements against FLA, the share bit-equal to the stage
 and the relative RMSE of both against the fp32 oracle
 `reference.ops.gdn_recurrent` on the candidate paths. Synthetic
 inputs: timings and numerics only.
+
+`--flashinfer` adds FlashInfer's sm_90 GDN prefill kernel (`kernels.gdn_flashinfer`, flashinfer-python 0.7.4: one
+warp-specialised CTA per sequence and value head) on the gathered slots, every path from position 0 as FLA runs them
+(it has no tree walk): `flashinfer.us` as a core would call it (exp(g) and beta's fp32 copy inside the timed call),
+`kernel_us` the library's kernel alone, and its errors where the engine reads, against the oracle, FLA and the stage.
 
 `--schedules` (issue 22, item 1: the recurrence once per row) times FLA's core instead over the request's unpadded
 tree plan in each GDN mode, as `engine.tree.tree_gdn_core` runs it (gathers, calls, state bank, scatter), both on the
@@ -153,7 +159,40 @@ def rel_rmse(x, ref) -> float:
     return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
 
 
-def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+def probe_flashinfer(q, k, v, g, beta, cu, read, oracle, fla_o, stage, calls: int, rounds: int) -> dict:
+    """FlashInfer's sm_90 GDN kernel (`kernels.gdn_flashinfer.FlashInferCore`) on the gathered slots of the call, every
+    path from position 0 (it has no tree walk): the adapter's call as a core would make it (exp(g) and beta in fp32
+    made inside the timed call) and the library's kernel alone on those gates made before; errors where the engine
+    reads."""
+    import torch
+
+    from kernels.gdn_flashinfer import FlashInferCore, flashinfer_gdn_function
+
+    core, function = FlashInferCore(), flashinfer_gdn_function()
+    o, _ = core(q, k, v, g, beta, cu_seqlens=cu)
+    alpha, beta_f32 = g[0].float().exp(), beta[0].float()
+    pool = torch.zeros((1, v.shape[2], v.shape[3], k.shape[3]), device=q.device)  # read and written by no sequence
+    skip = torch.full((cu.shape[0] - 1,), -1, dtype=torch.int32, device=q.device)
+
+    def kernel_alone():
+        return function(q[0], k[0], v[0], alpha, beta_f32, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                        output_state=pool, state_indices=skip, output_state_indices=skip, use_cp=False,
+                        backend="flashinfer")  # fmt: skip
+
+    mine, theirs = o[0, read], fla_o[0, read]
+    return {
+        "us": graph_time_us(lambda: core(q, k, v, g, beta, cu_seqlens=cu), calls, rounds),
+        "kernel_us": graph_time_us(kernel_alone, calls, rounds),
+        "rel_rmse_vs_fla": rel_rmse(mine.float(), theirs.float()),
+        "bit_equal_share_vs_fla": bit_equal_share(mine, theirs),
+        "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
+        "rel_rmse_vs_stage": None if stage is None else rel_rmse(mine.float(), stage.float()),
+    }
+
+
+def probe_workload(
+    workload_id: str, calls: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS), flashinfer: bool = False
+) -> dict:
     import torch
 
     import kernels
@@ -237,6 +276,12 @@ def probe_workload(workload_id: str, calls: int, rounds: int, variants: tuple[st
         speed, error, equal = figures["speedup_vs_fla"], figures["rel_rmse_vs_fla"], figures["bit_equal_share_vs_fla"]
         print(f"{workload_id:<24} {name:<14} {us:7.1f} us (solve {solve_us:6.1f})  FLA {result['fla_us']:7.1f} us  "
               f"x{speed:5.2f}  vs FLA {error:.2e}, bit-equal {equal:.4f}", flush=True)  # fmt: skip
+    if flashinfer:
+        figures = probe_flashinfer(q, k, v, g, beta, cu, read, oracle, fla_o, outputs.get("stage"), calls, rounds)
+        result["flashinfer"] = figures
+        print(f"{workload_id:<24} {'flashinfer':<14} {figures['us']:7.1f} us (kernel {figures['kernel_us']:6.1f})  "
+              f"FLA {result['fla_us']:7.1f} us  vs oracle {figures['rel_rmse_vs_oracle']:.2e}, "
+              f"FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
     return result
 
 
@@ -289,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", action="store_true", help="FLA's core in the replicated and handoff modes")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--no-record", action="store_true", help="print only (a run under a profiler)")
+    parser.add_argument(
+        "--flashinfer", action="store_true", help="also FlashInfer's sm_90 GDN kernel on every path (flashinfer-python)"
+    )
     args = parser.parse_args(argv)
     variants = tuple(args.variants.split(","))
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -312,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.schedules:
                 record["workloads"].append(probe_schedules(workload_id, args.calls, args.rounds))
             else:
-                record["workloads"].append(probe_workload(workload_id, args.calls, args.rounds, variants))
+                record["workloads"].append(
+                    probe_workload(workload_id, args.calls, args.rounds, variants, flashinfer=args.flashinfer)
+                )
     if not args.no_record:
         suffix = "-schedules" if args.schedules else ""
         write_json(record, REPO / "results" / "gdn-chunk" / f"{record_stem(env)}{suffix}.json")

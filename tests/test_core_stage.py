@@ -155,3 +155,22 @@ def test_paged_stage_matches_core_bitwise(forwards):
     (prepared, out), (_, want) = forwards("paged"), forwards("core")
     assert prepared.batches[0].plan.bucket is not None and not prepared.batches[0].plan.attention.keys_are_rows
     assert torch.isfinite(out).all() and torch.equal(out, want)
+
+
+def test_flashinfer_gdn_stage_is_registered_unmeasured_on_core():
+    stage = get_stage("flashinfer_gdn")
+    assert (stage.builds_on, stage.delta, stage.status) == ("core", {"gdn_core": "flashinfer"}, "unmeasured")
+    assert stage.exactness.describe() == get_stage("core").exactness.describe() and stage.notes.is_file()
+    assert config_of("flashinfer_gdn").on("cpu") == config_of("core").replace(gdn_core="torch")  # no sm_90 kernel here
+    assert "flashinfer_gdn" not in load_plan("gpu-27b").stages
+
+
+@pytest.mark.slow
+def test_flashinfer_gdn_stage_close_to_graphs(forwards):
+    """The stage's CPU gate: its CPU form (FlashInfer's kernel needs sm_90, so HF's torch chunk rule stands in, with
+    `core`'s attention and prep) against `graphs` within the registry's bound, every output finite. It checks the
+    stage's config and plan path; the kernel's own bound is checked on the GPU (tests/test_gpu_gdn_flashinfer.py)."""
+    (prepared, out), (_, ref) = forwards("flashinfer_gdn"), forwards("graphs")
+    assert prepared.batches[0].plan.bucket is not None
+    error = rel_rmse(out, ref)
+    assert torch.isfinite(out).all() and error <= get_stage("flashinfer_gdn").exactness.bound, error

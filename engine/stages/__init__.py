@@ -239,6 +239,16 @@ STAGE_LIST: tuple[Stage, ...] = (
         gpu_gate="tests/test_gpu_gdn_chunk.py::test_paged_stage_matches_core_bitwise",
         status="unmeasured",  # H100 record 20261207T005156Z: gate green, core's bits; no H200 record yet (paged.md)
     ),
+    Stage(
+        name="flashinfer_gdn",
+        builds_on="core",
+        delta={"gdn_core": "flashinfer"},
+        # core's bound: a GDN core in the stage's place is held to what core is held to (flashinfer_gdn.md)
+        exactness=Exactness("bounded", against="graphs", metric="hidden_rel_rmse", bound=0.031),
+        gate="tests/test_core_stage.py::test_flashinfer_gdn_stage_close_to_graphs",
+        gpu_gate="tests/test_gpu_gdn_flashinfer.py::test_flashinfer_gdn_stage_close_to_graphs",
+        status="unmeasured",  # built on the CPU on 2026-12-07; never on a GPU (flashinfer_gdn.md)
+    ),
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in STAGE_LIST}

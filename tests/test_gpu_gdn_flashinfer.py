@@ -1,0 +1,155 @@
+"""FlashInfer's Hopper GDN kernel as a GDN core (kernels/gdn_flashinfer.py) on the GPU, 27B head shapes (Hk 16, Hv 48,
+K = V = 128): what a stage built on it would rest on.
+
+    nox --no-venv -s gpu_tests -- tests/test_gpu_gdn_flashinfer.py -s
+
+* within `tests.cases.gdn_chunk_bounds`' bf16 bound of the fp32 oracle (outputs and final states, nonzero initial
+  states), and within twice that bound of FLA's `FlaForwardCore` on the same inputs, as the stage's own core is held
+  (tests/test_gpu_gdn_chunk.py); the share bit-equal to FLA printed (`-s`);
+* bitwise: each sequence alone equals its rows in the whole launch (drone's bucketed paths, empty sequences included),
+  two runs are identical, and a CUDA-graph replay equals the eager call;
+* stage `flashinfer_gdn` (its GPU gate): the head's rows against `graphs` within the registry's bound (core's) on
+  drone, customer_service, long-10k-choice-5 and the JevBench panel, each in its bucket's graph replay (long-10k:
+  eager, on the hand-off schedule), and its tree against its flat layout bitwise (drone).
+Random inputs: bounds and bits only, never accuracy. FlashInfer's kernel compiles on its first call (CUTLASS's Python
+DSL), which the first test pays.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+
+from ablations.workloads import get_workload, jevbench_panel
+from engine.stages import build_engine, config_of, get_stage
+from engine.weights import MergedWeights
+from kernels.gdn_flashinfer import FlashInferCore
+from reference.ops import GDN_CHUNK_SIZE
+from reference.service import request_candidates
+from reference.shapes import QWEN38_27B as S
+from reference.weights import synthetic_weights
+from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
+DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
+LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
+
+
+def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return math.sqrt(float((x.double() - ref.double()).square().sum()) / float(ref.double().square().sum()))
+
+
+def call(core, q, k, v, g, beta, cu, h0):
+    return core(*(t[None] for t in (q, k, v, g, beta)), cu_seqlens=cu, initial_state=h0, output_final_state=True)
+
+
+@pytest.mark.parametrize("lengths", list(LENGTH_SETS.values()), ids=list(LENGTH_SETS))
+def test_flashinfer_core_within_the_bound_of_the_oracle_and_fla(lengths):
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kernels.gdn_core import FlaForwardCore
+
+    inputs = gdn_chunk_inputs(lengths, DIMS, seed=21, device=DEVICE)
+    q, k, v, g, beta, cu, h0 = inputs
+    o, final = call(FlashInferCore(), *inputs)
+    ref_o, ref_final = gdn_chunk_oracle(*inputs)
+    fla_o, fla_final = FlaForwardCore()(
+        *(t[None] for t in (q, k, v, g, beta)),
+        cu_seqlens=cu,
+        chunk_indices=prepare_chunk_indices(cu, GDN_CHUNK_SIZE),
+        initial_state=h0,
+        output_final_state=True,
+    )
+    bound = gdn_chunk_bounds(DIMS[2], max(-(-n // GDN_CHUNK_SIZE) for n in lengths))["bf16"]
+    figures = {
+        "o vs oracle": rel_rmse(o[0].float(), ref_o),
+        "final vs oracle": rel_rmse(final, ref_final),
+        "FLA o vs oracle": rel_rmse(fla_o[0].float(), ref_o),
+        "o vs FLA": rel_rmse(o[0].float(), fla_o[0].float()),
+        "final vs FLA": rel_rmse(final, fla_final),
+        "o bit-equal to FLA": float((o.view(torch.int16) == fla_o.view(torch.int16)).float().mean()),
+    }
+    print(f"flashinfer bound {bound:.3g}", {name: f"{value:.3e}" for name, value in figures.items()})
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    for name in ("o vs oracle", "final vs oracle"):
+        assert figures[name] <= bound, (name, figures[name], bound)
+    for name in ("o vs FLA", "final vs FLA"):
+        assert figures[name] <= 2 * bound, (name, figures[name], bound)
+
+
+def test_flashinfer_core_sequence_alone_equals_its_rows_in_the_launch():
+    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=22, device=DEVICE)
+    core = FlashInferCore()
+    o, final = call(core, q, k, v, g, beta, cu, h0)
+    again, final_again = call(core, q, k, v, g, beta, cu, h0)
+    assert torch.equal(o, again) and torch.equal(final, final_again)
+    bounds = cu.tolist()
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if e == s:
+            continue
+        alone, alone_final = call(
+            core, q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], cu.new_tensor([0, e - s]), h0[i : i + 1]
+        )
+        assert torch.equal(alone[0], o[0, s:e]), i
+        assert torch.equal(alone_final[0], final[i]), i
+
+
+def test_flashinfer_core_replays_in_a_cuda_graph_as_it_runs_eagerly():
+    inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=23, device=DEVICE)
+    core = FlashInferCore()
+    eager, eager_final = call(core, *inputs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed, replayed_final = call(core, *inputs)
+    replayed.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager) and torch.equal(replayed_final, eager_final)
+
+
+# ---------------------------------------------------------------------------------------------------------- the stage
+
+
+@pytest.fixture(scope="module")
+def engines():
+    weights = synthetic_weights(S, seed=0, device="cuda")
+    merged = MergedWeights.from_decision_weights(weights)
+    del weights
+    built = {
+        "graphs": build_engine(merged, "graphs"),
+        "flashinfer_gdn": build_engine(merged, "flashinfer_gdn"),
+        "flashinfer_gdn flat": build_engine(merged, config_of("flashinfer_gdn", graphs=False, layout="flat")),
+    }
+    for name in ("graphs", "flashinfer_gdn"):
+        built[name].graphs.capture_on_miss = True
+    yield built
+    del built, merged
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def answer(engine, workload: str) -> torch.Tensor:
+    candidates, groups = request_candidates(get_workload(workload).request)
+    return engine.forward(engine.prepare(candidates, groups)).clone()
+
+
+@pytest.mark.parametrize(
+    "workload", ["drone", "customer_service", "long-10k-choice-5"] + [w.id for w in jevbench_panel()]
+)
+def test_flashinfer_gdn_stage_close_to_graphs(engines, workload):
+    """Stage `flashinfer_gdn`'s GPU gate: hidden_rel_rmse of the head's rows against `graphs` within the registry's
+    bound."""
+    got = answer(engines["flashinfer_gdn"], workload)
+    error = rel_rmse(got, answer(engines["graphs"], workload))
+    print(f"{workload}: flashinfer_gdn vs graphs hidden_rel_rmse {error:.4e}")
+    assert torch.isfinite(got).all() and error <= get_stage("flashinfer_gdn").exactness.bound, (workload, error)
+
+
+def test_flashinfer_gdn_stage_tree_matches_flat_bitwise(engines):
+    assert torch.equal(answer(engines["flashinfer_gdn"], "drone"), answer(engines["flashinfer_gdn flat"], "drone"))
