@@ -49,6 +49,17 @@ def _check_dispatch_off() -> None:
         )
 
 
+def check_varlen_call(owner: str, q, k, v, g, beta, cu_seqlens, initial_state) -> None:
+    """A varlen GDN core's inputs: q, k, v, g, beta contiguous [1, T, ...] and one initial state per sequence, or a
+    ValueError that names the core (`owner`)."""
+    tokens = k.shape[1]
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.shape[:2] != (1, tokens) or not t.is_contiguous():
+            raise ValueError(f"{owner}: {name} must be contiguous [1, {tokens}, ...], got {tuple(t.shape)}")
+    if initial_state is not None and initial_state.shape[0] != cu_seqlens.shape[0] - 1:
+        raise ValueError(f"{owner}: {initial_state.shape[0]} initial states for {cu_seqlens.shape[0] - 1} sequences")
+
+
 def fla_chunk_function() -> Callable:
     """FLA 0.6.0's Triton `chunk_gated_delta_rule`, with any backend-dispatch wrapper peeled off."""
     _check_dispatch_off()
@@ -108,13 +119,7 @@ class FlaForwardCore:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, tokens, key_heads, key_dim = k.shape
         value_heads = v.shape[2]
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if t.shape[:2] != (1, tokens) or not t.is_contiguous():
-                raise ValueError(f"FlaForwardCore: {name} must be contiguous [1, {tokens}, ...], got {tuple(t.shape)}")
-        if initial_state is not None and initial_state.shape[0] != cu_seqlens.shape[0] - 1:
-            raise ValueError(
-                f"FlaForwardCore: {initial_state.shape[0]} initial states for {cu_seqlens.shape[0] - 1} sequences"
-            )
+        check_varlen_call("FlaForwardCore", q, k, v, g, beta, cu_seqlens, initial_state)
         if use_qk_l2norm_in_kernel:
             q, k = self._l2norm(q)[0], self._l2norm(k)[0]
         scale = key_dim**-0.5 if scale is None else scale

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.gdn_core import check_varlen_call
+
 FLASHINFER = "flashinfer-python==0.7.4"
 
 
@@ -71,14 +73,7 @@ class FlashInferCore:
         scale: float | None = None,
         **_layout,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = q.shape[1]
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if t.shape[:2] != (1, tokens) or not t.is_contiguous():
-                raise ValueError(f"FlashInferCore: {name} must be contiguous [1, {tokens}, ...], got {tuple(t.shape)}")
-        if initial_state is not None and initial_state.shape[0] != cu_seqlens.shape[0] - 1:
-            raise ValueError(
-                f"FlashInferCore: {initial_state.shape[0]} initial states for {cu_seqlens.shape[0] - 1} sequences"
-            )
+        check_varlen_call("FlashInferCore", q, k, v, g, beta, cu_seqlens, initial_state)
         count, value_heads, key_dim, value_dim = cu_seqlens.shape[0] - 1, v.shape[2], k.shape[3], v.shape[3]
         rows = torch.arange(count, dtype=torch.int32, device=q.device)
         skip = torch.full((count,), -1, dtype=torch.int32, device=q.device)

@@ -87,6 +87,30 @@ def gdn_chunk_oracle(q, k, v, g, beta, cu, h0) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(outs), torch.stack(finals)
 
 
+def engines_27b(specs: dict) -> dict:
+    """Engines on one set of 27B synthetic weights (seed 0), held once: name -> `build_engine` of a stage name or a
+    config; every engine with a graph cache captures its buckets on first use (a GPU module fixture's body)."""
+    from engine.stages import build_engine
+    from engine.weights import MergedWeights
+    from reference.shapes import QWEN38_27B
+
+    merged = MergedWeights.from_decision_weights(synthetic_weights(QWEN38_27B, seed=0, device="cuda"))
+    built = {name: build_engine(merged, spec) for name, spec in specs.items()}
+    for engine in built.values():
+        if engine.graphs is not None:
+            engine.graphs.capture_on_miss = True
+    return built
+
+
+def workload_answer(engine, workload_id: str) -> torch.Tensor:
+    """The head's rows of one ladder workload's request through `engine` (a copy)."""
+    from ablations.workloads import get_workload
+    from reference.service import request_candidates
+
+    candidates, groups = request_candidates(get_workload(workload_id).request)
+    return engine.forward(engine.prepare(candidates, groups)).clone()
+
+
 def gdn_chunk_bounds(key_dim: int, chunks: int) -> dict[str, float]:
     """Relative-RMSE bounds of `kernels.gdn_chunk` against the fp32 oracle, for head dim K and sequences of at most
     `chunks` 64-row chunks, from first-order rounding-error counts (never fitted to a measurement):

@@ -23,15 +23,12 @@ import math
 import pytest
 import torch
 
-from ablations.workloads import get_workload, jevbench_panel
-from engine.stages import build_engine, config_of, get_stage
-from engine.weights import MergedWeights
+from ablations.workloads import jevbench_panel
+from engine.stages import config_of, get_stage
 from kernels.gdn_flashinfer import FlashInferCore
 from reference.ops import GDN_CHUNK_SIZE
-from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
-from reference.weights import synthetic_weights
-from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
+from tests.cases import engines_27b, gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle, workload_answer
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -118,25 +115,12 @@ def test_flashinfer_core_replays_in_a_cuda_graph_as_it_runs_eagerly():
 
 @pytest.fixture(scope="module")
 def engines():
-    weights = synthetic_weights(S, seed=0, device="cuda")
-    merged = MergedWeights.from_decision_weights(weights)
-    del weights
-    built = {
-        "graphs": build_engine(merged, "graphs"),
-        "flashinfer_gdn": build_engine(merged, "flashinfer_gdn"),
-        "flashinfer_gdn flat": build_engine(merged, config_of("flashinfer_gdn", graphs=False, layout="flat")),
-    }
-    for name in ("graphs", "flashinfer_gdn"):
-        built[name].graphs.capture_on_miss = True
+    flat = config_of("flashinfer_gdn", graphs=False, layout="flat")
+    built = engines_27b({"graphs": "graphs", "flashinfer_gdn": "flashinfer_gdn", "flashinfer_gdn flat": flat})
     yield built
-    del built, merged
+    del built
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def answer(engine, workload: str) -> torch.Tensor:
-    candidates, groups = request_candidates(get_workload(workload).request)
-    return engine.forward(engine.prepare(candidates, groups)).clone()
 
 
 @pytest.mark.parametrize(
@@ -145,11 +129,12 @@ def answer(engine, workload: str) -> torch.Tensor:
 def test_flashinfer_gdn_stage_close_to_graphs(engines, workload):
     """Stage `flashinfer_gdn`'s GPU gate: hidden_rel_rmse of the head's rows against `graphs` within the registry's
     bound."""
-    got = answer(engines["flashinfer_gdn"], workload)
-    error = rel_rmse(got, answer(engines["graphs"], workload))
+    got = workload_answer(engines["flashinfer_gdn"], workload)
+    error = rel_rmse(got, workload_answer(engines["graphs"], workload))
     print(f"{workload}: flashinfer_gdn vs graphs hidden_rel_rmse {error:.4e}")
     assert torch.isfinite(got).all() and error <= get_stage("flashinfer_gdn").exactness.bound, (workload, error)
 
 
 def test_flashinfer_gdn_stage_tree_matches_flat_bitwise(engines):
-    assert torch.equal(answer(engines["flashinfer_gdn"], "drone"), answer(engines["flashinfer_gdn flat"], "drone"))
+    tree, flat = (workload_answer(engines[name], "drone") for name in ("flashinfer_gdn", "flashinfer_gdn flat"))
+    assert torch.equal(tree, flat)
