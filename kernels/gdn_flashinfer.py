@@ -81,8 +81,11 @@ class FlashInferCore:
             pool_in, read = torch.zeros((1, value_heads, value_dim, key_dim), device=q.device), skip
         else:
             pool_in, read = initial_state.float().transpose(-1, -2).contiguous(), rows
-        if output_final_state:
-            pool_out, write = torch.empty((count, value_heads, value_dim, key_dim), device=q.device), rows
+        if output_final_state:  # an empty sequence stores nothing: its row keeps its initial state, as in FLA
+            pool_out = (
+                pool_in.clone() if initial_state is not None else torch.zeros_like(pool_in).expand(count, -1, -1, -1)
+            )
+            pool_out, write = pool_out.contiguous(), rows
         else:  # -1: no final state stored (the call's default writes [N, Hv, V, K] fp32 that nobody reads)
             pool_out, write = pool_in, skip
         o, _ = self._function(
