@@ -1,4 +1,4 @@
-"""FlashInfer's Hopper GDN prefill kernel as a GDN core with FLA's varlen signature (a probe's candidate, no stage yet).
+"""FlashInfer's Hopper GDN prefill kernel as a GDN core with FLA's varlen signature (stage `flashinfer_gdn`).
 
 `flashinfer.gdn_prefill.chunk_gated_delta_rule` (flashinfer-python 0.7.4) runs, on sm_90, one warp-specialised CuTe-DSL
 kernel per call: one CTA of 512 threads per (sequence, value head), a load/store warp group with TMA, the state split
@@ -42,7 +42,7 @@ def flashinfer_gdn_function() -> Callable:
     except ImportError as error:
         raise ImportError(
             f"the FlashInfer GDN core needs {FLASHINFER} and CUTLASS's Python DSL (the `gpu` dependency group; on the "
-            f"device its wheels travel as in engine/stages/core.md, 'FlashInfer's GDN kernel'): {error}"
+            f"device its wheels travel as engine/stages/flashinfer_gdn.md, 'The campaign', says): {error}"
         ) from error
     return chunk_gated_delta_rule
 
@@ -82,10 +82,8 @@ class FlashInferCore:
         else:
             pool_in, read = initial_state.float().transpose(-1, -2).contiguous(), rows
         if output_final_state:  # an empty sequence stores nothing: its row keeps its initial state, as in FLA
-            pool_out = (
-                pool_in.clone() if initial_state is not None else torch.zeros_like(pool_in).expand(count, -1, -1, -1)
-            )
-            pool_out, write = pool_out.contiguous(), rows
+            pool_out = pool_in.clone() if initial_state is not None else pool_in.new_zeros((count, *pool_in.shape[1:]))
+            write = rows
         else:  # -1: no final state stored (the call's default writes [N, Hv, V, K] fp32 that nobody reads)
             pool_out, write = pool_in, skip
         o, _ = self._function(
