@@ -47,6 +47,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj
 # Kernels
 
 
+# the path lengths of drone's bucket r352-s1074-c8 (empty and one-row dummy paths included), and the GPU GDN cores'
+# length sets: that bucket and a 1,000-token sequence beside a short one
+DRONE_BUCKET_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)
+GDN_LENGTH_SETS = {"drone-bucket": DRONE_BUCKET_PATHS, "long-1000": (1000, 65)}
+
+
 def gdn_chunk_inputs(lengths, dims, seed: int, device="cpu", correlated: bool = False):
     """Packed inputs of the fused GDN kernel for sequences of `lengths`: (q, k, v, g, beta, cu_seqlens, h0).
 

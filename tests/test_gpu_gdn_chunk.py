@@ -38,13 +38,11 @@ from kernels.gdn_chunk import chunk_indices_of, gdn_chunk_forward
 from reference.service import request_candidates
 from reference.shapes import QWEN38_27B as S
 from reference.weights import synthetic_weights
-from tests.cases import gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
+from tests.cases import DRONE_BUCKET_PATHS, GDN_LENGTH_SETS, gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
-DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
-LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
 KERNELS = {  # name -> gdn_chunk_forward options: the stage's kernel (blocks-doubling, one solve warp) and variants
     "stage": {},
     "doubling": {"solve": "doubling"},
@@ -68,7 +66,7 @@ def run(q, k, v, g, beta, cu, h0, **options):
 
 
 @pytest.mark.parametrize(("kernel", "solve_precision"), BOUND_CASES, ids=[f"{n}-{p}" for n, p in BOUND_CASES])
-@pytest.mark.parametrize("lengths", list(LENGTH_SETS.values()), ids=list(LENGTH_SETS))
+@pytest.mark.parametrize("lengths", list(GDN_LENGTH_SETS.values()), ids=list(GDN_LENGTH_SETS))
 def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, kernel, solve_precision):
     from kernels.gdn_core import FlaForwardCore
     from reference.ops import GDN_CHUNK_SIZE
@@ -106,7 +104,7 @@ def test_kernel_within_the_bound_of_the_oracle_and_fla(lengths, kernel, solve_pr
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_kernel_bitwise_invariances(kernel):
     forward = functools.partial(run, **KERNELS[kernel])
-    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=22, device=DEVICE)
+    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_BUCKET_PATHS, DIMS, seed=22, device=DEVICE)
     o, final = forward(q, k, v, g, beta, cu, h0)
     again = forward(q, k, v, g, beta, cu, h0)
     assert torch.equal(o, again[0]) and torch.equal(final, again[1]), "two runs differ"
@@ -134,7 +132,7 @@ def test_kernel_bitwise_invariances(kernel):
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_kernel_replays_in_a_cuda_graph_as_it_runs_eagerly(kernel):
-    inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=24, device=DEVICE)
+    inputs = gdn_chunk_inputs(DRONE_BUCKET_PATHS, DIMS, seed=24, device=DEVICE)
     chunk_indices = chunk_indices_of(inputs[5])  # the engine passes its plan's (no host sync under capture)
     eager = run(*inputs, chunk_indices=chunk_indices, **KERNELS[kernel])
     run(*inputs, chunk_indices=chunk_indices, **KERNELS[kernel])  # compiled before capture

@@ -28,13 +28,19 @@ from engine.stages import config_of, get_stage
 from kernels.gdn_flashinfer import FlashInferCore
 from reference.ops import GDN_CHUNK_SIZE
 from reference.shapes import QWEN38_27B as S
-from tests.cases import engines_27b, gdn_chunk_bounds, gdn_chunk_inputs, gdn_chunk_oracle, workload_answer
+from tests.cases import (
+    DRONE_BUCKET_PATHS,
+    GDN_LENGTH_SETS,
+    engines_27b,
+    gdn_chunk_bounds,
+    gdn_chunk_inputs,
+    gdn_chunk_oracle,
+    workload_answer,
+)
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 DIMS = (S.linear_num_key_heads, S.linear_num_value_heads, S.linear_key_head_dim, S.linear_value_head_dim)
-DRONE_PATHS = (149, 146, 147, 132, 134, 132, 131, 15, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0)  # drone's bucket r352-s1074-c8
-LENGTH_SETS = {"drone-bucket": DRONE_PATHS, "long-1000": (1000, 65)}
 
 
 def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -45,7 +51,7 @@ def call(core, q, k, v, g, beta, cu, h0):
     return core(*(t[None] for t in (q, k, v, g, beta)), cu_seqlens=cu, initial_state=h0, output_final_state=True)
 
 
-@pytest.mark.parametrize("lengths", list(LENGTH_SETS.values()), ids=list(LENGTH_SETS))
+@pytest.mark.parametrize("lengths", list(GDN_LENGTH_SETS.values()), ids=list(GDN_LENGTH_SETS))
 def test_flashinfer_core_within_the_bound_of_the_oracle_and_fla(lengths):
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -80,7 +86,7 @@ def test_flashinfer_core_within_the_bound_of_the_oracle_and_fla(lengths):
 
 
 def test_flashinfer_core_sequence_alone_equals_its_rows_in_the_launch():
-    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=22, device=DEVICE)
+    q, k, v, g, beta, cu, h0 = gdn_chunk_inputs(DRONE_BUCKET_PATHS, DIMS, seed=22, device=DEVICE)
     core = FlashInferCore()
     o, final = call(core, q, k, v, g, beta, cu, h0)
     again, final_again = call(core, q, k, v, g, beta, cu, h0)
@@ -97,7 +103,7 @@ def test_flashinfer_core_sequence_alone_equals_its_rows_in_the_launch():
 
 
 def test_flashinfer_core_replays_in_a_cuda_graph_as_it_runs_eagerly():
-    inputs = gdn_chunk_inputs(DRONE_PATHS, DIMS, seed=23, device=DEVICE)
+    inputs = gdn_chunk_inputs(DRONE_BUCKET_PATHS, DIMS, seed=23, device=DEVICE)
     core = FlashInferCore()
     eager, eager_final = call(core, *inputs)
     torch.cuda.synchronize()
