@@ -42,7 +42,7 @@ without the padding a row's gates would depend on the batch's row count). `fused
 Triton kernels of `kernels/` instead (residual add + RMSNorm, SiLU·mul, GDN input prep, gated RMSNorm, attention prep,
 attention gate); each kernel states its exactness against the op it replaces and is batch-invariant by design.
 
-GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`):
+GDN core (the config's `gdn_core`; on the CPU `torch` where the core cannot run there, `EngineConfig.on`):
 * `"fla"` (CUDA default of `merged`): FLA 0.6.0 `chunk_gated_delta_rule` over all sequences of a call (`cu_seqlens`,
   chunks restart at each sequence, precomputed `chunk_indices`: no host sync). Backend dispatch is pinned off (checked
   at construction). q/k L2-normalised with FLA's `l2norm_fwd` numerics: inside FLA in `merged`, by the prep kernel in
@@ -56,8 +56,10 @@ GDN core (the config's `gdn_core`; on the CPU always `torch`, `EngineConfig.on`)
   kernel's packed outputs, no `gather_slots` copy to the slots); on the CPU too (the interpreter gets bf16 operands as
   fp32).
 * `"flashinfer"` (stage `flashinfer_gdn`): FlashInfer's sm_90 GDN prefill kernel (`kernels.gdn_flashinfer.
-  FlashInferCore`) with FLA's call, on the slots as FLA reads them (every path from position 0, no tree walk), in both
-  modes (the hand-off's states through the adapter's state pools); CUDA only.
+  FlashInferCore`). The replicated call runs through the plan's hand-off arena (`GdnArena`: the packed rows gathered
+  once, the root to its last 64-row boundary in one call, every candidate from the root's fp32 state in a second); the
+  `handoff` schedule calls it with FLA's signature (states through the adapter's pools). On the CPU the library's
+  contract computed by the fp32 oracle stands in for the kernel (`flashinfer_reference`).
 * `"torch"` (CPU default): HF's torch chunk rule per sequence (`engine.tree.torch_chunk_core`, `hf_torch` numerics;
   q/k normalised inside in fp32). FLA's chunk kernel is wrong for bf16 inputs under the Triton interpreter
   (reference-math.md §6), so the CPU never runs FLA.
@@ -385,7 +387,7 @@ class EngineBackbone:
             "fla": fla_chunk_function,
             "fla_forward": FlaForwardCore,
             "chunk_fused": GdnChunkCore,
-            "flashinfer": FlashInferCore,
+            "flashinfer": lambda: FlashInferCore(device=self.device),
             "torch": lambda: torch_chunk_core,
         }[self.gdn_core]()
         fused = config.elementwise == "triton"
@@ -613,7 +615,16 @@ class EngineBackbone:
 
     def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch, core_options: dict) -> Tensor:
         s, plan, rng = self.shapes, batch.plan, self._range
-        if batch.gdn_mode == "replicated":
+        if batch.gdn_mode == "replicated" and self.gdn_core == "flashinfer":
+            row_slot = None if plan.kind == "flat" else plan.row_slot
+            with rng("gdn_prep"):  # the packed rows, which the core gathers into its arena
+                q, k, v, g, beta = self._ops.gdn_prep(
+                    proj, layer, plan.conv_paths, plan.conv_taps, row_slot, on_slots=False
+                )
+            with rng("gdn_core"):
+                arena = plan.gdn["replicated"].calls[0].arena  # the root once, then every candidate from its state
+                o, o_rows = self._core.arena(q, k, v, g, beta, arena, **core_options), arena.out_slots
+        elif batch.gdn_mode == "replicated":
             row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
             # our chunk core reads each path slot at its packed row (conv.rows); FLA's needs the rows on the slots
             slot_rows = plan.conv_paths.rows if row_slot is not None and self.gdn_core == "chunk_fused" else None

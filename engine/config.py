@@ -20,8 +20,9 @@ Fields (values; what each picks):
 * `gdn_core` (`torch`, `fla`, `fla_forward`, `chunk_fused`, `flashinfer`): HF's torch chunk rule; FLA 0.6.0's
   `chunk_gated_delta_rule`; the same FLA kernels launched directly (`kernels/gdn_core.py`); our chunked
   gated-delta-rule forward, a solve launch and a walk per call (`kernels/gdn_chunk.py`; needs q/k normalised by the
-  Triton prep kernel, so `elementwise="triton"`); FlashInfer's sm_90 GDN prefill kernel over every path of the call,
-  as FLA runs them (`kernels/gdn_flashinfer.py`, flashinfer-python in the `gpu` dependency group).
+  Triton prep kernel, so `elementwise="triton"`); FlashInfer's sm_90 GDN prefill kernel, the replicated call through the
+  plan's hand-off arena (the root once, every candidate from its state; `kernels/gdn_flashinfer.py`, flashinfer-python
+  in the `gpu` dependency group; on the CPU its contract computed by the fp32 oracle).
 * `gdn_mode` (`cost`, `replicated`, `handoff`): how a tree's GDN layers run: chosen per batch by the cost rule, or
   forced.
 * `gemm` (`cublas`, `cublas_row_invariant`, `tuned`): `F.linear` with cuBLAS's default workspace; without a workspace
@@ -36,8 +37,9 @@ Fields (values; what each picks):
 * `max_batch_rows` (int >= 1): rows one forward may hold; larger requests run as several batches.
 
 Device rule (`EngineConfig.on`): the CPU runs no FLA (the Triton interpreter computes bf16 `tl.dot` wrongly,
-reference-math.md §6) and no FlashInfer (an sm_90 kernel), so an engine config's FLA or FlashInfer core becomes
-`torch` there (`chunk_fused` stays: it hands the interpreter its bf16 operands as fp32) (a `graphs` config keeps its
+reference-math.md §6), so an engine config's FLA core becomes `torch` there (`chunk_fused` stays: it hands the
+interpreter its bf16 operands as fp32; `flashinfer` stays, its sm_90 kernel replaced by the library's contract computed
+by the fp32 oracle, `kernels.gdn_flashinfer.flashinfer_reference`) (a `graphs` config keeps its
 bucketed plans on the CPU and runs them eagerly: there are no CUDA graphs to replay); an HF config with `gdn_core="fla"`
 (stage `hf_fla`) has no CPU form and is refused. The varlen attentions run `engine.tree.blockwise_node_core` on the
 CPU (the config keeps its value: FlashAttention has no CPU form and the blockwise core stands in for either). Illegal
@@ -84,7 +86,7 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
     ("gdn_core", "chunk_fused"): "GDN core through our chunked gated-delta-rule kernels: the solve, then a walk with "
     "the state on chip across a sequence's chunks that computes a shared prefix once (the plan's tree walk)",
     ("gdn_core", "flashinfer"): "GDN core through FlashInfer 0.7.4's sm_90 prefill kernel (one warp-specialised CTA "
-    "per sequence and value head) over every candidate path",
+    "per sequence and value head): the shared root once, then every candidate from its fp32 state (the hand-off arena)",
     ("gdn_mode", "cost"): "GDN mode per batch by the cost rule (replicated paths or fp32 state hand-off)",
     ("gdn_mode", "replicated"): "GDN over replicated candidate paths",
     ("gdn_mode", "handoff"): "GDN by fp32 state hand-off at 64-token chunk boundaries",
@@ -100,7 +102,8 @@ VALUE_TEXT: dict[tuple[str, Any], str] = {
 # the node-wise cores: prefix-invariant, batch-invariant (engine/tree.py)
 VARLEN_ATTENTION = ("varlen", "varlen_fa4", "paged_fa4")
 CPU_GDN_CORE = "torch"
-CPU_RUNNABLE_GDN_CORES = (CPU_GDN_CORE, "chunk_fused")  # the cores that run on the CPU as they are
+CPU_RUNNABLE_GDN_CORES = (CPU_GDN_CORE, "chunk_fused", "flashinfer")  # run on the CPU as they are (FlashInfer's as
+# its contract computed by the fp32 oracle: kernels.gdn_flashinfer.flashinfer_reference)
 
 
 def describe_value(field: str, value: Any) -> str:

@@ -76,10 +76,23 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from engine.plan_arrays import HostArrays, host_arrays
+from engine.plan_arrays import ARENA_ARRAYS, HostArrays, host_arrays
 from reference.ops import GDN_CHUNK_SIZE as CHUNK_SIZE
 
 INT32_ARRAYS = ("conv_paths.cu_seqlens", "conv_segments.cu_seqlens", "attention.cu_seqlens_q", "attention.cu_seqlens_k")
+
+
+@dataclass(frozen=True, eq=False)
+class GdnArena:
+    """The replicated call as a core with state pools runs it in two calls (`kernels.gdn_flashinfer.FlashInferCore.
+    arena`; the arrays: `engine.plan_arrays._handoff_arena`): the shared root once to its last chunk boundary A0, its
+    fp32 state to every candidate, which runs from A0. Every sequence starts at a multiple of the chunk size of its
+    path, so the chunk grid is the replicated call's."""
+
+    rows: torch.Tensor  # [L] int64: the packed row of each arena slot (slots after cu_seqlens[-1] are in no sequence)
+    cu_seqlens: torch.Tensor  # [S + 2] int64: call 1 (the root) cu_seqlens[:2], call 2 (the paths) cu_seqlens[1:]
+    states: torch.Tensor  # [2 + 2S] int64: pool rows read and written by call 1 (2), read by call 2 (S), written (S)
+    out_slots: torch.Tensor  # [N] int64: the arena slot that produces each packed row
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,6 +119,7 @@ class GdnCall:
     out_rows: torch.Tensor  # [n] int64
     start_positions: tuple[int, ...]  # original position of each sequence's first token
     walk: torch.Tensor | None  # [S, 8] int64: the tree walk of a replicated call (`kernels.gdn_chunk`), else None
+    arena: GdnArena | None  # the replicated call's hand-off arena (FlashInfer's core), else None
     chunks: int  # sum over sequences of ceil(len / chunk_size): the work measure of the cost rule
     rows_start: int | None  # rows == arange(rows_start, rows_start + T), else None
     out_start: tuple[int, int] | None  # (first slot, first row) when out_slots and out_rows are both contiguous
@@ -596,7 +610,10 @@ class TreePlan:
             swap = {f.name: table[id(v)] for f in dataclasses.fields(obj) if id(v := getattr(obj, f.name)) in table}
             return dataclasses.replace(obj, **swap)
 
-        gdn = {mode: GdnSchedule(mode, tuple(moved(call) for call in schedule.calls))
+        def moved_call(call: GdnCall) -> GdnCall:
+            return moved(call) if call.arena is None else dataclasses.replace(moved(call), arena=moved(call.arena))
+
+        gdn = {mode: GdnSchedule(mode, tuple(moved_call(call) for call in schedule.calls))
                for mode, schedule in self.gdn.items()}  # fmt: skip
         segments = None if self.conv_segments is None else moved(self.conv_segments)
         plan = dataclasses.replace(self, device=device, arena=arena, gdn=gdn, conv_paths=moved(self.conv_paths),
@@ -835,6 +852,9 @@ def _schedule_view(mode: str, host: HostArrays, views: dict[str, torch.Tensor]) 
                 out_rows=views[key + "out_rows"],
                 start_positions=facts.start_positions,
                 walk=views.get(key + "walk"),
+                arena=GdnArena(*(views[f"{key}arena.{n}"] for n in ARENA_ARRAYS))
+                if f"{key}arena.rows" in views
+                else None,
                 chunks=facts.chunks,
                 rows_start=facts.rows_start,
                 out_start=facts.out_start,

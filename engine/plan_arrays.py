@@ -10,7 +10,8 @@ module builds the arrays from a request's split, in these steps:
    is a slice of those keys (a leaf's keys are its path), then a bucket's dummy paths, trailing slots and read rows;
 4. `_slots_and_windows`: each row's representative slot (its first occurrence in the paths) and its conv window;
 5. `_conv_layouts` and `_attention_counts`: the conv input layouts (`ConvInput`) and the attention's sequence bounds;
-6. `_schedules`: the GDN calls of the `replicated` and (unpadded plans) `handoff` modes, with FLA's chunk layout.
+6. `_schedules`: the GDN calls of the `replicated` and (unpadded plans) `handoff` modes, with FLA's chunk layout, and
+   the replicated call's tree walk (`_tree_walk`) and hand-off arena (`_handoff_arena`).
 
 Every array is a function of the request's split and the padding alone, built with a few vectorized numpy calls per
 array, not per row (engine/plan.py, "Host cost"); the plan digests of tests/test_plan_golden.py pin every array bit for
@@ -28,6 +29,7 @@ import numpy as np
 CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
 PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
 CALL_ARRAYS = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows", "walk")
+ARENA_ARRAYS = ("rows", "cu_seqlens", "states", "out_slots")  # the replicated call's hand-off arena, `arena.<name>`
 CONV_ARRAYS = ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep")
 
 
@@ -142,6 +144,8 @@ def host_arrays(
             for name in CALL_ARRAYS:
                 if call[name] is not None:
                     arrays[f"{mode}.{i}.{name}"] = call[name]
+            for name in ARENA_ARRAYS if "arena" in call else ():
+                arrays[f"{mode}.{i}.arena.{name}"] = call["arena"][name]
             calls[mode].append(_call_facts(call, bucketed=padding is not None))
     num_rows = nodes.num_rows
     return HostArrays(
@@ -301,6 +305,8 @@ def _schedules(path_rows, path_cu, row_slot, lens, question_of, root_len, questi
     """Step 6: the replicated call, and (unpadded plans) the hand-off calls, checked to produce every row once."""
     replicated = _replicated_call(path_rows, path_cu, row_slot)
     replicated["walk"] = _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size)
+    shared = root_len + (question_lens[0] if len(question_lens) == 1 else 0)
+    replicated["arena"] = _handoff_arena(path_rows, path_cu, row_slot, len(lens), shared, chunk_size)
     schedules = {"replicated": [replicated]}
     if padding is None:
         num_cands = len(lens)
@@ -467,6 +473,41 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
     walk[:, 0] = order
     walk[:, 7] = num_seqs - int(dummies.sum())  # the first walk[0, 7] of the order run; the dummy paths end it
     return walk
+
+
+def _handoff_arena(path_rows, path_cu, row_slot, num_cands: int, shared: int, chunk_size: int) -> dict[str, np.ndarray]:
+    """The replicated call's paths as two calls of a core that reads its sequences from one arena and its initial
+    states from a pool (`kernels.gdn_flashinfer.FlashInferCore.arena`): call 1 runs candidate 0's first A0 = chunk_size
+    * floor(shared / chunk_size) rows (`shared`: the rows every candidate shares, the root, or the root and the
+    question node of a one-question request) and keeps its final state in pool row 0; call 2 runs every candidate's
+    path from A0 from that state, and every path that holds no shared rows (a detached dummy sequence) from position 0
+    and the zero state. A hand-off at a multiple of the chunk size keeps the unshared chunk grid (the straddling chunk
+    is recomputed per candidate, as the `handoff` schedule does). A bucket's dummy paths that produce no row are empty
+    sequences. Arrays (int64):
+    * rows [L]: the packed row of each arena slot, root rows first, then the call-2 sequences back to back; the slots
+      after them (the arena is never longer than the paths) hold the paths' last row and lie in no sequence;
+    * cu_seqlens [S + 2]: call 1's bounds are cu_seqlens[:2], call 2's cu_seqlens[1:] (S sequences, one per path);
+    * states [2 + 2S]: call 1's read and write rows (-1: the zero state; 0), call 2's read rows (0 or -1) and its write
+      rows (-1: no final state);
+    * out_slots [N]: the arena slot that produces each packed row (its representative slot's, checked)."""
+    num_paths, a0 = len(path_cu) - 1, shared // chunk_size * chunk_size
+    holds = np.zeros(num_paths, dtype=bool)
+    holds[np.searchsorted(path_cu, row_slot, side="right") - 1] = True
+    start = np.where(np.arange(num_paths) < num_cands, a0, 0)
+    seq_lens = np.where(holds, np.diff(path_cu) - start, 0)
+    slots = np.concatenate([np.arange(a0, dtype=np.int64), _concat_ranges(path_cu[:-1] + start, seq_lens)])
+    arena_of_slot = np.full(len(path_rows), -1, dtype=np.int64)
+    arena_of_slot[slots] = np.arange(len(slots))
+    out_slots = arena_of_slot[row_slot]
+    if (out_slots < 0).any():
+        raise AssertionError("the hand-off arena leaves out a representative slot")
+    reads = np.where((np.arange(num_paths) < num_cands) & (a0 > 0), 0, -1)
+    return {
+        "rows": np.concatenate([path_rows[slots], np.full(len(path_rows) - len(slots), path_rows[-1])]),
+        "cu_seqlens": np.concatenate([[0], a0 + _bounds(seq_lens)]),
+        "states": np.concatenate([[-1, 0], reads, np.full(num_paths, -1)]).astype(np.int64),
+        "out_slots": out_slots,
+    }
 
 
 def _handoff_calls(paths, lens, q_of, root_len, q_lens, chunk_size, dummy_paths) -> list[dict]:

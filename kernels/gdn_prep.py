@@ -393,6 +393,7 @@ def _gather_slots_kernel(
     g_out_ptr,
     beta_out_ptr,
     rows_ptr,  # [L] int32 or int64: the packed row of each slot
+    count_ptr,  # [1] int64: the slots to write (HAS_COUNT), read on the device
     slots,
     KEY_WIDTH: tl.constexpr,  # Hk·K
     VALUE_WIDTH: tl.constexpr,  # Hv·V
@@ -400,10 +401,14 @@ def _gather_slots_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,  # divides KEY_WIDTH and VALUE_WIDTH
     BLOCK_HV: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    LINEAR_GATES: tl.constexpr,  # g as fp32, beta as bf16 in; exp(g) and beta as fp32 out
 ):
     part = tl.program_id(1)  # column block of q | k | v, then one for the gates
     slot = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     slot_ok = slot < slots
+    if HAS_COUNT:
+        slot_ok = slot_ok & (slot < tl.load(count_ptr))
     row = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
     key_parts: tl.constexpr = KEY_WIDTH // BLOCK_C
     if part < 2 * key_parts + VALUE_WIDTH // BLOCK_C:
@@ -419,13 +424,19 @@ def _gather_slots_kernel(
         head = tl.arange(0, BLOCK_HV)
         mask = slot_ok[:, None] & (head < VALUE_HEADS)[None, :]
         g = tl.load(g_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
-        tl.store(g_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], g, mask=mask)
         beta = tl.load(beta_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
+        if LINEAR_GATES:
+            g, beta = tl.exp(g), beta.to(tl.float32)
+        tl.store(g_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], g, mask=mask)
         tl.store(beta_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], beta, mask=mask)
 
 
 def gather_slots(
-    prepared: tuple[torch.Tensor, ...], rows: torch.Tensor
+    prepared: tuple[torch.Tensor, ...],
+    rows: torch.Tensor,
+    *,
+    count: torch.Tensor | None = None,
+    linear_gates: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gdn_prep`'s five outputs of N rows laid out at L slots, slot s holding row rows[s]: one launch that moves the
     bits (int16 / int32 views), equal to `t.index_select(1, rows)` for each (tests/test_kernels.py). How each packed
@@ -433,6 +444,12 @@ def gather_slots(
 
     prepared: (q, k [1, N, Hk, K] bf16, v [1, N, Hv, V] bf16, g [1, N, Hv] fp32, beta [1, N, Hv] bf16), contiguous.
     rows: [L] int32/int64 on their device, values in [0, N) (not checked: a device sync).
+    count: [1] int64 on the device, or None: only slots below count[0] are written (the others keep what the fresh
+      buffers held), a count the host need not know (the hand-off arena's `cu_seqlens[-1:]`, refilled per request in a
+      captured graph).
+    linear_gates: g out as exp(g) and beta out as fp32 (FlashInfer's gate contract: `kernels.gdn_flashinfer`); exp is
+      Triton's `tl.exp` in fp32 (on CUDA an approximate exp2 of g·log2(e), within a few ulp of torch.exp), beta's
+      widening exact.
     Returns the same five at L rows.
     """
     if len(prepared) != 5:
@@ -448,7 +465,10 @@ def gather_slots(
         check_tensor(f"gather_slots: {name}", tensor, dtype=dtype, shape=tuple(shape), device=device, contiguous=True)
     check_tensor("gather_slots: rows", rows, dtype=(torch.int32, torch.int64), shape=(None,), device=device)
     slots = rows.shape[0]
-    out = tuple(torch.empty((1, slots, *t.shape[2:]), dtype=t.dtype, device=device) for t in prepared)
+    if count is not None:
+        check_tensor("gather_slots: count", count, dtype=torch.int64, shape=(1,), device=device)
+    dtypes = [t.dtype for t in prepared[:3]] + [torch.float32, torch.float32 if linear_gates else beta.dtype]
+    out = tuple(torch.empty((1, slots, *t.shape[2:]), dtype=d, device=device) for t, d in zip(prepared, dtypes))
     if slots == 0:
         return out
     key_width, value_width = q.shape[2] * q.shape[3], v.shape[2] * v.shape[3]
@@ -456,10 +476,16 @@ def gather_slots(
     block_c = min(1024, math.gcd(key_width, value_width) & -math.gcd(key_width, value_width))  # a power of two
     block_t = max(1, tile_elements(torch_cpu) // (4 * block_c))
     grid = (triton.cdiv(slots, block_t), (2 * key_width + value_width) // block_c + 1)
-    bits = [t.view(torch.int32 if t.dtype == torch.float32 else torch.int16) for t in (*prepared, *out)]
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # moved unchanged: bf16 as int16, fp32 as int32
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+    moved = (q, k, v) if linear_gates else prepared  # linear gates: g and beta are computed on, as floats
+    args = [*map(bits, moved), *prepared[len(moved) :], *map(bits, out[: len(moved)]), *out[len(moved) :]]
     _gather_slots_kernel[grid](
-        *bits,
+        *args,
         rows,
+        rows if count is None else count,
         slots,
         KEY_WIDTH=key_width,
         VALUE_WIDTH=value_width,
@@ -467,6 +493,8 @@ def gather_slots(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         BLOCK_HV=triton.next_power_of_2(heads_v),
+        HAS_COUNT=count is not None,
+        LINEAR_GATES=linear_gates,
         num_warps=4,
         **LAUNCH_OPTIONS,
     )

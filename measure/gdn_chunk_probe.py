@@ -44,6 +44,11 @@ warp-specialised CTA per sequence and value head) on the gathered slots, every p
 (it has no tree walk): `flashinfer.us` as a core would call it (exp(g) and beta's fp32 copy inside the timed call),
 `kernel_us` the library's kernel alone, and its errors where the engine reads, against the oracle, FLA and the stage.
 
+`--flashinfer` also times the stage's way, the call's hand-off arena (`flashinfer_arena`: `FlashInferCore.arena` on
+the packed rows, its gather with the gates FlashInfer takes, the root to its last 64-row boundary once, every
+candidate from its fp32 state: `us` all three launches, `gather_us` and `kernel_us` apart), with its errors and the
+share of its output bit-equal to the library's replicated call on the same gates.
+
 `--schedules` (issue 22, item 1: the recurrence once per row) times FLA's core instead over the request's unpadded
 tree plan in each GDN mode, as `engine.tree.tree_gdn_core` runs it (gathers, calls, state bank, scatter), both on the
 same packed-row inputs: `replicated` (one call over every candidate's whole path: what the `graphs` buckets hold) and
@@ -58,6 +63,7 @@ elements and the relative RMSE of `handoff` against `replicated`. (Records of 8a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -190,6 +196,63 @@ def probe_flashinfer(q, k, v, g, beta, cu, read, oracle, fla_o, stage, calls: in
     }
 
 
+def probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, stage, calls: int, rounds: int) -> dict:
+    """FlashInfer's kernel through the call's hand-off arena as stage `flashinfer_gdn` runs it on a bucket
+    (`FlashInferCore.arena`: the gather of the packed rows with exp(g) and fp32 beta, the root to A0, every candidate
+    from its state): `us` the three launches, `gather_us` the gather alone, `kernel_us` the two kernel calls alone on
+    the gathered arena. Errors where the engine reads (packed rows `rows`, at the replicated call's slots `read` for
+    the others), and the share bit-equal to the library's replicated call on the same gates (every path from position
+    0: `bit_equal_share_vs_replicated`, 1.0 when the kernel's hand-off at a 64-row boundary is exact)."""
+    import torch
+
+    from kernels.gdn_flashinfer import FlashInferCore, flashinfer_gdn_function
+    from kernels.gdn_prep import gather_slots
+
+    device = packed[0].device
+    arena = dataclasses.replace(call.arena, **{f.name: getattr(call.arena, f.name).to(device)
+                                               for f in dataclasses.fields(call.arena)})  # fmt: skip
+    core, function = FlashInferCore(), flashinfer_gdn_function()
+    inputs = tuple(t[0] for t in packed)
+    o = core.arena(*inputs, arena)
+    mine = o[arena.out_slots[rows.to(device)]]
+    gathered = tuple(t[0] for t in gather_slots(packed, arena.rows, count=arena.cu_seqlens[-1:], linear_gates=True))
+    q, k, v, alpha, beta = gathered
+    pool = torch.empty((1, *v.shape[1:], k.shape[2]), device=device)
+    out = torch.empty_like(v)
+    paths = arena.cu_seqlens.shape[0] - 2
+    states = arena.states
+
+    def kernel_alone():
+        for bounds, read_rows, write_rows in (
+            (arena.cu_seqlens[:2], states[0:1], states[1:2]),
+            (arena.cu_seqlens[1:], states[2 : 2 + paths], states[2 + paths :]),
+        ):
+            function(q, k, v, alpha, beta, initial_state=pool, output_final_state=True, cu_seqlens=bounds,
+                     output=out, output_state=pool, state_indices=read_rows, output_state_indices=write_rows,
+                     use_cp=False, backend="flashinfer")  # fmt: skip
+
+    slots = gather_slots(packed, call.rows.to(device), linear_gates=True)
+    skip = torch.full((call.num_sequences,), -1, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(pool)
+    replicated, _ = function(*(t[0] for t in slots), initial_state=zero, output_final_state=True,
+                             cu_seqlens=call.cu_seqlens.to(device), output_state=zero, state_indices=skip,
+                             output_state_indices=skip, use_cp=False, backend="flashinfer")  # fmt: skip
+    cu = arena.cu_seqlens.cpu().tolist()
+    return {
+        "arena_rows": cu[-1],
+        "root_rows": cu[1],
+        "us": graph_time_us(lambda: core.arena(*inputs, arena), calls, rounds),
+        "gather_us": graph_time_us(
+            lambda: gather_slots(packed, arena.rows, count=arena.cu_seqlens[-1:], linear_gates=True), calls, rounds
+        ),
+        "kernel_us": graph_time_us(kernel_alone, calls, rounds),
+        "rel_rmse_vs_fla": rel_rmse(mine.float(), fla_o[0, read].float()),
+        "rel_rmse_vs_oracle": rel_rmse(mine.float(), oracle),
+        "rel_rmse_vs_stage": None if stage is None else rel_rmse(mine.float(), stage.float()),
+        "bit_equal_share_vs_replicated": bit_equal_share(mine, replicated[read]),
+    }
+
+
 def probe_workload(
     workload_id: str, calls: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS), flashinfer: bool = False
 ) -> dict:
@@ -282,6 +345,13 @@ def probe_workload(
         print(f"{workload_id:<24} {'flashinfer':<14} {figures['us']:7.1f} us (kernel {figures['kernel_us']:6.1f})  "
               f"FLA {result['fla_us']:7.1f} us  vs oracle {figures['rel_rmse_vs_oracle']:.2e}, "
               f"FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
+        rows = call.out_rows[call.out_rows < tree.rows]
+        figures = probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, outputs.get("stage"), calls, rounds)
+        result["flashinfer_arena"] = figures
+        print(f"{workload_id:<24} {'fi-arena':<14} {figures['us']:7.1f} us (kernel {figures['kernel_us']:6.1f}, "
+              f"gather {figures['gather_us']:5.1f}; {figures['arena_rows']} rows)  vs oracle "
+              f"{figures['rel_rmse_vs_oracle']:.2e}, bit-equal to replicated "
+              f"{figures['bit_equal_share_vs_replicated']:.6f}", flush=True)  # fmt: skip
     return result
 
 

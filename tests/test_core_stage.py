@@ -161,16 +161,33 @@ def test_flashinfer_gdn_stage_is_registered_unmeasured_on_core():
     stage = get_stage("flashinfer_gdn")
     assert (stage.builds_on, stage.delta, stage.status) == ("core", {"gdn_core": "flashinfer"}, "unmeasured")
     assert stage.exactness.describe() == get_stage("core").exactness.describe() and stage.notes.is_file()
-    assert config_of("flashinfer_gdn").on("cpu") == config_of("core").replace(gdn_core="torch")  # no sm_90 kernel here
+    assert config_of("flashinfer_gdn").on("cpu") == config_of("flashinfer_gdn")  # the library's contract as reference
     assert "flashinfer_gdn" not in load_plan("gpu-27b").stages
 
 
 @pytest.mark.slow
 def test_flashinfer_gdn_stage_close_to_graphs(forwards):
-    """The stage's CPU gate: its CPU form (FlashInfer's kernel needs sm_90, so HF's torch chunk rule stands in, with
-    `core`'s attention and prep) against `graphs` within the registry's bound, every output finite. It checks the
-    stage's config and plan path; the kernel's own bound is checked on the GPU (tests/test_gpu_gdn_flashinfer.py)."""
+    """The stage's CPU gate: its CPU form (FlashInfer's kernel needs sm_90, so `kernels.gdn_flashinfer.
+    flashinfer_reference`, the library's contract computed by the fp32 oracle, stands in for it, through the same
+    hand-off arena and two calls) against `graphs` within the registry's bound, every output finite. The kernel's own
+    bound is checked on the GPU (tests/test_gpu_gdn_flashinfer.py)."""
     (prepared, out), (_, ref) = forwards("flashinfer_gdn"), forwards("graphs")
-    assert prepared.batches[0].plan.bucket is not None
+    assert prepared.batches[0].plan.bucket is not None and prepared.batches[0].gdn_mode == "replicated"
     error = rel_rmse(out, ref)
     assert torch.isfinite(out).all() and error <= get_stage("flashinfer_gdn").exactness.bound, error
+
+
+@pytest.mark.slow
+def test_flashinfer_gdn_bucketed_tree_matches_flat_bitwise(forwards):
+    """The hand-off arena on the bucketed tree (root of 70 rows: its first 64 once, its state to every candidate;
+    dummy rows and paths) gives the flat layout's bits (every candidate alone from position 0, no buckets): the
+    reference hands a state over exactly, so this checks the arena's rows, bounds, pool rows and output slots through
+    the whole forward. On the GPU the same comparison checks the kernel's hand-off (tests/test_gpu_gdn_flashinfer.py).
+    """
+    (prepared, tree), (flat_prepared, flat) = (
+        forwards("flashinfer_gdn"),
+        forwards("flashinfer_gdn", **UNPADDED, layout="flat"),
+    )
+    arena = prepared.batches[0].plan.gdn["replicated"].calls[0].arena
+    assert int(arena.cu_seqlens[1]) == 64 and flat_prepared.batches[0].plan.kind == "flat"
+    assert torch.equal(tree, flat)

@@ -8,6 +8,9 @@ K = V = 128): what a stage built on it would rest on.
   (tests/test_gpu_gdn_chunk.py); the share bit-equal to FLA printed (`-s`);
 * bitwise: each sequence alone equals its rows in the whole launch (drone's bucketed paths, empty sequences included),
   two runs are identical, and a CUDA-graph replay equals the eager call;
+* the hand-off arena (`FlashInferCore.arena`, what the stage runs on a bucket) equals the library's replicated call
+  bit for bit on drone's and customer_service's bucketed plans, and the CPU's stand-in (`flashinfer_reference`) within
+  the bf16 bound;
 * stage `flashinfer_gdn` (its GPU gate): the head's rows against `graphs` within the registry's bound (core's) on
   drone, customer_service, long-10k-choice-5 and the JevBench panel, each in its bucket's graph replay (long-10k:
   eager, on the hand-off schedule), and its tree against its flat layout bitwise (drone).
@@ -17,6 +20,7 @@ DSL), which the first test pays.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -114,6 +118,48 @@ def test_flashinfer_core_replays_in_a_cuda_graph_as_it_runs_eagerly():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager) and torch.equal(replayed_final, eager_final)
+
+
+# ------------------------------------------------------------------------------------------------- the hand-off arena
+
+
+@pytest.mark.parametrize("workload", ["drone", "customer_service"])
+def test_flashinfer_arena_equals_the_replicated_call_and_the_reference(workload):
+    """`FlashInferCore.arena` on the workload's bucketed plan (the root to A0 in one call, its fp32 state from a pool
+    row to every candidate in a second) against the library's replicated call (every path from position 0) on the
+    same gates (the gather's exp(g) and fp32 beta), each packed row at its representative slot: bit for bit, which
+    holds exactly when the kernel's state after a chunk is the same stored as kept. And against the CPU's stand-in,
+    `flashinfer_reference` (the fp32 oracle through the same arena), within the bf16 bound: the reference the CPU tests
+    rest on follows the kernel's contract (non-zero first bound, pools, rows outside every sequence left alone)."""
+    from ablations.probes import engine_gdn_inputs
+    from kernels.gdn_flashinfer import flashinfer_gdn_function, flashinfer_reference
+    from kernels.gdn_prep import gather_slots
+    from measure.gdn_chunk_probe import bucketed_plan
+
+    plan, _ = bucketed_plan(workload)
+    call = plan.gdn["replicated"].calls[0]
+    arena = dataclasses.replace(call.arena, **{f.name: getattr(call.arena, f.name).to(DEVICE)
+                                               for f in dataclasses.fields(call.arena)})  # fmt: skip
+    inputs = engine_gdn_inputs(plan.num_rows, seed=25, device="cuda")
+    got = FlashInferCore().arena(*inputs, arena)[arena.out_slots]
+    q, k, v, alpha, beta = (t[0] for t in gather_slots(tuple(t[None] for t in inputs), call.rows.to(DEVICE),
+                                                        linear_gates=True))  # fmt: skip
+    pool = torch.zeros((1, *v.shape[1:], k.shape[2]), device=DEVICE)
+    skip = torch.full((call.num_sequences,), -1, dtype=torch.int64, device=DEVICE)
+    replicated, _ = flashinfer_gdn_function()(q, k, v, alpha, beta, initial_state=pool, output_final_state=True,
+                                              cu_seqlens=call.cu_seqlens.to(DEVICE), output_state=pool,
+                                              state_indices=skip, output_state_indices=skip, use_cp=False,
+                                              backend="flashinfer")  # fmt: skip
+    want = replicated[plan.row_slot.to(DEVICE)]
+    reference = FlashInferCore(function=flashinfer_reference).arena(*inputs, arena)[arena.out_slots]
+    bound = gdn_chunk_bounds(S.linear_key_head_dim, max(-(-n // GDN_CHUNK_SIZE) for n in plan.candidate_lens))["bf16"]
+    error, equal = (
+        rel_rmse(got.float(), reference.float()),
+        float((got.view(torch.int16) == want.view(torch.int16)).double().mean()),
+    )
+    print(f"{workload}: arena vs reference {error:.3e} (bound {bound:.3e}); arena bit-equal to replicated {equal:.6f}")
+    assert torch.isfinite(got).all() and error <= bound
+    assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------- the stage

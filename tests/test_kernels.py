@@ -166,6 +166,35 @@ def test_gather_slots_equals_index_select(shapes) -> None:
             assert torch.equal(got.view(bits), want.index_select(1, rows).view(bits))
 
 
+def test_gather_slots_with_a_count_and_linear_gates() -> None:
+    """gather_slots with a device count writes the slots below it only (the others keep the poison the buffers are
+    filled with here, by patching torch.empty), and with linear gates gives exp(g) and beta in fp32 (beta exactly,
+    exp(g) within 2 ulp of torch.exp); q, k, v moved bit for bit. Odd sizes: 11 rows, 29 slots, a count of 17."""
+    generator = torch.Generator().manual_seed(9)
+    n, dims = 11, gdn_dims(TINY)
+    hk, hv, k_dim, v_dim = dims["num_k_heads"], dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
+    q, k = (torch.randn(1, n, hk, k_dim, generator=generator).bfloat16() for _ in range(2))
+    v = torch.randn(1, n, hv, v_dim, generator=generator).bfloat16()
+    g, beta = -torch.rand(1, n, hv, generator=generator) * 8, torch.rand(1, n, hv, generator=generator).bfloat16()
+    prepared = (q, k, v, g, beta)
+    rows = torch.randint(0, n, (29,), generator=generator)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", poisoned)
+        got = kernels.gather_slots(prepared, rows, count=torch.tensor([17]), linear_gates=True)
+    want = [t.index_select(1, rows[:17]) for t in prepared]
+    for name, tensor, ref in zip("q k v".split(), got[:3], want[:3]):
+        assert torch.equal(tensor[:, :17].view(torch.int16), ref.view(torch.int16)), name
+    assert got[3].dtype == got[4].dtype == torch.float32
+    torch.testing.assert_close(got[3][:, :17], want[3].exp(), rtol=2 * 2**-23, atol=0)
+    assert torch.equal(got[4][:, :17], want[4].float())
+    assert all(t[:, 17:].isnan().all() for t in got)
+
+
 @pytest.mark.parametrize("workload_id", ["jevbench/easy-intent-00", "drone"])
 def test_packed_prep_equals_every_slot_on_a_bucketed_plan(workload_id: str) -> None:
     """What the engine runs on a `graphs` bucket (each packed row prepared once, then gathered: gdn_prep from the

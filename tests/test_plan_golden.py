@@ -12,6 +12,8 @@ for the layout); these tests pin its output so that a faster or restructured pla
   planner the vectorized one replaced); arrays added since (`NEW_ARRAYS`: the replicated call's tree walk, and the
   conv windows as an arena array, `conv_taps`, which the pins above hash as the host `conv_rows` they were then) are
   left out of those digests and pinned on their own (`NEW_ARRAY_DIGESTS`, `NEW_ARRAY_SWEEP_DIGEST`);
+* the replicated call's hand-off arena (FlashInfer's two calls) by hand on both plans above, and on every plan below
+  against its definition (`check_arena`); it is in no digest;
 * one digest over every plan of 120 generated requests (tree, flat, `pad_lens`, bucketed: empty roots and question
   nodes, interleaved questions, one-token leaves, chunk sizes 2, 16 and 64), pinned at commit 35ca3d3's planner (the
   one before `_build` took fewer numpy calls);
@@ -56,6 +58,8 @@ def digest(plan: TreePlan, *, new_arrays: bool = False) -> str:
     arrays, so the pins keep checking every older array bit for bit; with it, only those arrays are hashed."""
 
     def pinned(name: str) -> bool:
+        if ".arena." in name:  # the hand-off arena: by hand and by its invariants (`check_arena`), in no digest
+            return False
         return name.rsplit(".", 1)[-1] in NEW_ARRAYS if new_arrays else name.rsplit(".", 1)[-1] not in NEW_ARRAYS
 
     if new_arrays:
@@ -134,6 +138,11 @@ def test_tree_plan_by_hand():
     # the tree walk of the replicated call: candidate 0 publishes at A0 (1 chunk) in slot 0, the others start there
     assert as_list(replicated.walk) == [[0, 0, -1, 1, 0, 0, 0, 3], [1, 1, 0, 0, 0, 0, 0, 3], [2, 1, 0, 0, 0, 0, 0, 3]]
     assert leaves.walk is None and root.walk is None
+    # the hand-off arena: candidate 0's rows [0, A0 = 2), then each candidate from A0 (the rest: the last path row)
+    arena = replicated.arena
+    assert as_list(arena.rows) == [0, 1, 2, 3, 2, 4, 5, 6, 6, 6, 6, 6] and as_list(arena.cu_seqlens) == [0, 2, 4, 7, 8]
+    assert as_list(arena.states) == [-1, 0, 0, 0, 0, -1, -1, -1] and as_list(arena.out_slots) == [0, 1, 2, 3, 5, 6, 7]
+    assert root.arena is None and leaves.arena is None
 
 
 def test_bucketed_plan_by_hand():
@@ -162,6 +171,35 @@ def test_bucketed_plan_by_hand():
     assert as_list(call.out_slots) == [0, 1, 2, 3] and as_list(call.chunk_indices) == [[0, 0], [1, 0], [2, 0]]
     assert as_list(call.walk) == [[0, 0, -1, 0, 0, 0, 0, 1], [1, -1, -1, 0, 0, 0, 0, 1], [2, -1, -1, 0, 0, 0, 0, 1]]
     assert (call.rows_start, call.out_start) == (None, None)
+    # no shared rows (A0 = 0): the candidate and the dummy node's path from the zero state; the other dummy path empty
+    arena = call.arena
+    assert as_list(arena.rows) == [0, 1, 2, 3, 3, 3, 3, 3, 3, 3] and as_list(arena.cu_seqlens) == [0, 0, 1, 4, 4]
+    assert as_list(arena.states) == [-1, 0, -1, -1, -1, -1, -1, -1] and as_list(arena.out_slots) == [0, 1, 2, 3]
+
+
+def check_arena(plan: TreePlan) -> None:
+    """The replicated call's hand-off arena (`engine.plan_arrays._handoff_arena`) against its definition: call 1 is
+    candidate 0's first A0 slots, call 2's sequence i path i's slots from A0 (candidates; 0 for the other paths) or
+    none, each packed row produced by a slot that holds it, reads from pool row 0 exactly where a0 > 0."""
+    call = plan.gdn["replicated"].calls[0]
+    arena, path_cu = call.arena, plan.path_cu_seqlens_cpu.tolist()
+    rows, cu, states = arena.rows.tolist(), arena.cu_seqlens.tolist(), arena.states.tolist()
+    paths, num_cands = len(path_cu) - 1, len(plan.candidate_lens)
+    a0 = cu[1]
+    shared = plan.root_len + (plan.question_lens[0] if len(plan.question_lens) == 1 else 0)
+    assert a0 == shared // plan.chunk_size * plan.chunk_size and len(cu) == paths + 2
+    assert len(rows) == len(plan.path_rows)
+    path_rows = plan.path_rows.tolist()
+    assert rows[:a0] == path_rows[:a0] and states[:2] == [-1, 0]
+    for p in range(paths):
+        start = a0 if p < num_cands else 0
+        piece = rows[cu[p + 1] : cu[p + 2]]
+        assert piece in ([], path_rows[path_cu[p] + start : path_cu[p + 1]]), (p, piece)
+        assert p >= num_cands or piece, p  # every candidate runs
+        assert states[2 + p] == (0 if p < num_cands and a0 > 0 else -1) and states[2 + paths + p] == -1
+    assert cu[-1] <= len(rows) and all(r == rows[-1] for r in rows[cu[-1] :])
+    assert arena.rows[arena.out_slots].tolist() == list(range(plan.num_rows))
+    assert (arena.out_slots < cu[-1]).all()
 
 
 def jevbench_like(seed: int, options: int, questions: int = 1) -> tuple[list[list[int]], list[int]]:
@@ -251,6 +289,7 @@ def test_plan_digests_on_generated_requests():
         for plan in plans:
             h.update(digest(plan).encode())
             walks.update(digest(plan, new_arrays=True).encode())
+            check_arena(plan)
             walk = plan.gdn["replicated"].calls[0].walk
             if walk is not None:
                 walk = walk.numpy()
@@ -277,6 +316,7 @@ def test_plan_digests(name):
         _, first = np.unique(plan.path_rows.numpy(), return_index=True)
         assert np.array_equal(plan.row_slot.numpy(), first)
         assert np.array_equal(plan.gdn["replicated"].calls[0].out_slots.numpy(), first)
+        check_arena(plan)
     assert tuple(digest(plan) for plan in plans) == DIGESTS[name]
     assert tuple(digest(plan, new_arrays=True) for plan in plans) == NEW_ARRAY_DIGESTS[name]
 
