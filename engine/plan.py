@@ -93,6 +93,7 @@ class GdnArena:
     cu_seqlens: torch.Tensor  # [S + 2] int64: call 1 (the root) cu_seqlens[:2], call 2 (the paths) cu_seqlens[1:]
     states: torch.Tensor  # [2 + 2S] int64: pool rows read and written by call 1 (2), read by call 2 (S), written (S)
     out_slots: torch.Tensor  # [N] int64: the arena slot that produces each packed row
+    gathered: torch.Tensor  # [1] int64: the slots to gather (the sequences' and 64 more: a last chunk's tile is read)
 
 
 @dataclass(frozen=True, eq=False)

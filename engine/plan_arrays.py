@@ -29,7 +29,13 @@ import numpy as np
 CONV_WIDTH = 4  # GDN causal depthwise convolution width (linear_conv_kernel_dim)
 PAD_TOKEN_ID = 0  # token of the dummy rows (`pad_lens`); its value reaches no real row
 CALL_ARRAYS = ("rows", "cu_seqlens", "chunk_indices", "chunk_offsets", "init_state", "out_slots", "out_rows", "walk")
-ARENA_ARRAYS = ("rows", "cu_seqlens", "states", "out_slots")  # the replicated call's hand-off arena, `arena.<name>`
+ARENA_ARRAYS = (
+    "rows",
+    "cu_seqlens",
+    "states",
+    "out_slots",
+    "gathered",
+)  # the replicated call's hand-off arena, `arena.<name>`
 CONV_ARRAYS = ("rows", "cu_seqlens", "keep", "keep_rows", "spaced", "spaced_keep")
 
 
@@ -489,7 +495,10 @@ def _handoff_arena(path_rows, path_cu, row_slot, num_cands: int, shared: int, ch
     * cu_seqlens [S + 2]: call 1's bounds are cu_seqlens[:2], call 2's cu_seqlens[1:] (S sequences, one per path);
     * states [2 + 2S]: call 1's read and write rows (-1: the zero state; 0), call 2's read rows (0 or -1) and its write
       rows (-1: no final state);
-    * out_slots [N]: the arena slot that produces each packed row (its representative slot's, checked)."""
+    * out_slots [N]: the arena slot that produces each packed row (its representative slot's, checked);
+    * gathered [1]: the slots to gather, the sequences' and the chunk_size after them (FlashInfer's kernel loads a last
+      chunk's whole 64-row tile and zeroes the rows past the sequence by multiplying: they must be finite, measured
+      in campaign 85, where a NaN left in unwritten slots reached the last candidate's rows)."""
     num_paths, a0 = len(path_cu) - 1, shared // chunk_size * chunk_size
     holds = np.zeros(num_paths, dtype=bool)
     holds[np.searchsorted(path_cu, row_slot, side="right") - 1] = True
@@ -507,6 +516,7 @@ def _handoff_arena(path_rows, path_cu, row_slot, num_cands: int, shared: int, ch
         "cu_seqlens": np.concatenate([[0], a0 + _bounds(seq_lens)]),
         "states": np.concatenate([[-1, 0], reads, np.full(num_paths, -1)]).astype(np.int64),
         "out_slots": out_slots,
+        "gathered": np.array([min(len(path_rows), len(slots) + chunk_size)], dtype=np.int64),
     }
 
 

@@ -189,7 +189,7 @@ class FlashInferCore:
         q, k [N, Hk, 128], v [N, Hv, 128] bf16, g (log decay) fp32 and beta bf16 [N, Hv]: the packed rows, as the prep
         kernel writes them. Returns o [L, Hv, V] bf16 over the arena's slots: packed row n is o[arena.out_slots[n]];
         slots after the last sequence are not written. Three launches: `kernels.gather_slots` (exp(g) and fp32 beta, up
-        to the arena's last sequence), the root, the paths."""
+        to the arena's `gathered`: its sequences and the 64 slots after them), the root, the paths."""
         if use_qk_l2norm_in_kernel:
             raise ValueError("FlashInferCore.arena takes q and k L2-normalised (by the prep kernel)")
         cu, states = arena.cu_seqlens, arena.states
@@ -197,7 +197,7 @@ class FlashInferCore:
         if states.shape[0] != 2 + 2 * num_paths:
             raise ValueError(f"arena: {states.shape[0]} state rows for {num_paths} paths, want {2 + 2 * num_paths}")
         packed = tuple(t[None] for t in (q, k, v, g, beta))
-        q, k, v, alpha, beta = (t[0] for t in gather_slots(packed, arena.rows, count=cu[-1:], linear_gates=True))
+        q, k, v, alpha, beta = (t[0] for t in gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True))
         o = torch.empty_like(v)
         pool = torch.empty((1, v.shape[1], v.shape[2], k.shape[2]), dtype=torch.float32, device=q.device)
         calls = ((cu[:2], states[0:1], states[1:2]), (cu[1:], states[2 : 2 + num_paths], states[2 + num_paths :]))

@@ -445,7 +445,7 @@ def gather_slots(
     prepared: (q, k [1, N, Hk, K] bf16, v [1, N, Hv, V] bf16, g [1, N, Hv] fp32, beta [1, N, Hv] bf16), contiguous.
     rows: [L] int32/int64 on their device, values in [0, N) (not checked: a device sync).
     count: [1] int64 on the device, or None: only slots below count[0] are written (the others keep what the fresh
-      buffers held), a count the host need not know (the hand-off arena's `cu_seqlens[-1:]`, refilled per request in a
+      buffers held), a count the host need not know (the hand-off arena's `gathered`, refilled per request in a
       captured graph).
     linear_gates: g out as exp(g) and beta out as fp32 (FlashInfer's gate contract: `kernels.gdn_flashinfer`); exp is
       Triton's `tl.exp` in fp32 (on CUDA an approximate exp2 of g·log2(e), within a few ulp of torch.exp), beta's

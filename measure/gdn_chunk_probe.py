@@ -215,7 +215,7 @@ def probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, stage, calls
     inputs = tuple(t[0] for t in packed)
     o = core.arena(*inputs, arena)
     mine = o[arena.out_slots[rows.to(device)]]
-    gathered = tuple(t[0] for t in gather_slots(packed, arena.rows, count=arena.cu_seqlens[-1:], linear_gates=True))
+    gathered = tuple(t[0] for t in gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True))
     q, k, v, alpha, beta = gathered
     pool = torch.empty((1, *v.shape[1:], k.shape[2]), device=device)
     out = torch.empty_like(v)
@@ -243,7 +243,7 @@ def probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, stage, calls
         "root_rows": cu[1],
         "us": graph_time_us(lambda: core.arena(*inputs, arena), calls, rounds),
         "gather_us": graph_time_us(
-            lambda: gather_slots(packed, arena.rows, count=arena.cu_seqlens[-1:], linear_gates=True), calls, rounds
+            lambda: gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True), calls, rounds
         ),
         "kernel_us": graph_time_us(kernel_alone, calls, rounds),
         "rel_rmse_vs_fla": rel_rmse(mine.float(), fla_o[0, read].float()),

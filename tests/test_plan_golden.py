@@ -142,6 +142,7 @@ def test_tree_plan_by_hand():
     arena = replicated.arena
     assert as_list(arena.rows) == [0, 1, 2, 3, 2, 4, 5, 6, 6, 6, 6, 6] and as_list(arena.cu_seqlens) == [0, 2, 4, 7, 8]
     assert as_list(arena.states) == [-1, 0, 0, 0, 0, -1, -1, -1] and as_list(arena.out_slots) == [0, 1, 2, 3, 5, 6, 7]
+    assert as_list(arena.gathered) == [10]  # the 8 arena slots and a chunk (2) after them
     assert root.arena is None and leaves.arena is None
 
 
@@ -175,6 +176,7 @@ def test_bucketed_plan_by_hand():
     arena = call.arena
     assert as_list(arena.rows) == [0, 1, 2, 3, 3, 3, 3, 3, 3, 3] and as_list(arena.cu_seqlens) == [0, 0, 1, 4, 4]
     assert as_list(arena.states) == [-1, 0, -1, -1, -1, -1, -1, -1] and as_list(arena.out_slots) == [0, 1, 2, 3]
+    assert as_list(arena.gathered) == [10]  # 4 and a chunk of 64, capped at the 10 slots
 
 
 def check_arena(plan: TreePlan) -> None:
@@ -199,7 +201,7 @@ def check_arena(plan: TreePlan) -> None:
         assert states[2 + p] == (0 if p < num_cands and a0 > 0 else -1) and states[2 + paths + p] == -1
     assert cu[-1] <= len(rows) and all(r == rows[-1] for r in rows[cu[-1] :])
     assert arena.rows[arena.out_slots].tolist() == list(range(plan.num_rows))
-    assert (arena.out_slots < cu[-1]).all()
+    assert (arena.out_slots < cu[-1]).all() and arena.gathered.tolist() == [min(len(rows), cu[-1] + plan.chunk_size)]
 
 
 def jevbench_like(seed: int, options: int, questions: int = 1) -> tuple[list[list[int]], list[int]]:
