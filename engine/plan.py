@@ -87,10 +87,11 @@ class GdnArena:
     """The replicated call as a core with state pools runs it in two calls (`kernels.gdn_flashinfer.FlashInferCore.
     arena`; the arrays: `engine.plan_arrays._handoff_arena`): the shared root once to its last chunk boundary A0, its
     fp32 state to every candidate, which runs from A0. Every sequence starts at a multiple of the chunk size of its
-    path, so the chunk grid is the replicated call's."""
+    path, so the chunk grid is the replicated call's. Call 2 holds the paths that produce a row (a bucket's: S = its
+    candidates and the dummy node, the unused ones empty; its other dummy paths, which balance FLA's grid, left out)."""
 
     rows: torch.Tensor  # [L] int64: the packed row of each arena slot (slots after cu_seqlens[-1] are in no sequence)
-    cu_seqlens: torch.Tensor  # [S + 2] int64: call 1 (the root) cu_seqlens[:2], call 2 (the paths) cu_seqlens[1:]
+    cu_seqlens: torch.Tensor  # [S + 2] int64: call 1 (the root) cu_seqlens[:2], call 2 (S paths) cu_seqlens[1:]
     states: torch.Tensor  # [2 + 2S] int64: pool rows read and written by call 1 (2), read by call 2 (S), written (S)
     out_slots: torch.Tensor  # [N] int64: the arena slot that produces each packed row
     gathered: torch.Tensor  # [1] int64: the slots to gather (the sequences' and 64 more: a last chunk's tile is read)

@@ -312,7 +312,8 @@ def _schedules(path_rows, path_cu, row_slot, lens, question_of, root_len, questi
     replicated = _replicated_call(path_rows, path_cu, row_slot)
     replicated["walk"] = _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, chunk_size)
     shared = root_len + (question_lens[0] if len(question_lens) == 1 else 0)
-    replicated["arena"] = _handoff_arena(path_rows, path_cu, row_slot, len(lens), shared, chunk_size)
+    sequences = None if padding is None else len(lens) + padding.extra_reads + 1  # the bucket's candidates, dummy node
+    replicated["arena"] = _handoff_arena(path_rows, path_cu, row_slot, len(lens), shared, chunk_size, sequences)
     schedules = {"replicated": [replicated]}
     if padding is None:
         num_cands = len(lens)
@@ -481,40 +482,50 @@ def _tree_walk(path_cu, row_slot, lens, question_of, root_len, question_lens, ch
     return walk
 
 
-def _handoff_arena(path_rows, path_cu, row_slot, num_cands: int, shared: int, chunk_size: int) -> dict[str, np.ndarray]:
+def _handoff_arena(
+    path_rows, path_cu, row_slot, num_cands: int, shared: int, chunk_size: int, sequences: int | None
+) -> dict[str, np.ndarray]:
     """The replicated call's paths as two calls of a core that reads its sequences from one arena and its initial
     states from a pool (`kernels.gdn_flashinfer.FlashInferCore.arena`): call 1 runs candidate 0's first A0 = chunk_size
     * floor(shared / chunk_size) rows (`shared`: the rows every candidate shares, the root, or the root and the
     question node of a one-question request) and keeps its final state in pool row 0; call 2 runs every candidate's
-    path from A0 from that state, and every path that holds no shared rows (a detached dummy sequence) from position 0
+    path from A0 from that state, and every other path that produces a row (a detached dummy sequence) from position 0
     and the zero state. A hand-off at a multiple of the chunk size keeps the unshared chunk grid (the straddling chunk
-    is recomputed per candidate, as the `handoff` schedule does). A bucket's dummy paths that produce no row are empty
-    sequences. Arrays (int64):
+    is recomputed per candidate, as the `handoff` schedule does). A bucket's dummy paths that produce no row are left
+    out; call 2 has `sequences` sequences (a bucket's: its candidates and the dummy node, a shape the bucket fixes),
+    the last ones empty, or (None) exactly its paths. Arrays (int64):
     * rows [L]: the packed row of each arena slot, root rows first, then the call-2 sequences back to back; the slots
       after them (the arena is never longer than the paths) hold the paths' last row and lie in no sequence;
-    * cu_seqlens [S + 2]: call 1's bounds are cu_seqlens[:2], call 2's cu_seqlens[1:] (S sequences, one per path);
+    * cu_seqlens [S + 2]: call 1's bounds are cu_seqlens[:2], call 2's cu_seqlens[1:] (S sequences);
     * states [2 + 2S]: call 1's read and write rows (-1: the zero state; 0), call 2's read rows (0 or -1) and its write
       rows (-1: no final state);
     * out_slots [N]: the arena slot that produces each packed row (its representative slot's, checked);
     * gathered [1]: the slots to gather, the sequences' and the chunk_size after them (FlashInfer's kernel loads a last
       chunk's whole 64-row tile and zeroes the rows past the sequence by multiplying: they must be finite, measured
       in campaign 85, where a NaN left in unwritten slots reached the last candidate's rows)."""
-    num_paths, a0 = len(path_cu) - 1, shared // chunk_size * chunk_size
-    holds = np.zeros(num_paths, dtype=bool)
-    holds[np.searchsorted(path_cu, row_slot, side="right") - 1] = True
-    start = np.where(np.arange(num_paths) < num_cands, a0, 0)
-    seq_lens = np.where(holds, np.diff(path_cu) - start, 0)
-    slots = np.concatenate([np.arange(a0, dtype=np.int64), _concat_ranges(path_cu[:-1] + start, seq_lens)])
+    a0 = shared // chunk_size * chunk_size
+    paths = np.unique(np.searchsorted(path_cu, row_slot, side="right") - 1)  # the paths that produce a row, in order
+    sequences = len(paths) if sequences is None else sequences
+    if len(paths) > sequences:
+        raise AssertionError(f"the hand-off arena needs {len(paths)} sequences, its shape has {sequences}")
+    candidate = paths < num_cands
+    start = np.where(candidate, a0, 0)
+    seq_lens = np.zeros(sequences, dtype=np.int64)
+    seq_lens[: len(paths)] = np.diff(path_cu)[paths] - start
+    slots = np.concatenate(
+        [np.arange(a0, dtype=np.int64), _concat_ranges(path_cu[paths] + start, seq_lens[: len(paths)])]
+    )
     arena_of_slot = np.full(len(path_rows), -1, dtype=np.int64)
     arena_of_slot[slots] = np.arange(len(slots))
     out_slots = arena_of_slot[row_slot]
     if (out_slots < 0).any():
         raise AssertionError("the hand-off arena leaves out a representative slot")
-    reads = np.where((np.arange(num_paths) < num_cands) & (a0 > 0), 0, -1)
+    reads = np.full(sequences, -1, dtype=np.int64)
+    reads[: len(paths)] = np.where(candidate & (a0 > 0), 0, -1)
     return {
         "rows": np.concatenate([path_rows[slots], np.full(len(path_rows) - len(slots), path_rows[-1])]),
         "cu_seqlens": np.concatenate([[0], a0 + _bounds(seq_lens)]),
-        "states": np.concatenate([[-1, 0], reads, np.full(num_paths, -1)]).astype(np.int64),
+        "states": np.concatenate([[-1, 0], reads, np.full(sequences, -1)]).astype(np.int64),
         "out_slots": out_slots,
         "gathered": np.array([min(len(path_rows), len(slots) + chunk_size)], dtype=np.int64),
     }

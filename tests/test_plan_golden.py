@@ -181,24 +181,32 @@ def test_bucketed_plan_by_hand():
 
 def check_arena(plan: TreePlan) -> None:
     """The replicated call's hand-off arena (`engine.plan_arrays._handoff_arena`) against its definition: call 1 is
-    candidate 0's first A0 slots, call 2's sequence i path i's slots from A0 (candidates; 0 for the other paths) or
-    none, each packed row produced by a slot that holds it, reads from pool row 0 exactly where a0 > 0."""
+    candidate 0's first A0 slots; call 2's sequences are the paths that hold a representative slot, in path order,
+    each from A0 (candidates) or 0 (dummy sequences), then empty ones up to the bucket's candidates and dummy node; each
+    packed row produced by a slot that holds it; reads from pool row 0 exactly for candidates where A0 > 0."""
     call = plan.gdn["replicated"].calls[0]
     arena, path_cu = call.arena, plan.path_cu_seqlens_cpu.tolist()
     rows, cu, states = arena.rows.tolist(), arena.cu_seqlens.tolist(), arena.states.tolist()
-    paths, num_cands = len(path_cu) - 1, len(plan.candidate_lens)
+    num_cands, row_slot = len(plan.candidate_lens), plan.row_slot.tolist()
+    producing = [p for p in range(len(path_cu) - 1) if any(path_cu[p] <= s < path_cu[p + 1] for s in row_slot)]
+    sequences = len(cu) - 2
+    assert sequences == (len(producing) if plan.bucket is None else plan.bucket.candidates + 1)
     a0 = cu[1]
     shared = plan.root_len + (plan.question_lens[0] if len(plan.question_lens) == 1 else 0)
-    assert a0 == shared // plan.chunk_size * plan.chunk_size and len(cu) == paths + 2
-    assert len(rows) == len(plan.path_rows)
+    assert a0 == shared // plan.chunk_size * plan.chunk_size and len(rows) == len(plan.path_rows)
     path_rows = plan.path_rows.tolist()
-    assert rows[:a0] == path_rows[:a0] and states[:2] == [-1, 0]
-    for p in range(paths):
-        start = a0 if p < num_cands else 0
-        piece = rows[cu[p + 1] : cu[p + 2]]
-        assert piece in ([], path_rows[path_cu[p] + start : path_cu[p + 1]]), (p, piece)
-        assert p >= num_cands or piece, p  # every candidate runs
-        assert states[2 + p] == (0 if p < num_cands and a0 > 0 else -1) and states[2 + paths + p] == -1
+    assert rows[:a0] == path_rows[:a0] and states[:2] == [-1, 0] and len(states) == 2 + 2 * sequences
+    for i in range(sequences):
+        piece = rows[cu[i + 1] : cu[i + 2]]
+        if i < len(producing):
+            p = producing[i]
+            start = a0 if p < num_cands else 0
+            assert piece == path_rows[path_cu[p] + start : path_cu[p + 1]] and piece, (i, p)
+            assert states[2 + i] == (0 if p < num_cands and a0 > 0 else -1)
+        else:
+            assert piece == [] and states[2 + i] == -1
+        assert states[2 + sequences + i] == -1
+    assert producing[:num_cands] == list(range(num_cands))  # every candidate runs
     assert cu[-1] <= len(rows) and all(r == rows[-1] for r in rows[cu[-1] :])
     assert arena.rows[arena.out_slots].tolist() == list(range(plan.num_rows))
     assert (arena.out_slots < cu[-1]).all() and arena.gathered.tolist() == [min(len(rows), cu[-1] + plan.chunk_size)]
