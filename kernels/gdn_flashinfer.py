@@ -32,8 +32,9 @@ tests check (tests/test_gpu_gdn_flashinfer.py).
 Math: the gated delta rule of `reference.ops.gdn_recurrent`, chunked by 64 rows in FlashInfer's own order and
 rounding points (bf16 operands, fp32 accumulation and state), which are not FLA's: exactness is bounded, measured
 against the fp32 oracle and against FLA by `measure.gdn_chunk_probe --flashinfer` and
-tests/test_gpu_gdn_flashinfer.py. On the CPU the library's kernel cannot run; tests/test_gdn_flashinfer.py checks the
-argument mapping against a stand-in that implements the documented contract with the oracle.
+tests/test_gpu_gdn_flashinfer.py. On the CPU the library's kernel cannot run: `flashinfer_reference`, its documented
+contract computed by the oracle, takes its place (the stage's CPU form; tests/test_gdn_flashinfer.py checks the adapter
+and the arena through it against the oracle, the GPU tests check it against the kernel).
 """
 
 from __future__ import annotations

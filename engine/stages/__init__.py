@@ -247,7 +247,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bounded", against="graphs", metric="hidden_rel_rmse", bound=0.031),
         gate="tests/test_core_stage.py::test_flashinfer_gdn_stage_close_to_graphs",
         gpu_gate="tests/test_gpu_gdn_flashinfer.py::test_flashinfer_gdn_stage_close_to_graphs",
-        status="unmeasured",  # H100 campaign 84 (e9407b5): gate green on drone and customer_service; no H200 record
+        status="unmeasured",  # H100 record 20261207T231144Z (bbe7282): gate green on 13/13, untimed; no H200 record
     ),
 )
 
