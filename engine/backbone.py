@@ -615,8 +615,8 @@ class EngineBackbone:
 
     def _gdn(self, proj: Tensor, layer: GDNLayerWeights, batch: RowBatch, core_options: dict) -> Tensor:
         s, plan, rng = self.shapes, batch.plan, self._range
+        row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
         if batch.gdn_mode == "replicated" and self.gdn_core == "flashinfer":
-            row_slot = None if plan.kind == "flat" else plan.row_slot
             with rng("gdn_prep"):  # the packed rows, which the core gathers into its arena
                 q, k, v, g, beta = self._ops.gdn_prep(
                     proj, layer, plan.conv_paths, plan.conv_taps, row_slot, on_slots=False
@@ -625,7 +625,6 @@ class EngineBackbone:
                 arena = plan.gdn["replicated"].calls[0].arena  # the root once, then every candidate from its state
                 o, o_rows = self._core.arena(q, k, v, g, beta, arena, **core_options), arena.out_slots
         elif batch.gdn_mode == "replicated":
-            row_slot = None if plan.kind == "flat" else plan.row_slot  # flat: each row is its own slot
             # our chunk core reads each path slot at its packed row (conv.rows); FLA's needs the rows on the slots
             slot_rows = plan.conv_paths.rows if row_slot is not None and self.gdn_core == "chunk_fused" else None
             with rng("gdn_prep"):  # the paths' rows [L, ...], or the packed rows [N, ...] for our core to read
@@ -649,7 +648,7 @@ class EngineBackbone:
                     **core_options,
                 )
                 o = o[0]  # [L, Hv, V] over the paths; each packed row reads its representative path's row
-                o_rows = None if plan.kind == "flat" else plan.row_slot
+                o_rows = row_slot
         else:
             o_rows = None
             with rng("gdn_prep"):

@@ -193,16 +193,24 @@ class FlashInferCore:
         to the arena's `gathered`: its sequences and the 64 slots after them), the root, the paths."""
         if use_qk_l2norm_in_kernel:
             raise ValueError("FlashInferCore.arena takes q and k L2-normalised (by the prep kernel)")
+        num_paths = arena.cu_seqlens.shape[0] - 2
+        if arena.states.shape[0] != 2 + 2 * num_paths:
+            raise ValueError(
+                f"arena: {arena.states.shape[0]} state rows for {num_paths} paths, want {2 + 2 * num_paths}"
+            )
+        packed = tuple(t[None] for t in (q, k, v, g, beta))
+        gathered = (t[0] for t in gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True))
+        return self.arena_calls(*gathered, arena, scale=scale)
+
+    def arena_calls(self, q, k, v, alpha, beta, arena, *, scale: float | None = None) -> torch.Tensor:
+        """`arena`'s two kernel calls on inputs already gathered into it (q, k, v [L, H, 128] bf16; alpha = exp(g) and
+        beta [L, Hv] fp32): the root into pool row 0, then the paths from it. Returns o [L, Hv, V] bf16."""
         cu, states = arena.cu_seqlens, arena.states
         num_paths = cu.shape[0] - 2
-        if states.shape[0] != 2 + 2 * num_paths:
-            raise ValueError(f"arena: {states.shape[0]} state rows for {num_paths} paths, want {2 + 2 * num_paths}")
-        packed = tuple(t[None] for t in (q, k, v, g, beta))
-        q, k, v, alpha, beta = (t[0] for t in gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True))
         o = torch.empty_like(v)
         pool = torch.empty((1, v.shape[1], v.shape[2], k.shape[2]), dtype=torch.float32, device=q.device)
         calls = ((cu[:2], states[0:1], states[1:2]), (cu[1:], states[2 : 2 + num_paths], states[2 + num_paths :]))
-        for bounds, read, write in calls:  # the root into pool row 0, then the paths from it
+        for bounds, read, write in calls:
             self._function(q, k, v, alpha, beta, scale=scale, initial_state=pool, output_final_state=True,
                            cu_seqlens=bounds, output=o, output_state=pool, state_indices=read,
                            output_state_indices=write, use_cp=False, backend="flashinfer")  # fmt: skip

@@ -63,7 +63,6 @@ elements and the relative RMSE of `handoff` against `replicated`. (Records of 8a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
@@ -200,42 +199,30 @@ def probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, stage, calls
     """FlashInfer's kernel through the call's hand-off arena as stage `flashinfer_gdn` runs it on a bucket
     (`FlashInferCore.arena`: the gather of the packed rows with exp(g) and fp32 beta, the root to A0, every candidate
     from its state): `us` the three launches, `gather_us` the gather alone, `kernel_us` the two kernel calls alone on
-    the gathered arena. Errors where the engine reads (packed rows `rows`, at the replicated call's slots `read` for
-    the others), and the share bit-equal to the library's replicated call on the same gates (every path from position
-    0: `bit_equal_share_vs_replicated`, 1.0 when the kernel's hand-off at a 64-row boundary is exact)."""
+    the gathered arena (`FlashInferCore.arena_calls`). `call` is the plan's replicated call on the device
+    (`TreePlan.to`). Errors where the engine reads (packed rows `rows`, at the replicated call's slots `read` for the
+    others), and the share bit-equal to the library's replicated call on the same gates (every path from position 0:
+    `bit_equal_share_vs_replicated`, 1.0 when the kernel's hand-off at a 64-row boundary is exact)."""
     import torch
 
     from kernels.gdn_flashinfer import FlashInferCore, flashinfer_gdn_function
     from kernels.gdn_prep import gather_slots
 
-    device = packed[0].device
-    arena = dataclasses.replace(call.arena, **{f.name: getattr(call.arena, f.name).to(device)
-                                               for f in dataclasses.fields(call.arena)})  # fmt: skip
+    device, arena = packed[0].device, call.arena
     core, function = FlashInferCore(), flashinfer_gdn_function()
     inputs = tuple(t[0] for t in packed)
     o = core.arena(*inputs, arena)
     mine = o[arena.out_slots[rows.to(device)]]
     gathered = tuple(t[0] for t in gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True))
-    q, k, v, alpha, beta = gathered
-    pool = torch.empty((1, *v.shape[1:], k.shape[2]), device=device)
-    out = torch.empty_like(v)
-    paths = arena.cu_seqlens.shape[0] - 2
-    states = arena.states
 
     def kernel_alone():
-        for bounds, read_rows, write_rows in (
-            (arena.cu_seqlens[:2], states[0:1], states[1:2]),
-            (arena.cu_seqlens[1:], states[2 : 2 + paths], states[2 + paths :]),
-        ):
-            function(q, k, v, alpha, beta, initial_state=pool, output_final_state=True, cu_seqlens=bounds,
-                     output=out, output_state=pool, state_indices=read_rows, output_state_indices=write_rows,
-                     use_cp=False, backend="flashinfer")  # fmt: skip
+        return core.arena_calls(*gathered, arena)
 
-    slots = gather_slots(packed, call.rows.to(device), linear_gates=True)
+    slots = gather_slots(packed, call.rows, linear_gates=True)
     skip = torch.full((call.num_sequences,), -1, dtype=torch.int64, device=device)
-    zero = torch.zeros_like(pool)
+    zero = torch.zeros((1, *gathered[2].shape[1:], gathered[1].shape[2]), device=device)
     replicated, _ = function(*(t[0] for t in slots), initial_state=zero, output_final_state=True,
-                             cu_seqlens=call.cu_seqlens.to(device), output_state=zero, state_indices=skip,
+                             cu_seqlens=call.cu_seqlens, output_state=zero, state_indices=skip,
                              output_state_indices=skip, use_cp=False, backend="flashinfer")  # fmt: skip
     cu = arena.cu_seqlens.cpu().tolist()
     return {
@@ -346,7 +333,10 @@ def probe_workload(
               f"FLA {result['fla_us']:7.1f} us  vs oracle {figures['rel_rmse_vs_oracle']:.2e}, "
               f"FLA {figures['rel_rmse_vs_fla']:.2e}", flush=True)  # fmt: skip
         rows = call.out_rows[call.out_rows < tree.rows]
-        figures = probe_flashinfer_arena(packed, call, rows, read, oracle, fla_o, outputs.get("stage"), calls, rounds)
+        on_device = plan.to(device).gdn["replicated"].calls[0]
+        figures = probe_flashinfer_arena(
+            packed, on_device, rows, read, oracle, fla_o, outputs.get("stage"), calls, rounds
+        )
         result["flashinfer_arena"] = figures
         print(f"{workload_id:<24} {'fi-arena':<14} {figures['us']:7.1f} us (kernel {figures['kernel_us']:6.1f}, "
               f"gather {figures['gather_us']:5.1f}; {figures['arena_rows']} rows)  vs oracle "

@@ -20,7 +20,6 @@ DSL), which the first test pays.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 
@@ -136,21 +135,19 @@ def test_flashinfer_arena_equals_the_replicated_call_and_the_reference(workload)
     from kernels.gdn_prep import gather_slots
     from measure.gdn_chunk_probe import bucketed_plan
 
-    plan, _ = bucketed_plan(workload)
+    plan = bucketed_plan(workload)[0].to(DEVICE)
     call = plan.gdn["replicated"].calls[0]
-    arena = dataclasses.replace(call.arena, **{f.name: getattr(call.arena, f.name).to(DEVICE)
-                                               for f in dataclasses.fields(call.arena)})  # fmt: skip
+    arena = call.arena
     inputs = engine_gdn_inputs(plan.num_rows, seed=25, device="cuda")
     got = FlashInferCore().arena(*inputs, arena)[arena.out_slots]
-    q, k, v, alpha, beta = (t[0] for t in gather_slots(tuple(t[None] for t in inputs), call.rows.to(DEVICE),
-                                                        linear_gates=True))  # fmt: skip
+    q, k, v, alpha, beta = (t[0] for t in gather_slots(tuple(t[None] for t in inputs), call.rows, linear_gates=True))
     pool = torch.zeros((1, *v.shape[1:], k.shape[2]), device=DEVICE)
     skip = torch.full((call.num_sequences,), -1, dtype=torch.int64, device=DEVICE)
     replicated, _ = flashinfer_gdn_function()(q, k, v, alpha, beta, initial_state=pool, output_final_state=True,
-                                              cu_seqlens=call.cu_seqlens.to(DEVICE), output_state=pool,
-                                              state_indices=skip, output_state_indices=skip, use_cp=False,
+                                              cu_seqlens=call.cu_seqlens, output_state=pool, state_indices=skip,
+                                              output_state_indices=skip, use_cp=False,
                                               backend="flashinfer")  # fmt: skip
-    want = replicated[plan.row_slot.to(DEVICE)]
+    want = replicated[plan.row_slot]
     reference = FlashInferCore(function=flashinfer_reference).arena(*inputs, arena)[arena.out_slots]
     bound = gdn_chunk_bounds(S.linear_key_head_dim, max(-(-n // GDN_CHUNK_SIZE) for n in plan.candidate_lens))["bf16"]
     error, equal = (
