@@ -209,6 +209,13 @@ def engine_launches(capability: int = SM90) -> list[tuple[str, Callable[[], Any]
     launches.append(("gdn_prep taps", lambda: kernels.gdn_prep(gdn_proj, *gdn_weights, None, taps=taps, **gdn)))
     prepared = (chunk_qk[None], chunk_qk[None], chunk_v[None], chunk_gates[0][None], chunk_gates[1][None])
     launches.append(("gather_slots", lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64))))
+    count = _meta(1, dtype=torch.int64)  # the hand-off arena's (stage flashinfer_gdn)
+    launches.append(
+        (
+            "gather_slots count linear",
+            lambda: kernels.gather_slots(prepared, _meta(keys, dtype=torch.int64), count=count, linear_gates=True),
+        )
+    )
     return [(label, call) for label, call in launches if capability == SM90 or not reference_only(label)]
 
 

@@ -405,30 +405,42 @@ def _gather_slots_kernel(
     LINEAR_GATES: tl.constexpr,  # g as fp32, beta as bf16 in; exp(g) and beta as fp32 out
 ):
     part = tl.program_id(1)  # column block of q | k | v, then one for the gates
-    slot = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    slot_ok = slot < slots
-    if HAS_COUNT:
-        slot_ok = slot_ok & (slot < tl.load(count_ptr))
-    row = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
+    limit = tl.minimum(tl.load(count_ptr), slots).to(tl.int32) if HAS_COUNT else slots
     key_parts: tl.constexpr = KEY_WIDTH // BLOCK_C
-    if part < 2 * key_parts + VALUE_WIDTH // BLOCK_C:
-        is_q = part < key_parts
-        is_k = (part >= key_parts) & (part < 2 * key_parts)
-        source = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
-        target = tl.where(is_q, q_out_ptr, tl.where(is_k, k_out_ptr, v_out_ptr))
-        width = tl.where(part < 2 * key_parts, KEY_WIDTH, VALUE_WIDTH)
-        column = (part - tl.where(is_q, 0, tl.where(is_k, key_parts, 2 * key_parts))) * BLOCK_C + tl.arange(0, BLOCK_C)
-        bits = tl.load(source + row[:, None] * width + column[None, :], mask=slot_ok[:, None], other=0)
-        tl.store(target + slot[:, None] * width + column[None, :], bits, mask=slot_ok[:, None])
-    else:
-        head = tl.arange(0, BLOCK_HV)
-        mask = slot_ok[:, None] & (head < VALUE_HEADS)[None, :]
-        g = tl.load(g_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
-        beta = tl.load(beta_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
-        if LINEAR_GATES:
-            g, beta = tl.exp(g), beta.to(tl.float32)
-        tl.store(g_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], g, mask=mask)
-        tl.store(beta_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], beta, mask=mask)
+    # Blocks of BLOCK_T slots, strided over the programs along axis 0: the grid is sized to the GPU, not to L, and a
+    # program stops at the count the device holds (v2).
+    for first in range(tl.program_id(0) * BLOCK_T, limit, tl.num_programs(0) * BLOCK_T):
+        slot = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
+        slot_ok = slot < limit
+        row = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
+        if part < 2 * key_parts + VALUE_WIDTH // BLOCK_C:
+            is_q = part < key_parts
+            is_k = (part >= key_parts) & (part < 2 * key_parts)
+            source = tl.where(is_q, q_ptr, tl.where(is_k, k_ptr, v_ptr))
+            target = tl.where(is_q, q_out_ptr, tl.where(is_k, k_out_ptr, v_out_ptr))
+            width = tl.where(part < 2 * key_parts, KEY_WIDTH, VALUE_WIDTH)
+            start = tl.where(is_q, 0, tl.where(is_k, key_parts, 2 * key_parts))
+            column = (part - start) * BLOCK_C + tl.arange(0, BLOCK_C)
+            bits = tl.load(source + row[:, None] * width + column[None, :], mask=slot_ok[:, None], other=0)
+            tl.store(target + slot[:, None] * width + column[None, :], bits, mask=slot_ok[:, None])
+        else:
+            head = tl.arange(0, BLOCK_HV)
+            mask = slot_ok[:, None] & (head < VALUE_HEADS)[None, :]
+            g = tl.load(g_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
+            beta = tl.load(beta_ptr + row[:, None] * VALUE_HEADS + head[None, :], mask=mask, other=0)
+            if LINEAR_GATES:
+                g, beta = tl.exp(g), beta.to(tl.float32)
+            tl.store(g_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], g, mask=mask)
+            tl.store(beta_out_ptr + slot[:, None] * VALUE_HEADS + head[None, :], beta, mask=mask)
+
+
+def _gather_programs(device: torch.device, parts: int) -> int:
+    """Programs along the slots of a `gather_slots` launch: 16 a SM over the `parts` column blocks (4 warps each, the
+    most an sm_90 SM holds at once), so every program is resident and strides over the slot blocks; 2 off CUDA (the
+    interpreter, so that the CPU tests run the stride; the compile check's meta tensors, whose grid is not compiled)."""
+    if device.type != "cuda":
+        return 2
+    return max(1, 16 * torch.cuda.get_device_properties(device).multi_processor_count // parts)
 
 
 def gather_slots(
@@ -451,6 +463,13 @@ def gather_slots(
       Triton's `tl.exp` in fp32 (on CUDA an approximate exp2 of g·log2(e), within a few ulp of torch.exp), beta's
       widening exact.
     Returns the same five at L rows.
+
+    Grid (a copy: any tiling moves the same bits):
+    * v1: one program per slot and column block of 1,024, over all L slots; past the count a program only exited.
+      customer_service's arena launched about 60,000 programs, most of them past its count, and took 38.5 us on an
+      H100 against about 15 us to move its bytes once (engine/stages/flashinfer_gdn.md, campaign 85).
+    * v2 (this): blocks of `tile_elements` / 1,024 slots (4; 64 interpreted), at most 16 programs a SM over the
+      column blocks (`_gather_programs`), each striding over the blocks up to the count it reads on the device.
     """
     if len(prepared) != 5:
         raise ValueError(f"gather_slots: need gdn_prep's (q, k, v, g, beta), got {len(prepared)} tensors")
@@ -474,8 +493,9 @@ def gather_slots(
     key_width, value_width = q.shape[2] * q.shape[3], v.shape[2] * v.shape[3]
     torch_cpu = kernel_mode(_gather_slots_kernel, device)
     block_c = min(1024, math.gcd(key_width, value_width) & -math.gcd(key_width, value_width))  # a power of two
-    block_t = max(1, tile_elements(torch_cpu) // (4 * block_c))
-    grid = (triton.cdiv(slots, block_t), (2 * key_width + value_width) // block_c + 1)
+    block_t = max(1, tile_elements(torch_cpu) // block_c)
+    parts = (2 * key_width + value_width) // block_c + 1
+    grid = (min(triton.cdiv(slots, block_t), _gather_programs(device, parts)), parts)
 
     def bits(t: torch.Tensor) -> torch.Tensor:  # moved unchanged: bf16 as int16, fp32 as int32
         return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)

@@ -147,7 +147,8 @@ def test_gdn_prep_from_a_plans_taps_tiny() -> None:
 @pytest.mark.parametrize("shapes", [TINY, QWEN38_27B], ids=["tiny", "27b"])
 def test_gather_slots_equals_index_select(shapes) -> None:
     """gather_slots against index_select on each of gdn_prep's outputs, bit for bit: random bits (NaN and inf
-    patterns included), 13 packed rows to 41 slots with repeats and every row used, int32 and int64 indices."""
+    patterns included), 13 packed rows to 301 slots with repeats and every row used, int32 and int64 indices (at the
+    27B widths the interpreter's two programs stride over five blocks of 64 slots, the last one partial)."""
     generator = torch.Generator().manual_seed(7)
     n, dims = 13, gdn_dims(shapes)
     hk, hv, k_dim, v_dim = dims["num_k_heads"], dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
@@ -159,25 +160,29 @@ def test_gather_slots_equals_index_select(shapes) -> None:
     prepared = (random_bits(1, n, hk, k_dim, dtype=torch.bfloat16), random_bits(1, n, hk, k_dim, dtype=torch.bfloat16),
                 random_bits(1, n, hv, v_dim, dtype=torch.bfloat16), random_bits(1, n, hv, dtype=torch.float32),
                 random_bits(1, n, hv, dtype=torch.bfloat16))  # fmt: skip
-    rows = torch.cat([torch.arange(n), torch.randint(0, n, (28,), generator=generator)])
+    rows = torch.cat([torch.arange(n), torch.randint(0, n, (288,), generator=generator)])
     for index in (rows.to(torch.int32), rows):
         for got, want in zip(kernels.gather_slots(prepared, index), prepared, strict=True):
             bits = torch.int32 if want.dtype == torch.float32 else torch.int16
             assert torch.equal(got.view(bits), want.index_select(1, rows).view(bits))
 
 
-def test_gather_slots_with_a_count_and_linear_gates() -> None:
+@pytest.mark.parametrize(("shapes", "slots", "count"), [(TINY, 29, 17), (QWEN38_27B, 301, 217), (TINY, 29, 40)],
+                         ids=["tiny", "27b", "count-past-the-slots"])  # fmt: skip
+def test_gather_slots_with_a_count_and_linear_gates(shapes, slots: int, count: int) -> None:
     """gather_slots with a device count writes the slots below it only (the others keep the poison the buffers are
     filled with here, by patching torch.empty), and with linear gates gives exp(g) and beta in fp32 (beta exactly,
-    exp(g) within 2 ulp of torch.exp); q, k, v moved bit for bit. Odd sizes: 11 rows, 29 slots, a count of 17."""
+    exp(g) within 2 ulp of torch.exp); q, k, v moved bit for bit. Odd sizes: 11 rows, 29 slots and a count of 17; at
+    the 27B widths 301 slots and a count of 217 (the interpreter's two programs stride over four blocks of 64, the
+    count inside the fourth); a count past the slots writes them all."""
     generator = torch.Generator().manual_seed(9)
-    n, dims = 11, gdn_dims(TINY)
+    n, dims = 11, gdn_dims(shapes)
     hk, hv, k_dim, v_dim = dims["num_k_heads"], dims["num_v_heads"], dims["head_k_dim"], dims["head_v_dim"]
     q, k = (torch.randn(1, n, hk, k_dim, generator=generator).bfloat16() for _ in range(2))
     v = torch.randn(1, n, hv, v_dim, generator=generator).bfloat16()
     g, beta = -torch.rand(1, n, hv, generator=generator) * 8, torch.rand(1, n, hv, generator=generator).bfloat16()
     prepared = (q, k, v, g, beta)
-    rows = torch.randint(0, n, (29,), generator=generator)
+    rows = torch.randint(0, n, (slots,), generator=generator)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -185,14 +190,15 @@ def test_gather_slots_with_a_count_and_linear_gates() -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "empty", poisoned)
-        got = kernels.gather_slots(prepared, rows, count=torch.tensor([17]), linear_gates=True)
-    want = [t.index_select(1, rows[:17]) for t in prepared]
+        got = kernels.gather_slots(prepared, rows, count=torch.tensor([count]), linear_gates=True)
+    written = min(count, slots)
+    want = [t.index_select(1, rows[:written]) for t in prepared]
     for name, tensor, ref in zip("q k v".split(), got[:3], want[:3]):
-        assert torch.equal(tensor[:, :17].view(torch.int16), ref.view(torch.int16)), name
+        assert torch.equal(tensor[:, :written].view(torch.int16), ref.view(torch.int16)), name
     assert got[3].dtype == got[4].dtype == torch.float32
-    torch.testing.assert_close(got[3][:, :17], want[3].exp(), rtol=2 * 2**-23, atol=0)
-    assert torch.equal(got[4][:, :17], want[4].float())
-    assert all(t[:, 17:].isnan().all() for t in got)
+    torch.testing.assert_close(got[3][:, :written], want[3].exp(), rtol=2 * 2**-23, atol=0)
+    assert torch.equal(got[4][:, :written], want[4].float())
+    assert all(t[:, written:].isnan().all() for t in got)
 
 
 @pytest.mark.parametrize("workload_id", ["jevbench/easy-intent-00", "drone"])
