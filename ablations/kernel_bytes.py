@@ -19,7 +19,9 @@ W; attention Hq query heads, Hkv key/value heads of D dims, rotary dims r.
   beta bf16 at the N rows N·((2·Hk·Dk + Hv·Dv)·2 + Hv·(4 + 2)). `gdn_prep_bytes(N, L)` is the floor of preparing all L
   path slots, by this kernel over every slot or by the pair prep + gather (`measure.prep_probe`).
 * `_gather_slots_kernel`: reads the N rows of gdn_prep's five outputs and the L int64 slot rows, writes the outputs
-  at the L path slots (row bytes as above).
+  at the L path slots (row bytes as above). Stage `flashinfer_gdn` gathers into its hand-off arena instead: L is the
+  arena's gathered slots (`engine.plan.GdnArena.gathered`, a workload's, not the bucket's), written with FlashInfer's
+  gates (`linear_gates`: exp(g) fp32 and beta widened to fp32, Hv·2 bytes a slot more).
 * `_gated_rmsnorm_kernel`: reads the GDN core's output at the N packed rows' representative slots N·Hv·Dv·2 (of its L
   slot rows), z N·Hv·Dv·2, the N int64 slot indices and the fp32 weight Dv·4; writes N·Hv·Dv·2.
 * `_attn_prep_kernel` (tree key layout): reads the query halves, k and v N·(Hq·D + 2·Hkv·D)·2 (the gate half is read
@@ -65,9 +67,11 @@ def gdn_prep_bytes(rows: int, slots: int, s: ModelShapes = QWEN38_27B) -> int:
     return reads + slots * gdn_prep_row_bytes(s)
 
 
-def gather_slots_bytes(rows: int, slots: int, s: ModelShapes = QWEN38_27B) -> int:
-    """gdn_prep's outputs moved from `rows` packed rows to `slots` path slots, each slot's row index read once."""
-    return rows * gdn_prep_row_bytes(s) + slots * INT64 + slots * gdn_prep_row_bytes(s)
+def gather_slots_bytes(rows: int, slots: int, s: ModelShapes = QWEN38_27B, *, linear_gates: bool = False) -> int:
+    """gdn_prep's outputs moved from `rows` packed rows to `slots` path slots, each slot's row index read once; with
+    `linear_gates` beta is written as fp32."""
+    written = gdn_prep_row_bytes(s) + (s.linear_num_value_heads * (FP32 - BF16) if linear_gates else 0)
+    return rows * gdn_prep_row_bytes(s) + slots * INT64 + slots * written
 
 
 def gated_rmsnorm_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
@@ -95,12 +99,15 @@ def silu_mul_bytes(rows: int, s: ModelShapes = QWEN38_27B) -> int:
     return rows * 3 * s.intermediate_size * BF16
 
 
-def call_bytes(rows: int, slots: int, keys: int, s: ModelShapes = QWEN38_27B) -> dict[str, int]:
-    """Bytes per call of each kernel of KERNELS at N = rows, L = slots, K = keys (module docstring)."""
+def call_bytes(
+    rows: int, slots: int, keys: int, s: ModelShapes = QWEN38_27B, *, linear_gates: bool = False
+) -> dict[str, int]:
+    """Bytes per call of each kernel of KERNELS at N = rows, L = slots, K = keys (module docstring); `linear_gates`:
+    the gather writes FlashInfer's gates (stage `flashinfer_gdn`, L its arena's gathered slots)."""
     return {
         "_residual_rmsnorm_kernel": residual_rmsnorm_bytes(rows, s),
         "_gdn_prep_kernel": gdn_prep_bytes(rows, rows, s),
-        "_gather_slots_kernel": gather_slots_bytes(rows, slots, s),
+        "_gather_slots_kernel": gather_slots_bytes(rows, slots, s, linear_gates=linear_gates),
         "_gated_rmsnorm_kernel": gated_rmsnorm_bytes(rows, s),
         "_attn_prep_kernel": attn_prep_bytes(rows, keys, s),
         "_attention_gate_kernel": attention_gate_bytes(rows, s),

@@ -126,8 +126,10 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 # Kernel families, first match wins, by substring of the lower-cased kernel name. `ours` comes first: the names of the
-# Triton kernels in kernels/ (one of them contains "attention"). The GDN core is FLA's chunked kernels (the HF torch
-# fallback's GDN core is plain torch ops and lands in gemm / other). The attention core is FlashAttention or SDPA.
+# Triton kernels in kernels/ (one of them contains "attention"). The GDN core is FLA's chunked kernels, ours
+# (`_gdn_chunk_*`) and FlashInfer's (`...delta_rule_sm90...`, whose name holds "flash" too, so the GDN core comes before
+# the attention core; records of e85e07c and before put it under attention_core); the HF torch fallback's GDN core is
+# plain torch ops and lands in gemm / other. The attention core is FlashAttention or SDPA.
 KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
     "ours": (
         "_residual_rmsnorm",
@@ -138,7 +140,7 @@ KERNEL_FAMILIES: dict[str, tuple[str, ...]] = {
         "_attention_gate",
         "_gather_slots",
     ),
-    "gdn_core": ("chunk_", "recompute_w_u", "solve_tril", "l2norm", "kkt"),
+    "gdn_core": ("chunk_", "recompute_w_u", "solve_tril", "l2norm", "kkt", "delta_rule"),
     "attention_core": ("flash", "fmha", "attention", "sdpa"),
     "gemm": ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas"),
 }

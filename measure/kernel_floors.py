@@ -8,7 +8,8 @@
 A kernel that streams its operands once can take no less than (bytes read + bytes written) / the copy ceiling the
 record measured (`ceilings.copy_tbps`, which counts a copy's reads and writes). The kernels (KERNELS) and their
 bytes per call at a bucket's N packed rows, L path slots and K attention keys are `ablations.kernel_bytes`'s (K = N
-for a stage whose attention pages the keys from the rows, `paged_fa4`).
+for a stage whose attention pages the keys from the rows, `paged_fa4`; for a stage whose GDN core is FlashInfer's,
+`flashinfer`, L is the workload's hand-off arena at its bucket, `arena_slots`, and the gather writes fp32 gates).
 `per_row_floor_us` is the same model at L = K = N: the floor if the GDN core and the attention read packed rows
 instead of the replicated paths and keys (prefix-once attention, issue 22, item 2).
 
@@ -50,6 +51,19 @@ def bucket_sizes(name: str) -> dict[str, int]:
     raise ValueError(f"no bucket {name!r} in the graphs grid")
 
 
+def arena_slots(workload_id: str, bucket: str) -> int:
+    """The slots stage `flashinfer_gdn`'s gather writes for a workload at its bucket: its plan's hand-off arena's
+    `gathered` (engine/plan.py, `GdnArena`), built here on the CPU as the engine builds it."""
+    from ablations.workloads import get_workload
+    from engine.graphs import default_grid
+    from engine.plan import plan_tree
+    from reference.service import request_candidates
+
+    grid = next(b for b in default_grid() if b.name == bucket)
+    candidates, groups = request_candidates(get_workload(workload_id).request)
+    return int(plan_tree(candidates, groups, bucket=grid).gdn["replicated"].calls[0].arena.gathered)
+
+
 def timed_workload(record: dict, stage: str, workload_id: str | None = None) -> dict:
     """The record's stage named `stage`, or with `workload_id` that stage's workload of that id; ValueError without."""
     timed = next((st for st in record["stages"] if st["name"] == stage), None)
@@ -68,7 +82,8 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
     per call and the multiple (None where the kernel is not among the workload's top kernels)."""
     tbps = record["ceilings"]["copy_tbps"]
     timed = timed_workload(record, stage)
-    attention = timed.get("registry", {}).get("config", {}).get("attention")
+    config = timed.get("registry", {}).get("config", {})
+    attention, arena = config.get("attention"), config.get("gdn_core") == "flashinfer"
     rows = []
     for workload in timed["workloads"]:
         bucket = (workload.get("graph") or {}).get("bucket")
@@ -78,13 +93,15 @@ def floors(record: dict, stage: str = "graphs") -> list[dict]:
         n, slots, keys = size["rows"], size["slots"], size["keys"]
         if attention == "paged_fa4":  # stage `paged`: the prep writes k and v at the rows, the attention pages them
             keys = n
+        if arena:  # stage `flashinfer_gdn`: the gather fills the hand-off arena, not the bucket's path slots
+            slots = arena_slots(workload["id"], bucket)
         measured = {k["name"]: k["ms_per_forward"] / k["calls_per_forward"] for k in workload.get("top_kernels", [])}
-        per_row = call_bytes(n, n, n)
-        for kernel, nbytes in call_bytes(n, slots, keys).items():
+        per_row = call_bytes(n, n, n, linear_gates=arena)
+        for kernel, nbytes in call_bytes(n, slots, keys, linear_gates=arena).items():
             floor_us = nbytes / (tbps * 1e12) * 1e6
             call_ms = measured.get(kernel)
             rows.append({
-                "workload": workload["id"], "bucket": bucket, "kernel": kernel, "bytes": nbytes,
+                "workload": workload["id"], "bucket": bucket, "slots": slots, "kernel": kernel, "bytes": nbytes,
                 "floor_us": floor_us, "per_row_floor_us": per_row[kernel] / (tbps * 1e12) * 1e6,
                 "measured_us": None if call_ms is None else 1000.0 * call_ms,
                 "multiple": None if call_ms is None else 1000.0 * call_ms / floor_us,

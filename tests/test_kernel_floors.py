@@ -61,6 +61,13 @@ def test_floors_of_a_record():
     paged = {row["kernel"]: row for row in kernel_floors.floors(record, "core")}
     assert paged["_attn_prep_kernel"]["bytes"] == kernel_bytes.attn_prep_bytes(N, N)
     assert paged["_gdn_prep_kernel"]["bytes"] == rows["_gdn_prep_kernel"]["bytes"]
+    record["stages"][0]["registry"] = {"config": {"attention": "varlen_fa4", "gdn_core": "flashinfer"}}
+    arena = {row["kernel"]: row for row in kernel_floors.floors(record, "core")}
+    # stage `flashinfer_gdn`: drone's arena holds 602 rows (the probe's `arena_rows`, results/gdn-chunk/*e85e07c.json)
+    # and the gather writes 64 slots more, with beta in fp32 (48 heads x 2 bytes a slot more)
+    assert kernel_floors.arena_slots("drone", "r352-s1074-c8") == 602 + 64 == arena["_gather_slots_kernel"]["slots"]
+    assert arena["_gather_slots_kernel"]["bytes"] == N * GDN_ROW + 666 * 8 + 666 * (GDN_ROW + 48 * 2)
+    assert arena["_attn_prep_kernel"]["bytes"] == rows["_attn_prep_kernel"]["bytes"]
 
 
 def test_the_gdn_core_budget_of_a_record():
