@@ -469,7 +469,10 @@ def gather_slots(
       customer_service's arena launched about 60,000 programs, most of them past its count, and took 38.5 us on an
       H100 against about 15 us to move its bytes once (engine/stages/flashinfer_gdn.md, campaign 85).
     * v2 (this): blocks of `tile_elements` / 1,024 slots (4; 64 interpreted), at most 16 programs a SM over the
-      column blocks (`_gather_programs`), each striding over the blocks up to the count it reads on the device.
+      column blocks (`_gather_programs`), each striding over the blocks up to the count it reads on the device. On an
+      H100 (campaign 88, e85e07c, another machine than v1's) the arena's gather took 15.9 / 6.3 / 4.9 us on
+      customer_service / drone / easy-intent-00 against v1's 38.5 / 8.8 / 4.6; the whole-bucket gather of `graphs`
+      58.0 / 8.8 / 4.8 us against 52.1 / 9.3 / 4.7, a difference a same-process A/B has not resolved.
     """
     if len(prepared) != 5:
         raise ValueError(f"gather_slots: need gdn_prep's (q, k, v, g, beta), got {len(prepared)} tensors")

@@ -237,7 +237,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bitwise", against="core"),
         gate="tests/test_core_stage.py::test_paged_stage_matches_core_bitwise",
         gpu_gate="tests/test_gpu_gdn_chunk.py::test_paged_stage_matches_core_bitwise",
-        status="unmeasured",  # H100 record 20261207T005156Z: gate green, core's bits; no H200 record yet (paged.md)
+        status="unmeasured",  # H100 records 20261207T005156Z, 20261208T004845Z: gate green, core's bits; no H200 yet
     ),
     Stage(
         name="flashinfer_gdn",
@@ -247,7 +247,7 @@ STAGE_LIST: tuple[Stage, ...] = (
         exactness=Exactness("bounded", against="graphs", metric="hidden_rel_rmse", bound=0.031),
         gate="tests/test_core_stage.py::test_flashinfer_gdn_stage_close_to_graphs",
         gpu_gate="tests/test_gpu_gdn_flashinfer.py::test_flashinfer_gdn_stage_close_to_graphs",
-        status="unmeasured",  # H100 record 20261207T231144Z (bbe7282): gate green on 13/13, untimed; no H200 record
+        status="unmeasured",  # H100 record 20261208T004845Z: gate green, -2.8 to -3.1 % against core; no H200 record
     ),
 )
 
