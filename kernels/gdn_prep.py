@@ -472,7 +472,8 @@ def gather_slots(
       column blocks (`_gather_programs`), each striding over the blocks up to the count it reads on the device. On an
       H100 (campaign 88, e85e07c, another machine than v1's) the arena's gather took 15.9 / 6.3 / 4.9 us on
       customer_service / drone / easy-intent-00 against v1's 38.5 / 8.8 / 4.6; the whole-bucket gather of `graphs`
-      58.0 / 8.8 / 4.8 us against 52.1 / 9.3 / 4.7, a difference a same-process A/B has not resolved.
+      58.0 / 8.8 / 4.8 us against 52.1 / 9.3 / 4.7, a difference a same-process A/B (`measure.gather_ab`) has not
+      resolved yet.
     """
     if len(prepared) != 5:
         raise ValueError(f"gather_slots: need gdn_prep's (q, k, v, g, beta), got {len(prepared)} tensors")
