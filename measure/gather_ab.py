@@ -49,24 +49,23 @@ def probe_workload(workload_id: str, versions: dict, calls: int, rounds: int, re
     call = plan.to(torch.device("cuda")).gdn["replicated"].calls[0]
     packed = tuple(t[None] for t in engine_gdn_inputs(plan.num_rows, seed=22, device="cuda"))
     arena = call.arena
-    written = int(arena.gathered)
+    arena_slots = int(arena.gathered)  # at most the bucket's path slots (engine.plan_arrays._handoff_arena)
     ways = {
         "replicated": (lambda module: module.gather_slots(packed, call.rows), len(call.rows)),
         "arena": (
             lambda module: module.gather_slots(packed, arena.rows, count=arena.gathered, linear_gates=True),
-            min(written, len(arena.rows)),
+            arena_slots,
         ),
     }
     result = {"workload": workload_id, "bucket": plan.bucket.name, "path_slots": len(call.rows),
-              "arena_slots": min(written, len(arena.rows)), "ways": {}}  # fmt: skip
+              "arena_slots": arena_slots, "ways": {}}  # fmt: skip
+
+    def bits(t: torch.Tensor, slots: int) -> torch.Tensor:  # the written slots as integers: NaNs compare too
+        return t[:, :slots].view(torch.int16 if t.element_size() == 2 else torch.int32)
+
     for way, (launch, slots) in ways.items():
-        outputs = {name: launch(module) for name, module in versions.items()}
-        old, new = outputs.values()
-        bit_equal = all(
-            torch.equal(a[:, :slots].view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                        b[:, :slots].view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
-            for a, b in zip(old, new, strict=True)
-        )  # fmt: skip
+        old, new = (launch(module) for module in versions.values())
+        bit_equal = all(torch.equal(bits(a, slots), bits(b, slots)) for a, b in zip(old, new, strict=True))
         samples = {name: [] for name in versions}
         for _ in range(repeats):
             for name, module in versions.items():

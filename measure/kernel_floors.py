@@ -31,6 +31,7 @@ lab's kernels at their floors with attention and the rest as measured (the least
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -41,27 +42,33 @@ from reference.shapes import QWEN38_27B, ModelShapes
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bucket_sizes(name: str) -> dict[str, int]:
-    """Rows, path slots and attention keys of a bucket of the `graphs` grid, by its name (e.g. r352-s1074-c8)."""
+def grid_bucket(name: str):
+    """The bucket of the `graphs` grid named `name` (e.g. r352-s1074-c8); ValueError if the grid has none."""
     from engine.graphs import default_grid
 
     for bucket in default_grid():
         if bucket.name == name:
-            return {"rows": bucket.rows, "slots": bucket.slots, "keys": bucket.keys}
+            return bucket
     raise ValueError(f"no bucket {name!r} in the graphs grid")
 
 
+def bucket_sizes(name: str) -> dict[str, int]:
+    """Rows, path slots and attention keys of a bucket of the `graphs` grid, by its name."""
+    bucket = grid_bucket(name)
+    return {"rows": bucket.rows, "slots": bucket.slots, "keys": bucket.keys}
+
+
+@functools.cache
 def arena_slots(workload_id: str, bucket: str) -> int:
     """The slots stage `flashinfer_gdn`'s gather writes for a workload at its bucket: its plan's hand-off arena's
-    `gathered` (engine/plan.py, `GdnArena`), built here on the CPU as the engine builds it."""
+    `gathered` (engine/plan.py, `GdnArena`; at most the bucket's path slots), the plan built here on the CPU as the
+    engine builds it (once per workload and bucket: `floors` runs for each table)."""
     from ablations.workloads import get_workload
-    from engine.graphs import default_grid
     from engine.plan import plan_tree
     from reference.service import request_candidates
 
-    grid = next(b for b in default_grid() if b.name == bucket)
     candidates, groups = request_candidates(get_workload(workload_id).request)
-    return int(plan_tree(candidates, groups, bucket=grid).gdn["replicated"].calls[0].arena.gathered)
+    return int(plan_tree(candidates, groups, bucket=grid_bucket(bucket)).gdn["replicated"].calls[0].arena.gathered)
 
 
 def timed_workload(record: dict, stage: str, workload_id: str | None = None) -> dict:

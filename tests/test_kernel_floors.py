@@ -68,6 +68,8 @@ def test_floors_of_a_record():
     assert kernel_floors.arena_slots("drone", "r352-s1074-c8") == 602 + 64 == arena["_gather_slots_kernel"]["slots"]
     assert arena["_gather_slots_kernel"]["bytes"] == N * GDN_ROW + 666 * 8 + 666 * (GDN_ROW + 48 * 2)
     assert arena["_attn_prep_kernel"]["bytes"] == rows["_attn_prep_kernel"]["bytes"]
+    # easy-intent-00's arena: 368 rows and 64 more would pass its bucket's 430 slots, where the plan stops the gather
+    assert kernel_floors.arena_slots("jevbench/easy-intent-00", "r208-s430-c6") == 430
 
 
 def test_the_gdn_core_budget_of_a_record():
